@@ -1,0 +1,48 @@
+"""Sequence classification: the top label, its probability and every label's probability.
+
+Probabilities follow `transformers.pipeline("text-classification")`: sigmoid for a single
+logit or a multi-label model, softmax otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from jobs.base import load_pretrained
+
+
+def uses_sigmoid(config) -> bool:
+    return config.num_labels == 1 or config.problem_type == "multi_label_classification"
+
+
+class ClassifyJob:
+    name = "classify"
+
+    def load(self, model_path, device, dtype):
+        return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype)
+
+    def forward(self, model, input_ids, attention_mask):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        scores = logits.sigmoid() if uses_sigmoid(model.config) else logits.softmax(dim=-1)
+        return {"scores": scores}
+
+    def output_schema(self, model):
+        return pa.schema([("label", pa.string()), ("score", pa.float32()),
+                          ("scores", pa.list_(pa.float32()))])
+
+    def to_columns(self, model, outputs, valid):
+        scores = outputs["scores"].astype(np.float32)
+        best = scores.argmax(axis=1)
+        id2label = model.config.id2label
+        null = ~valid
+        labels = [id2label[int(i)] for i in best]
+        rows, width = scores.shape
+        offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
+        return {
+            "label": pa.array(labels, pa.string(), mask=null),
+            "score": pa.array(scores[np.arange(rows), best], pa.float32(), mask=null),
+            "scores": pa.ListArray.from_arrays(offsets, pa.array(scores.reshape(-1)), mask=pa.array(null)),
+        }

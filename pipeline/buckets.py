@@ -1,0 +1,76 @@
+"""Length buckets and batch packing: token lengths in, row-index batches out.
+
+Pure numpy, no torch, no files. The cost of a batch is its padded size, rows × padded
+length, and a batch is padded to the bucket bound of its longest row. Rows are packed
+longest first so the most memory-hungry batch of a window runs before the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BUCKET_STEP = 8  # padded lengths are multiples of 8: tensor-core friendly, few distinct shapes
+
+
+def bucket_bounds(max_length: int, step: int = BUCKET_STEP) -> np.ndarray:
+    """Upper bounds of the length buckets: step, 2·step, … and max_length itself."""
+    if max_length < 1:
+        raise ValueError(f"max_length must be at least 1, got {max_length}")
+    bounds = np.arange(step, max_length + step, step, dtype=np.int64)
+    bounds[-1] = max_length
+    return np.unique(bounds)
+
+
+def padded_lengths(lengths: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """The bucket bound each length pads to (the smallest bound ≥ length)."""
+    lengths = np.asarray(lengths)
+    if lengths.size and (lengths.min() < 1 or lengths.max() > bounds[-1]):
+        raise ValueError(f"lengths must lie in 1..{bounds[-1]}, got {lengths.min()}..{lengths.max()}")
+    return bounds[np.searchsorted(bounds, lengths, side="left")]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Row positions (into the lengths array that was planned) and the length they pad to."""
+
+    rows: np.ndarray
+    padded_length: int
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.rows) * self.padded_length
+
+
+def batch_capacity(padded_length: int, max_batch_tokens: int, max_batch_rows: int) -> int:
+    """Rows a batch of this padded length may hold; never less than one, so every row runs."""
+    return max(1, min(max_batch_rows, max_batch_tokens // padded_length))
+
+
+def plan_batches(lengths: np.ndarray, max_batch_tokens: int, max_batch_rows: int,
+                 bounds: np.ndarray) -> list[Batch]:
+    """Pack every row exactly once, longest first, under the padded-token and row limits.
+
+    The sort is stable, so equal lengths keep input order and plans are reproducible. A row
+    longer than the token budget on its own still gets a batch of one.
+    """
+    if max_batch_tokens < 1 or max_batch_rows < 1:
+        raise ValueError(f"limits must be positive, got max_batch_tokens={max_batch_tokens}, "
+                         f"max_batch_rows={max_batch_rows}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    padded = padded_lengths(lengths[order], bounds)
+    batches = []
+    start = 0
+    while start < len(order):
+        padded_length = int(padded[start])
+        stop = min(len(order), start + batch_capacity(padded_length, max_batch_tokens, max_batch_rows))
+        batches.append(Batch(rows=order[start:stop], padded_length=padded_length))
+        start = stop
+    return batches
+
+
+def padding_efficiency(real_tokens: int, padded_tokens: int) -> float:
+    """Share of the computed tokens that were real text (1.0 means no padding)."""
+    return real_tokens / padded_tokens if padded_tokens else 1.0

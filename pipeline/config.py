@@ -1,0 +1,30 @@
+"""The resolved settings of one run: every CLI flag, TOML key and LENGTHWISE_* variable."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    input: tuple[str, ...]  # directories, globs or files; local paths or fsspec URLs
+    output: str  # directory (local or URL) that receives one Parquet file per input shard
+    job: str = "embed"  # what to compute: embed | classify
+    model: str | None = None  # Hugging Face model folder; None = packaged all-MiniLM-L6-v2
+    max_length: int = 256  # tokens per row; longer texts are truncated (and flagged)
+    id_column: str = "id"
+    text_column: str = "text"
+    max_batch_tokens: int = 4096  # padded tokens per batch: rows × padded length
+    max_batch_rows: int = 512  # rows per batch, whatever their length
+    window_rows: int = 8192  # rows sorted and packed together; bounds memory in flight
+    tokenize_workers: int = field(default_factory=lambda: os.cpu_count() or 1)  # 0 = in-process
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    prefetch_batches: int = 4  # collated batches waiting ahead of the device
+    storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
+    progress: bool = True  # tqdm bar on stderr
+    summary_json: str | None = None  # also write the run summary here
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# ./run.sh          install into .venv if needed, then run the default job (configs/demo.toml)
+# ./run.sh test     install the test extras into .venv if needed, then run the test suite
+# ./run.sh ARGS...  anything else is passed to `lengthwise run --config configs/demo.toml`
+set -euo pipefail
+cd "$(dirname "$0")"
+export HF_HUB_OFFLINE=1
+
+PYTHON=${PYTHON:-python3}
+# CPU build here; on a GPU machine set LENGTHWISE_TORCH to the build you want (e.g. "torch==2.13.0").
+TORCH_SPEC=${LENGTHWISE_TORCH:-torch==2.13.0}
+
+ensure_installed() {  # $1: "" or "test" — the extra to install; reinstalls when pyproject.toml changes
+    local extra=$1 stamp=".venv/.installed${1:+-$1}"
+    local want
+    want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
+    [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
+    .venv/bin/python -m pip install --quiet -e ".${extra:+[$extra]}"
+    echo "$want" > "$stamp"
+}
+
+if [ "${1:-}" = "test" ]; then
+    shift
+    ensure_installed test
+    exec .venv/bin/python -m pytest "$@"
+fi
+ensure_installed ""
+exec .venv/bin/lengthwise run --config configs/demo.toml "$@"
