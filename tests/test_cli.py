@@ -1,0 +1,109 @@
+"""The command line: config file, env vars and flags, outputs on disk, exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+from tests.conftest import write_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def shards(tmp_path, sample_table):
+    write_shards(tmp_path / "in", sample_table.slice(0, 90), [40, 50])
+    return tmp_path / "in"
+
+
+def invoke(args, env=None):
+    result = CliRunner().invoke(cli, args, env=env, catch_exceptions=False)
+    return result
+
+
+def test_run_writes_one_file_per_shard_with_every_id_in_order(tmp_path, shards, sample_table, tiny_encoder_path):
+    result = invoke(["run", "--input", str(shards), "--output", str(tmp_path / "out"), "--model", tiny_encoder_path,
+                     "--no-progress", "--tokenize-workers", "1", "--summary-json", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    for name, expected in (("part-00000", sample_table.slice(0, 40)), ("part-00001", sample_table.slice(40, 50))):
+        out = pq.read_table(tmp_path / "out" / f"{name}.parquet")
+        assert out["id"].to_pylist() == expected["id"].to_pylist()
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert {"rows", "real_tokens", "padded_tokens", "padding_efficiency", "rows_per_s", "tokens_per_s", "wall_s",
+            "stage_s", "device_busy_fraction"} <= set(summary)
+    assert summary["rows"] == 90
+    assert "padding efficiency" in result.output and f"output          {tmp_path / 'out'}" in result.output
+
+
+def test_flags_win_over_env_and_env_over_the_config_file(tmp_path, shards, tiny_encoder_path):
+    config = tmp_path / "job.toml"
+    config.write_text(f'input = "{shards}"\noutput = "{tmp_path / "from-file"}"\nmodel = "{tiny_encoder_path}"\n'
+                      f'max-length = 16\nprogress = false\ntokenize_workers = 0\n'
+                      f'summary_json = "{tmp_path / "s.json"}"\n')
+    env = {"LENGTHWISE_OUTPUT": str(tmp_path / "from-env"), "LENGTHWISE_MAX_BATCH_ROWS": "3"}
+    assert invoke(["run", "--config", str(config)]).exit_code == 0
+    assert (tmp_path / "from-file" / "part-00000.parquet").exists()
+    assert invoke(["run", "--config", str(config)], env=env).exit_code == 0
+    assert (tmp_path / "from-env" / "part-00000.parquet").exists()
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["batches"] == 30  # 90 rows, 3 per batch, from the environment
+    result = invoke(["run", "--config", str(config), "--output", str(tmp_path / "from-flag"), "--max-length", "8"],
+                    env=env)
+    assert result.exit_code == 0
+    assert (tmp_path / "from-flag" / "part-00001.parquet").exists()
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["padded_tokens"] <= 8 * 90  # --max-length 8 from the flag, not 16 from the file
+    assert summary["truncated_rows"] >= 85
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing column", "has no column 'body'"),
+    ("missing path", "does not exist; check --input"),
+    ("unknown job", "set --job to one of: classify, embed"),
+    ("model without config", "is not a Hugging Face model folder"),
+    ("no output", "no output directory; set --output"),
+])
+def test_usage_errors_exit_2_with_one_line_saying_what_to_change(tmp_path, shards, tiny_encoder_path, case, message):
+    args = {"missing column": ["--text-column", "body"],
+            "missing path": ["--input", str(tmp_path / "nowhere")],
+            "unknown job": ["--job", "summarise"],
+            "model without config": ["--model", str(tmp_path)],
+            "no output": []}[case]
+    base = ["run", "--no-progress", "--model", tiny_encoder_path]
+    if case != "missing path":
+        base += ["--input", str(shards)]
+    if case != "no output":
+        base += ["--output", str(tmp_path / "out")]
+    result = CliRunner().invoke(cli, base + args)
+    assert result.exit_code == 2, result.output
+    error_lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0]
+    assert not list((tmp_path / "out").glob("*.parquet")) if (tmp_path / "out").exists() else True
+
+
+def test_unknown_config_key_is_a_usage_error(tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text('input = "x"\nmax_batch_tokenz = 5\n')
+    result = CliRunner().invoke(cli, ["run", "--config", str(config)])
+    assert result.exit_code == 2
+    assert "unknown key 'max_batch_tokenz'" in result.output
+
+
+def test_console_script_runs_the_demo_config_offline(tmp_path, tiny_encoder_path):
+    script = Path(sys.executable).parent / "lengthwise"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LENGTHWISE_MODEL": tiny_encoder_path}
+    completed = subprocess.run([str(script), "run", "--config", "configs/demo.toml", "--output", str(tmp_path / "o"),
+                                "--summary-json", str(tmp_path / "s.json"), "--no-progress"],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    outputs = sorted(p.name for p in (tmp_path / "o").glob("*.parquet"))
+    assert outputs == ["stdlib-docs-00000.parquet", "stdlib-docs-00001.parquet"]
+    rows = sum(pq.read_metadata(tmp_path / "o" / name).num_rows for name in outputs)
+    assert rows == 400 == json.loads((tmp_path / "s.json").read_text())["rows"]

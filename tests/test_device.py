@@ -1,0 +1,71 @@
+"""Collating padded batches and the prefetch thread."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.device import collate, prefetch, resolve_device, resolve_dtype
+from pipeline.errors import UsageError
+
+
+def test_collate_pads_each_row_to_the_batch_length():
+    token_ids = np.array([1, 2, 3, 4, 5, 6], dtype=np.int32)
+    offsets = np.array([0, 3, 4, 6])
+    ids, mask = collate(token_ids, offsets, rows=np.array([2, 0, 1]), padded_length=4, pad_token_id=9)
+    assert ids.tolist() == [[5, 6, 9, 9], [1, 2, 3, 9], [4, 9, 9, 9]]
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]
+    assert ids.dtype == np.int64
+
+
+def test_prefetch_keeps_order_and_stays_at_most_depth_ahead():
+    produced = []
+
+    def items():
+        for i in range(20):
+            produced.append(i)
+            yield i
+
+    seen = []
+    for item in prefetch(items(), depth=3):
+        time.sleep(0.01)
+        # the consumer holds one item, the queue at most 3, the producer one waiting to be put
+        assert len(produced) - len(seen) <= 5
+        seen.append(item)
+    assert seen == list(range(20))
+
+
+def test_prefetch_raises_producer_errors_in_the_consumer():
+    def items():
+        yield 1
+        raise ValueError("broken shard")
+
+    with pytest.raises(ValueError, match="broken shard"):
+        list(prefetch(items(), depth=2))
+
+
+def test_leaving_the_loop_stops_the_producer():
+    def items():
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    before = threading.active_count()
+    for item in prefetch(items(), depth=2):
+        if item == 3:
+            break
+    assert threading.active_count() == before
+
+
+def test_auto_device_and_dtype_on_this_machine():
+    device = resolve_device("auto")
+    assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(UsageError, match="--dtype"):
+        resolve_dtype("float8", torch.device("cpu"))
+    with pytest.raises(UsageError, match="--device"):
+        resolve_device("tpu-ish")

@@ -1,0 +1,104 @@
+"""The whole pipeline: every row once, in order, and outputs that do not depend on batching."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import RunConfig
+from pipeline.run import group_into_windows, run_job
+from pipeline.source import RowBlock
+from tests.conftest import write_shards
+
+
+@pytest.fixture(scope="module")
+def rows_with_bad_ones(sample_table) -> pa.Table:
+    """The shipped sample with null, empty and whitespace texts mixed in."""
+    texts = sample_table["text"].to_pylist()[:200]
+    for position, bad in ((0, None), (17, ""), (99, "   \n"), (150, None)):
+        texts[position] = bad
+    return pa.table({"id": sample_table["id"].to_pylist()[:200], "text": pa.array(texts, pa.string())})
+
+
+def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, dict]:
+    write_shards(tmp_path / f"{name}-in", table, sizes)
+    output = tmp_path / f"{name}-out"
+    settings.setdefault("tokenize_workers", 0)
+    config = RunConfig(input=(str(tmp_path / f"{name}-in"),), output=str(output), progress=False, **settings)
+    summary = run_job(config)
+    files = sorted(output.glob("*.parquet"))
+    assert [f.stem for f in files] == [f"part-{i:05d}" for i in range(len(sizes))]
+    assert [pq.read_metadata(f).num_rows for f in files] == sizes
+    assert not list(output.glob(".*")), "a temporary file was left behind"
+    return pa.concat_tables(pq.read_table(f) for f in files), json.loads(summary.to_json())
+
+
+SETTINGS = {
+    "one row at a time": dict(max_batch_rows=1),
+    "small token budget": dict(max_batch_tokens=300),
+    "large token budget": dict(max_batch_tokens=16384, max_batch_rows=4096),
+    "few rows per batch, small windows": dict(max_batch_rows=7, window_rows=33),
+    "two tokenizer workers": dict(tokenize_workers=2, window_rows=64),
+}
+LAYOUTS = {"one shard": [200], "three shards": [60, 70, 70], "with a tiny and an empty shard": [1, 99, 0, 100]}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, rows_with_bad_ones, tiny_encoder_path):
+    return run_to_table(tmp_path_factory.mktemp("baseline"), "base", rows_with_bad_ones, [200],
+                        model=tiny_encoder_path, max_length=128)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_outputs_do_not_depend_on_batching_workers_or_shards(tmp_path, rows_with_bad_ones, tiny_encoder_path,
+                                                             baseline, setting, layout):
+    expected, _ = baseline
+    output, summary = run_to_table(tmp_path, "run", rows_with_bad_ones, LAYOUTS[layout], model=tiny_encoder_path,
+                                   max_length=128, **SETTINGS[setting])
+    assert output["id"].to_pylist() == rows_with_bad_ones["id"].to_pylist()
+    assert output["error"].to_pylist() == expected["error"].to_pylist()
+    assert output["truncated"].to_pylist() == expected["truncated"].to_pylist()
+    ours, theirs = output["embedding"].to_pylist(), expected["embedding"].to_pylist()
+    assert [v is None for v in ours] == [v is None for v in theirs]
+    good = [i for i, v in enumerate(theirs) if v is not None]
+    np.testing.assert_allclose(np.array([ours[i] for i in good]), np.array([theirs[i] for i in good]), atol=2e-5)
+    assert summary["rows"] == 200 and summary["error_rows"] == 4
+
+
+def test_bad_rows_get_errors_and_null_results_in_place(baseline):
+    output, summary = baseline
+    errors = output["error"].to_pylist()
+    assert {i: e for i, e in enumerate(errors) if e} == {
+        0: "text is null", 17: "text is empty or whitespace only", 99: "text is empty or whitespace only",
+        150: "text is null"}
+    embeddings = output["embedding"].to_pylist()
+    assert [i for i, v in enumerate(embeddings) if v is None] == [0, 17, 99, 150]
+    assert output.schema.field("embedding").type == pa.list_(pa.float32(), 32)
+    assert output.column_names == ["id", "embedding", "truncated", "error"]
+
+
+def test_summary_counts_tokens_and_stages(baseline):
+    _, summary = baseline
+    assert summary["rows"] == 200 and summary["shards"] == 1
+    assert summary["truncated_rows"] >= 1  # the sample has docstrings longer than 128 tokens
+    assert 0 < summary["real_tokens"] <= summary["padded_tokens"]
+    assert summary["padding_efficiency"] == pytest.approx(summary["real_tokens"] / summary["padded_tokens"])
+    assert set(summary["stage_s"]) == {"setup", "read", "tokenize", "collate", "wait_for_batch", "forward", "write"}
+    assert 0 < summary["device_busy_fraction"] <= 1
+    assert summary["rows_per_s"] > 0 and summary["tokens_per_s"] > 0
+
+
+def test_windows_hold_exactly_window_rows_and_keep_shard_ends():
+    def block(shard, first, n, last):
+        ids = pa.array([f"{shard}-{first + i}" for i in range(n)])
+        return RowBlock(shard, first, ids, ids, last)
+
+    blocks = [block(0, 0, 5, False), block(0, 5, 2, True), block(1, 0, 0, True), block(2, 0, 6, True)]
+    windows = list(group_into_windows(blocks, 4))
+    assert [sum(b.num_rows for b in w) for w in windows] == [4, 4, 4, 1]
+    flat = [b for w in windows for b in w]
+    assert [i for b in flat for i in b.ids.to_pylist()] == [i for b in blocks for i in b.ids.to_pylist()]
+    assert [(b.shard_index, b.first_row) for b in flat if b.is_last_of_shard] == [(0, 5), (1, 0), (2, 5)]

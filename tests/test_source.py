@@ -1,0 +1,78 @@
+"""Listing shards and streaming their rows, local and through fsspec."""
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.errors import UsageError
+from pipeline.source import list_shards, read_blocks
+from tests.conftest import write_shards
+
+TABLE = pa.table({"id": [f"r{i}" for i in range(10)], "text": [f"text {i}" for i in range(10)],
+                  "extra": list(range(10))})
+
+
+def test_directory_glob_and_file_list_find_the_same_shards(tmp_path):
+    paths = write_shards(tmp_path / "in", TABLE, [3, 3, 4])
+    (tmp_path / "in" / "notes.txt").write_text("not a shard")
+    (tmp_path / "in" / "_lengthwise").mkdir()
+    by_dir = list_shards([str(tmp_path / "in")], "id", "text")
+    by_glob = list_shards([str(tmp_path / "in" / "*.parquet")], "id", "text")
+    by_files = list_shards([str(p) for p in paths], "id", "text")
+    assert [s.stem for s in by_dir] == ["part-00000", "part-00001", "part-00002"]
+    assert by_dir == by_glob == by_files
+    assert [s.num_rows for s in by_dir] == [3, 3, 4]
+
+
+def test_blocks_stream_every_row_in_order_with_only_two_columns(tmp_path):
+    write_shards(tmp_path, TABLE, [7, 3])
+    shards = list_shards([str(tmp_path)], "id", "text")
+    blocks = list(read_blocks(shards, "id", "text", block_rows=4))
+    assert [(b.shard_index, b.first_row, b.num_rows, b.is_last_of_shard) for b in blocks] == [
+        (0, 0, 4, False), (0, 4, 3, True), (1, 0, 3, True)]
+    assert [i for b in blocks for i in b.ids.to_pylist()] == TABLE["id"].to_pylist()
+    assert [t for b in blocks for t in b.texts.to_pylist()] == TABLE["text"].to_pylist()
+
+
+def test_empty_shard_yields_one_empty_last_block(tmp_path):
+    pq.write_table(TABLE.slice(0, 0), tmp_path / "empty.parquet")
+    shards = list_shards([str(tmp_path)], "id", "text")
+    [block] = read_blocks(shards, "id", "text", block_rows=4)
+    assert block.num_rows == 0 and block.is_last_of_shard and block.ids.type == pa.string()
+
+
+def test_fsspec_memory_filesystem():
+    fs = fsspec.filesystem("memory")
+    for name, part in (("a", TABLE.slice(0, 5)), ("b", TABLE.slice(5))):
+        with fs.open(f"/lw-src/{name}.parquet", "wb") as f:
+            pq.write_table(part, f)
+    shards = list_shards(["memory://lw-src/*.parquet"], "id", "text")
+    assert [s.url for s in shards] == ["memory:///lw-src/a.parquet", "memory:///lw-src/b.parquet"]
+    rows = [i for b in read_blocks(shards, "id", "text", 100) for i in b.ids.to_pylist()]
+    assert rows == TABLE["id"].to_pylist()
+
+
+@pytest.mark.parametrize("column, flag", [("id", "--id-column"), ("text", "--text-column")])
+def test_missing_column_names_the_flag(tmp_path, column, flag):
+    pq.write_table(TABLE.drop_columns([column]), tmp_path / "x.parquet")
+    with pytest.raises(UsageError, match=f"has no column '{column}'.*set {flag}"):
+        list_shards([str(tmp_path)], "id", "text")
+
+
+def test_unreadable_inputs_say_what_to_change(tmp_path):
+    with pytest.raises(UsageError, match="does not exist; check --input"):
+        list_shards([str(tmp_path / "nope")], "id", "text")
+    with pytest.raises(UsageError, match="matches no Parquet files"):
+        list_shards([str(tmp_path / "*.parquet")], "id", "text")
+    (tmp_path / "bad.parquet").write_bytes(b"this is not parquet")
+    with pytest.raises(UsageError, match="cannot read .*bad.parquet as Parquet"):
+        list_shards([str(tmp_path)], "id", "text")
+
+
+def test_two_shards_with_the_same_stem_are_refused(tmp_path):
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        pq.write_table(TABLE, tmp_path / sub / "same.parquet")
+    with pytest.raises(UsageError, match="would both write same.parquet"):
+        list_shards([str(tmp_path / "a"), str(tmp_path / "b")], "id", "text")
