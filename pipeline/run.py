@@ -277,8 +277,9 @@ def run_job(config: RunConfig) -> RunSummary:
                     summary.real_tokens += item.real_tokens
                     summary.padded_tokens += item.padded_tokens
                     progress.update(len(item.rows))
-                    progress.set_postfix(tokens_per_s=f"{summary.real_tokens / progress.format_dict['elapsed']:,.0f}"
-                                         if progress.format_dict["elapsed"] else "")
+                    elapsed = progress.format_dict["elapsed"]
+                    if elapsed:
+                        progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)
                 else:
                     _write_window(item.window, sink, shards, job, model, times, summary)
                     progress.update(int((~item.window.valid).sum()))

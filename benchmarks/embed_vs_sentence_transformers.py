@@ -1,0 +1,114 @@
+"""lengthwise `embed`, end to end, against SentenceTransformer.encode on the same rows.
+
+lengthwise is timed from Parquet in to Parquet out (listing, model load, reading,
+tokenizing, forward, writing: the wall time of the `lengthwise run` command). sentence-transformers is timed on
+`encode(texts, batch_size=32)` only — its model load and the Parquet read are left out,
+which favours it. Both use the same torch thread count, and the
+outputs are compared row by row (cosine).
+
+    .venv/bin/python benchmarks/embed_vs_sentence_transformers.py                  # all of imdb-reviews
+    .venv/bin/python benchmarks/embed_vs_sentence_transformers.py --rows-per-shard 500 --shards 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.run import default_model_path  # noqa: E402
+
+DEFAULT_INPUT = str(ROOT.parent / "shared" / "data" / "imdb-reviews" / "*.parquet")
+
+
+def prepare_input(pattern: str, shards: int | None, rows_per_shard: int | None, directory: Path) -> list[str]:
+    """The benchmark's shards: the originals, or the first rows of each copied to `directory`."""
+    paths = sorted(glob.glob(pattern))[:shards]
+    if not paths:
+        raise SystemExit(f"no shards match {pattern}")
+    if rows_per_shard is None:
+        return paths
+    copies = []
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        copy = directory / Path(path).name
+        pq.write_table(pq.read_table(path, columns=["id", "text"]).slice(0, rows_per_shard), copy)
+        copies.append(str(copy))
+    return copies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", default=DEFAULT_INPUT, help="glob of Parquet shards with id and text")
+    parser.add_argument("--shards", type=int, default=None, help="use only the first N shards")
+    parser.add_argument("--rows-per-shard", type=int, default=None, help="use only the first N rows of each")
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--max-batch-tokens", type=int, default=4096)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--skip-reference", action="store_true", help="time lengthwise only")
+    parser.add_argument("--json", type=Path, help="write the results here too")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        inputs = prepare_input(args.input, args.shards, args.rows_per_shard, scratch / "in")
+        if args.rows_per_shard is not None:
+            inputs = [str(scratch / "in")]
+        # The real command, in its own process: its tokenizer workers then spawn from the small
+        # CLI module, not from this script (spawn re-imports the parent's main module).
+        command = [str(Path(sys.executable).parent / "lengthwise"), "run", "--output", str(scratch / "out"),
+                   "--job", "embed", "--max-length", str(args.max_length), "--dtype", args.dtype,
+                   "--max-batch-tokens", str(args.max_batch_tokens), "--summary-json", str(scratch / "summary.json")]
+        for path in inputs:
+            command += ["--input", path]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        subprocess.run(command, check=True, env=env)
+        summary = json.loads((scratch / "summary.json").read_text())
+        outputs = sorted((scratch / "out").glob("*.parquet"))
+        table = pa.concat_tables(pq.read_table(p) for p in outputs)
+        results = {"threads": args.threads, "lengthwise": summary}
+
+        if not args.skip_reference:
+            from sentence_transformers import SentenceTransformer
+
+            source_paths = sorted(glob.glob(str(Path(inputs[0]) / "*.parquet"))) if args.rows_per_shard else inputs
+            texts = pa.concat_tables(pq.read_table(p, columns=["text"]) for p in source_paths)["text"].to_pylist()
+            model = SentenceTransformer(default_model_path(), device="cpu")
+            model.max_seq_length = args.max_length
+            started = time.perf_counter()
+            reference = model.encode(texts, batch_size=32, convert_to_numpy=True, show_progress_bar=True)
+            encode_s = time.perf_counter() - started
+            ours = np.stack(table["embedding"].to_numpy(zero_copy_only=False))
+            cosine = (ours * reference).sum(axis=1) / np.linalg.norm(reference, axis=1)
+            results["sentence_transformers"] = {"rows": len(texts), "encode_s": round(encode_s, 2),
+                                                "rows_per_s": round(len(texts) / encode_s, 1)}
+            results["speedup_rows_per_s"] = round(summary['rows_per_s'] / (len(texts) / encode_s), 3)
+            results["cosine_min"] = float(cosine.min())
+            print(f"sentence-transformers encode(batch_size=32): {len(texts):,} rows in {encode_s:.1f}s = "
+                  f"{len(texts) / encode_s:,.1f} rows/s")
+            print(f"lengthwise end to end: {summary['rows_per_s']:,.1f} rows/s = {results['speedup_rows_per_s']}x; "
+                  f"min cosine vs sentence-transformers {cosine.min():.6f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
