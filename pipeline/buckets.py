@@ -7,6 +7,7 @@ longest first so the most memory-hungry batch of a window runs before the rest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,19 +44,27 @@ class Batch:
         return len(self.rows) * self.padded_length
 
 
-def batch_capacity(padded_length: int, max_batch_tokens: int, max_batch_rows: int) -> int:
-    """Rows a batch of this padded length may hold; never less than one, so every row runs."""
-    return max(1, min(max_batch_rows, max_batch_tokens // padded_length))
+def batch_capacity(padded_length: int, max_batch_tokens: int | None, max_batch_rows: int,
+                   memory_rows: Callable[[int], int] | None = None) -> int:
+    """Rows a batch of this padded length may hold under the token budget (None: no token
+    budget), the row limit and the memory plan; never less than one, so every row runs."""
+    rows = max_batch_rows
+    if max_batch_tokens is not None:
+        rows = min(rows, max_batch_tokens // padded_length)
+    if memory_rows is not None:
+        rows = min(rows, memory_rows(padded_length))
+    return max(1, rows)
 
 
-def plan_batches(lengths: np.ndarray, max_batch_tokens: int, max_batch_rows: int,
-                 bounds: np.ndarray) -> list[Batch]:
-    """Pack every row exactly once, longest first, under the padded-token and row limits.
+def plan_batches(lengths: np.ndarray, max_batch_tokens: int | None, max_batch_rows: int,
+                 bounds: np.ndarray, memory_rows: Callable[[int], int] | None = None) -> list[Batch]:
+    """Pack every row exactly once, longest first, under the padded-token and row limits and
+    the memory plan's rows per padded length.
 
     The sort is stable, so equal lengths keep input order and plans are reproducible. A row
     longer than the token budget on its own still gets a batch of one.
     """
-    if max_batch_tokens < 1 or max_batch_rows < 1:
+    if (max_batch_tokens is not None and max_batch_tokens < 1) or max_batch_rows < 1:
         raise ValueError(f"limits must be positive, got max_batch_tokens={max_batch_tokens}, "
                          f"max_batch_rows={max_batch_rows}")
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -65,7 +74,7 @@ def plan_batches(lengths: np.ndarray, max_batch_tokens: int, max_batch_rows: int
     start = 0
     while start < len(order):
         padded_length = int(padded[start])
-        stop = min(len(order), start + batch_capacity(padded_length, max_batch_tokens, max_batch_rows))
+        stop = min(len(order), start + batch_capacity(padded_length, max_batch_tokens, max_batch_rows, memory_rows))
         batches.append(Batch(rows=order[start:stop], padded_length=padded_length))
         start = stop
     return batches

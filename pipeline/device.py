@@ -1,14 +1,17 @@
 """Everything that depends on which device runs the model: choice, dtype, collate, prefetch.
 
-The CPU path runs the same code as CUDA; only `to_device` differs (pinned memory and
-non-blocking copies on CUDA).
+The CPU path runs the same code as CUDA; only `DeviceFeeder` (pinned memory and a copy
+stream on CUDA) and the memory measurement differ.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -54,12 +57,34 @@ def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded
     return input_ids, attention_mask.astype(np.int64)
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A tensor on `device`; on CUDA through pinned memory with a non-blocking copy."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
+class DeviceFeeder:
+    """Moves collated batches to the device ahead of use, from the prefetch thread.
+
+    On CUDA the copy goes from pinned memory on a side stream, so it overlaps the forward
+    pass running on the compute stream; the compute stream waits on the copy's event only
+    when it takes the batch. On the CPU the arrays become tensors without a copy.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def send(self, *arrays: np.ndarray) -> tuple[list[torch.Tensor], object]:
+        if self.stream is None:
+            return [torch.from_numpy(a) for a in arrays], None
+        with torch.cuda.stream(self.stream):
+            tensors = [torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True) for a in arrays]
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return tensors, copied
+
+    def receive(self, tensors: list[torch.Tensor], copied) -> list[torch.Tensor]:
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            for tensor in tensors:
+                tensor.record_stream(compute)  # the allocator must not reuse it before compute is done
+        return tensors
 
 
 class _Failure:
@@ -109,4 +134,120 @@ def prefetch(items: Iterable, depth: int) -> Iterator:
             yield item
     finally:
         stop.set()
-        thread.join()
+        thread.join(timeout=30)  # a producer stuck in a dead stage must not hang the exit; it is a daemon
+
+
+# ── memory: what is available, what a forward pass peaks at, what to do when it runs out ──
+
+
+def available_memory_bytes(device: torch.device, budget_bytes: int | None, reserve_fraction: float) -> int:
+    """Bytes the batches may use. An explicit budget wins on any device. On CUDA: free device
+    memory (after the model is loaded) minus a reserve of the total; on CPU: half of the
+    RAM available now, in whole GiB so that the plan cache key stays stable."""
+    if budget_bytes is not None:
+        return int(budget_bytes)
+    step = 2**30
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        usable = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - reserve_fraction * total
+        return int(usable) // step * step
+    import psutil
+
+    return max(step, int(psutil.virtual_memory().available * 0.5) // step * step)
+
+
+def _read_proc_status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field_name}")
+
+
+def measure_peak_bytes(run, device: torch.device) -> float:
+    """Peak memory that `run()` adds on `device`, measured so that each call starts afresh.
+
+    CUDA: the caching allocator's peak above what was allocated before (reset per call), or
+    the growth of the device's used memory (cuBLAS/cuDNN workspaces live outside the
+    allocator), whichever is larger.
+    CPU (Linux): the process's peak resident set (VmHWM) above its resident set before the
+    call; freed heap memory is first returned to the OS (malloc_trim) and the peak is reset
+    through /proc/self/clear_refs, so earlier calls do not hide or inflate this one.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        free_before, _ = torch.cuda.mem_get_info(device)
+        run()
+        torch.cuda.synchronize(device)
+        free_after, _ = torch.cuda.mem_get_info(device)
+        outside_allocator = (free_before - free_after) - (torch.cuda.memory_reserved(device) - before)
+        return float(torch.cuda.max_memory_allocated(device) - before + max(0, outside_allocator))
+    _release_free_heap()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # resets VmHWM to the current resident set
+    except OSError as error:
+        raise RuntimeError("measuring CPU peak memory needs Linux's /proc/self/clear_refs; "
+                           "give --memory-budget and --no-probe, or run on Linux") from error
+    before = _read_proc_status_kib("VmRSS")
+    run()
+    return float(_read_proc_status_kib("VmHWM") - before)
+
+
+def _release_free_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or a CPU allocation that failed."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in str(error)
+                                                or "out of memory" in str(error).lower())
+
+
+@dataclass
+class SplitForward:
+    """Outputs of a batch run with out-of-memory back-off."""
+
+    outputs: dict[str, np.ndarray]  # per row, in batch order; zeros where `failed`
+    failed: np.ndarray  # bool per row: out of memory even alone
+    splits: int  # how many times a batch was halved
+    largest_ok_rows: int  # the largest part that ran
+
+
+def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             device: torch.device) -> SplitForward:
+    """Run `forward(ids, mask) → {name: tensor}`; on out-of-memory halve the batch and retry
+    each half, down to single rows. Every row is computed once; a row that fails alone is
+    reported in `failed` instead of raising."""
+    rows = input_ids.shape[0]
+    try:
+        outputs = {k: v.float().cpu().numpy() for k, v in forward(input_ids, attention_mask).items()}
+        return SplitForward(outputs, np.zeros(rows, dtype=bool), 0, rows)
+    except BaseException as error:
+        if not is_out_of_memory(error):
+            raise
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if rows == 1:
+        return SplitForward({}, np.ones(1, dtype=bool), 0, 0)
+    half = rows // 2
+    parts = [forward_splitting_on_oom(forward, input_ids[s], attention_mask[s], device)
+             for s in (slice(0, half), slice(half, rows))]
+    shapes = next((p.outputs for p in parts if p.outputs), None)
+    outputs = {}
+    if shapes is not None:
+        for name, values in shapes.items():
+            outputs[name] = np.concatenate([
+                p.outputs[name] if p.outputs else np.zeros((len(p.failed), *values.shape[1:]), values.dtype)
+                for p in parts])
+    return SplitForward(outputs, np.concatenate([p.failed for p in parts]), 1 + sum(p.splits for p in parts),
+                        max(p.largest_ok_rows for p in parts))

@@ -1,0 +1,320 @@
+"""How many rows a batch of a given padded length may hold: the memory formula, and the probe
+that checks it on the real device.
+
+    batch_rows(L) = floor((available_bytes − base_bytes) / (per_sample_bytes(L) × safety))
+    per_sample_bytes(L) = linear_bytes · L + quadratic_bytes · L²     (linear layers; attention)
+
+The coefficients are fitted from a few small forward passes on the device, then every memory
+bucket's planned batch (its longest length × its planned rows) runs three times and is kept only
+if each peak stays within the budget; otherwise the rows shrink by binary search. The top of
+this module is pure (no torch); the probe at the bottom imports torch when it runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SAFETY_RANGE = (1.0, 4.0)
+MEMORY_BUCKETS = 8  # lengths probed: max_length/8, 2·max_length/8, …, max_length
+PROBE_ROUNDS = 3
+FIT_ROWS = (2, 8)  # batch sizes of the fitting grid
+FIT_LENGTH_FRACTIONS = (0.25, 0.5, 1.0)  # lengths of the fitting grid, as fractions of max_length
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '512MiB', '2GB', '1e9' or an int → bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write e.g. 4GiB, 512MiB or 2GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(count) >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count:.0f} B"
+
+
+def batch_rows(available_bytes: float, per_sample_bytes: float, safety: float) -> int:
+    """The memory formula: rows that fit `available_bytes` at `per_sample_bytes` each, with
+    `safety` headroom for framework workspace, caches and temporaries."""
+    if not SAFETY_RANGE[0] <= safety <= SAFETY_RANGE[1]:
+        raise ValueError(f"safety must be in {SAFETY_RANGE[0]}–{SAFETY_RANGE[1]}, got {safety}")
+    if per_sample_bytes <= 0:
+        raise ValueError(f"per-sample bytes must be positive, got {per_sample_bytes}")
+    return max(0, math.floor(available_bytes / (per_sample_bytes * safety)))
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak activation bytes of one batch: base + rows × (linear·L + quadratic·L²)."""
+
+    base_bytes: float
+    linear_bytes: float  # per row per token
+    quadratic_bytes: float  # per row per token²
+
+    def per_sample_bytes(self, length: int) -> float:
+        return self.linear_bytes * length + self.quadratic_bytes * length**2
+
+    def peak_bytes(self, rows: int, length: int) -> float:
+        return self.base_bytes + rows * self.per_sample_bytes(length)
+
+    def rows_within(self, available_bytes: float, safety: float, length: int) -> int:
+        """The formula's rows for one padded length; the base is taken off the budget first."""
+        return batch_rows(available_bytes - self.base_bytes, self.per_sample_bytes(length), safety)
+
+
+@dataclass(frozen=True)
+class PeakMeasurement:
+    rows: int
+    length: int
+    peak_bytes: float
+
+
+def fit_memory_model(measurements: Sequence[PeakMeasurement]) -> MemoryModel:
+    """Least squares of peak on [1, rows·L, rows·L²] with every coefficient ≥ 0.
+
+    Tries each subset of the three terms and keeps the best fit whose coefficients are all
+    non-negative (a negative memory term is noise, not physics).
+    """
+    if len(measurements) < 3:
+        raise ValueError(f"need at least 3 measurements to fit, got {len(measurements)}")
+    rows = np.array([m.rows for m in measurements], dtype=float)
+    lengths = np.array([m.length for m in measurements], dtype=float)
+    peaks = np.array([m.peak_bytes for m in measurements], dtype=float)
+    columns = np.stack([np.ones_like(rows), rows * lengths, rows * lengths**2], axis=1)
+    best, best_error = None, math.inf
+    for size in (3, 2, 1):
+        for subset in itertools.combinations(range(3), size):
+            solution, *_ = np.linalg.lstsq(columns[:, subset], peaks, rcond=None)
+            if (solution < 0).any():
+                continue
+            error = float(np.sum((columns[:, subset] @ solution - peaks) ** 2))
+            if error < best_error * (1 - 1e-9):
+                coefficients = np.zeros(3)
+                coefficients[list(subset)] = solution
+                best, best_error = coefficients, error
+    largest = max(measurements, key=lambda m: m.rows * m.length)
+    if best is None or best[1] * largest.rows * largest.length + best[2] * largest.rows * largest.length**2 \
+            < 1e-3 * max(largest.peak_bytes, 1.0):
+        raise ValueError("peak memory does not grow with rows × length in these measurements; "
+                         "the probe batches are too small to measure")
+    return MemoryModel(*(float(c) for c in best))
+
+
+def memory_bucket_lengths(max_length: int, count: int = MEMORY_BUCKETS) -> list[int]:
+    """The lengths the plan is made for: `count` steps up to max_length, multiples of 8."""
+    lengths = {min(max_length, max(8, int(math.ceil(max_length * i / count / 8)) * 8)) for i in range(1, count + 1)}
+    return sorted(lengths)
+
+
+@dataclass
+class BucketPlan:
+    length: int  # the longest padded length this bucket covers
+    formula_rows: int  # what the fitted formula allows
+    planned_rows: int  # formula rows capped by --max-batch-rows and --max-batch-tokens
+    probed_rows: int  # what survived the probe (≤ planned_rows); 0: not even one row fits
+    predicted_peak_bytes: float
+    measured_peak_bytes: float
+
+
+@dataclass
+class MemoryPlan:
+    available_bytes: int
+    safety: float
+    coefficients: MemoryModel
+    buckets: list[BucketPlan]
+    device: str = ""
+    dtype: str = ""
+    probe_s: float = 0.0
+    source: str = "probe"  # or the cache file it came from
+    key: dict = field(default_factory=dict)
+
+    def rows_for(self, padded_length: int) -> int:
+        """Rows for a batch of this padded length: the plan of the smallest bucket covering it."""
+        for bucket in self.buckets:
+            if padded_length <= bucket.length:
+                return bucket.probed_rows
+        raise ValueError(f"padded length {padded_length} is beyond the plan's {self.buckets[-1].length}")
+
+    def lower(self, padded_length: int, rows: int) -> None:
+        """After an out-of-memory split during a run: never plan more than `rows` at this length."""
+        for bucket in self.buckets:
+            if padded_length <= bucket.length:
+                bucket.probed_rows = min(bucket.probed_rows, rows)
+                return
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> MemoryPlan:
+        data = json.loads(text)
+        data["coefficients"] = MemoryModel(**data["coefficients"])
+        data["buckets"] = [BucketPlan(**bucket) for bucket in data["buckets"]]
+        return cls(**data)
+
+    def to_table(self) -> str:
+        lines = [f"available {format_bytes(self.available_bytes)} · safety {self.safety} · "
+                 f"per row: {self.coefficients.linear_bytes:,.0f} B·L + {self.coefficients.quadratic_bytes:,.1f} B·L² "
+                 f"+ {format_bytes(self.coefficients.base_bytes)} per batch",
+                 "| length | formula rows | probed rows | predicted peak | measured peak | headroom |",
+                 "|---:|---:|---:|---:|---:|---:|"]
+        for b in self.buckets:
+            headroom = 1 - b.measured_peak_bytes / self.available_bytes
+            lines.append(f"| {b.length} | {b.formula_rows:,} | {b.probed_rows:,} | "
+                         f"{format_bytes(b.predicted_peak_bytes)} | {format_bytes(b.measured_peak_bytes)} | "
+                         f"{headroom:.0%} |")
+        return "\n".join(lines)
+
+
+def largest_accepted(upper: int, accept: Callable[[int], bool]) -> int:
+    """The largest rows in 1..upper that `accept`s, by binary search (0 if even 1 fails).
+    Assumes acceptance is monotone: if n rows fit, fewer rows fit too."""
+    low, high = 0, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if accept(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def plan_buckets(model: MemoryModel, available_bytes: int, safety: float, lengths: Sequence[int],
+                 max_batch_rows: int, max_batch_tokens: int | None,
+                 measure: Callable[[int, int], float]) -> list[BucketPlan]:
+    """Formula rows per bucket, capped by the user's limits, then verified with `measure(rows,
+    length) → peak bytes` PROBE_ROUNDS times; shrunk by binary search where a round exceeds."""
+    buckets = []
+    for length in lengths:
+        formula_rows = model.rows_within(available_bytes, safety, length)
+        token_cap = max_batch_tokens // length if max_batch_tokens else formula_rows
+        planned = max(1, min(formula_rows, max_batch_rows, max(1, token_cap)))
+        if buckets:  # longer buckets never get more rows than shorter ones
+            planned = min(planned, max(1, buckets[-1].probed_rows))
+        peaks: dict[int, float] = {}
+
+        def accept(rows: int) -> bool:
+            peaks[rows] = max(measure(rows, length) for _ in range(PROBE_ROUNDS))
+            return peaks[rows] <= available_bytes
+
+        probed = planned if accept(planned) else largest_accepted(planned - 1, accept)
+        buckets.append(BucketPlan(length, formula_rows, planned, probed,
+                                  model.peak_bytes(max(probed, 1), length), peaks.get(max(probed, 1), 0.0)))
+    return buckets
+
+
+# ── the probe: runs on the real device (imports torch) ───────────────────────────────────
+
+
+def probe_memory_plan(job, model, device, available_bytes: int, safety: float, max_length: int,
+                      max_batch_rows: int, max_batch_tokens: int | None) -> MemoryPlan:
+    """Fit the memory model from small forward passes of `model`, then verify every bucket."""
+    import time
+
+    import torch
+
+    from pipeline.device import is_out_of_memory, measure_peak_bytes
+
+    started = time.perf_counter()
+
+    vocab_size = getattr(model.config, "vocab_size", 1000)
+
+    def measure(rows: int, length: int) -> float:
+        """Peak bytes of one forward pass; infinite if it ran out of memory."""
+        input_ids = torch.randint(0, vocab_size, (rows, length), device=device)  # ids do not change memory
+        attention_mask = torch.ones((rows, length), dtype=torch.long, device=device)
+
+        def forward() -> None:
+            with torch.inference_mode():
+                job.forward(model, input_ids, attention_mask)
+
+        try:
+            return measure_peak_bytes(forward, device)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return math.inf
+
+    measure(1, min(8, max_length))  # the first call pays one-off allocations (thread pools, kernels)
+    fit_lengths = sorted({max(1, int(max_length * f)) for f in FIT_LENGTH_FRACTIONS})
+    measurements = [PeakMeasurement(rows, length, measure(rows, length))
+                    for rows in FIT_ROWS for length in fit_lengths]
+    if any(math.isinf(m.peak_bytes) for m in measurements):
+        raise ValueError(f"even the fitting batches ({max(FIT_ROWS)} rows × {max_length} tokens) run out of "
+                         f"memory on {device}; lower --max-length")
+    coefficients = fit_memory_model(measurements)
+    buckets = plan_buckets(coefficients, available_bytes, safety, memory_bucket_lengths(max_length),
+                           max_batch_rows, max_batch_tokens, measure)
+    return MemoryPlan(available_bytes, safety, coefficients, buckets, str(device),
+                      str(next(model.parameters()).dtype).removeprefix("torch."),
+                      round(time.perf_counter() - started, 2))
+
+
+# ── the plan cache: one JSON file per (model, device, dtype, limits, budget, safety, version) ──
+
+
+def default_plan_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lengthwise", "plans")
+
+
+def model_memory_fingerprint(model_path: str) -> str:
+    """What decides a model's memory use: its config and the sizes of its weight files
+    (retrained weights of the same shape reuse the plan)."""
+    digest = hashlib.sha256()
+    folder = Path(model_path)
+    digest.update((folder / "config.json").read_bytes())
+    for weights in sorted(folder.glob("*.safetensors")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    return digest.hexdigest()[:16]
+
+
+def plan_cache_key(**settings) -> tuple[dict, str]:
+    """The settings a plan depends on and a short hash of them (the cache file name)."""
+    from pipeline import __version__
+
+    key = {**settings, "lengthwise": __version__}
+    return key, hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def load_cached_plan(cache_dir: str, key: dict, name: str) -> MemoryPlan | None:
+    path = Path(cache_dir) / f"{name}.json"
+    try:
+        plan = MemoryPlan.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # missing or unreadable: probe again
+    if plan.key != key:
+        return None
+    plan.source = str(path)
+    return plan
+
+
+def save_plan(cache_dir: str, name: str, plan: MemoryPlan) -> str:
+    """Write atomically (temp + rename) so concurrent runs never read half a plan."""
+    path = Path(cache_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_suffix(f".{os.getpid()}.tmp")
+    temp.write_text(plan.to_json() + "\n")
+    os.replace(temp, path)
+    return str(path)

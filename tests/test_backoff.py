@@ -1,0 +1,108 @@
+"""Out-of-memory back-off: halve and retry, lose nothing, compute nothing twice."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import jobs.registry
+from jobs.embed import EmbedJob
+from pipeline.device import forward_splitting_on_oom
+from tests.test_run import run_to_table
+
+
+class OutOfMemoryAbove(EmbedJob):
+    """The embed job on a device that runs out of memory above `max_rows` rows, and for any
+    batch longer than `max_padded_length` even alone. Counts the rows it computed."""
+
+    name = "embed-oom"
+
+    def __init__(self, max_rows: int, max_padded_length: int = 10_000):
+        self.max_rows, self.max_padded_length = max_rows, max_padded_length
+        self.rows_computed = 0
+
+    def forward(self, model, input_ids, attention_mask):
+        rows, length = input_ids.shape
+        if rows > self.max_rows or length > self.max_padded_length:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows * length} units")
+        self.rows_computed += rows
+        return super().forward(model, input_ids, attention_mask)
+
+
+@pytest.fixture
+def oom_job(monkeypatch):
+    def install(**limits):
+        job = OutOfMemoryAbove(**limits)
+        monkeypatch.setitem(jobs.registry.JOBS, job.name, job)
+        return job
+
+    return install
+
+
+def test_split_forward_keeps_row_order_and_computes_each_row_once():
+    seen = []
+
+    def forward(ids, mask):
+        if ids.shape[0] > 3:
+            raise torch.OutOfMemoryError("out of memory")
+        seen.extend(ids[:, 0].tolist())
+        return {"double": ids.float() * 2}
+
+    ids = torch.arange(10).reshape(10, 1)
+    result = forward_splitting_on_oom(forward, ids, torch.ones_like(ids), torch.device("cpu"))
+    assert result.outputs["double"][:, 0].tolist() == [2.0 * i for i in range(10)]
+    assert sorted(seen) == list(range(10)) and len(seen) == 10
+    assert not result.failed.any()
+    assert result.splits == 3  # 10 → 5+5 → (2+3)+(2+3)
+    assert result.largest_ok_rows == 3
+
+
+def test_other_errors_are_not_swallowed():
+    def forward(ids, mask):
+        raise ValueError("a bug, not memory")
+
+    with pytest.raises(ValueError, match="a bug"):
+        forward_splitting_on_oom(forward, torch.zeros(4, 2), torch.zeros(4, 2), torch.device("cpu"))
+
+
+def test_outputs_equal_an_unconstrained_run_and_splits_are_reported(tmp_path, oom_job, baseline, rows_with_bad_ones,
+                                                                    tiny_encoder_path):
+    job = oom_job(max_rows=5)
+    # no memory plan: the batches are sized by the row limit alone, so they do run out of memory
+    output, summary = run_to_table(tmp_path, "oom", rows_with_bad_ones, [200], model=tiny_encoder_path,
+                                   max_length=128, job=job.name, max_batch_rows=64, probe=False)
+    expected, _ = baseline
+    assert output["id"].to_pylist() == expected["id"].to_pylist()
+    assert output["error"].to_pylist() == expected["error"].to_pylist()
+    np.testing.assert_allclose(np.array([v for v in output["embedding"].to_pylist() if v is not None]),
+                               np.array([v for v in expected["embedding"].to_pylist() if v is not None]), atol=2e-5)
+    assert job.rows_computed == 196  # every valid row exactly once
+    assert summary["oom_splits"] > 0
+    assert summary["lowered_batch_rows"] and max(summary["lowered_batch_rows"].values()) <= 5
+
+
+def test_a_row_that_cannot_run_alone_gets_an_error_and_the_run_goes_on(tmp_path, oom_job, rows_with_bad_ones,
+                                                                       tiny_encoder_path):
+    job = oom_job(max_rows=1000, max_padded_length=64)
+    output, summary = run_to_table(tmp_path, "too-long", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
+                                   max_length=128, job=job.name, probe=False)
+    errors = output["error"].to_pylist()
+    too_long = [e for e in errors if e and e.startswith("out of memory even alone")]
+    assert too_long and all(v is None for v, e in zip(output["embedding"].to_pylist(), errors) if e)
+    assert sum(v is not None for v in output["embedding"].to_pylist()) == 196 - len(too_long)
+    assert summary["error_rows"] == 4 + len(too_long) and summary["rows"] == 200
+    assert output["id"].to_pylist() == rows_with_bad_ones["id"].to_pylist()
+
+
+def test_the_probe_shrinks_batches_that_run_out_of_memory_on_the_device(oom_job, tiny_encoder_path):
+    """A device that fails above 5 rows: the probe's binary search lands on 5 for every bucket."""
+    from pipeline.memory import probe_memory_plan
+
+    job = oom_job(max_rows=5)
+    model = job.load(tiny_encoder_path, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="even the fitting batches"):
+        probe_memory_plan(job, model, torch.device("cpu"), 2**30, 1.5, 128, 512, None)
+    job.max_rows = 8  # the fitting grid (2 and 8 rows) fits; bigger batches do not
+    plan = probe_memory_plan(job, model, torch.device("cpu"), 2**30, 1.5, 128, 512, None)
+    assert [b.probed_rows for b in plan.buckets] == [8] * len(plan.buckets)
+    assert plan.buckets[0].planned_rows > 8  # the formula asked for more; later buckets start from 8

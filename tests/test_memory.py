@@ -1,0 +1,152 @@
+"""The memory formula, the fitted memory model, the probe and the plan cache."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.memory import (BucketPlan, MemoryModel, MemoryPlan, PeakMeasurement, batch_rows, fit_memory_model,
+                             largest_accepted, load_cached_plan, memory_bucket_lengths, parse_bytes, plan_buckets,
+                             save_plan)
+
+GIB, MIB = 2**30, 2**20
+
+
+def test_importable_without_torch():
+    code = "import sys, pipeline.memory; assert 'torch' not in sys.modules, 'memory imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_worked_example_from_practice():
+    # 24 GiB available, 384 MiB worst-case activation per sample, safety 1.5 → 42 rows
+    assert batch_rows(24 * GIB, 384 * MIB, 1.5) == 42
+    assert batch_rows(24 * GIB, 384 * MIB, 1.0) == 64
+    assert batch_rows(100, 384 * MIB, 1.5) == 0
+
+
+def test_safety_must_stay_in_range():
+    with pytest.raises(ValueError, match="safety"):
+        batch_rows(GIB, MIB, 0.9)
+    with pytest.raises(ValueError, match="safety"):
+        batch_rows(GIB, MIB, 4.5)
+
+
+@pytest.mark.parametrize("text, expected", [("4GiB", 4 * GIB), ("512MiB", 512 * MIB), ("2GB", 2 * 10**9),
+                                            ("1.5 GiB", int(1.5 * GIB)), ("1000", 1000), (77, 77)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_parse_bytes_rejects_nonsense():
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
+
+
+def test_fit_recovers_known_coefficients_from_noisy_measurements():
+    truth = MemoryModel(base_bytes=3 * MIB, linear_bytes=40_000, quadratic_bytes=200)
+    rng = np.random.default_rng(0)
+    measurements = [PeakMeasurement(r, length, truth.peak_bytes(r, length) * (1 + rng.normal(0, 0.01)))
+                    for r in (2, 8, 32) for length in (64, 128, 256)]
+    fitted = fit_memory_model(measurements)
+    assert fitted.linear_bytes == pytest.approx(truth.linear_bytes, rel=0.1)
+    assert fitted.quadratic_bytes == pytest.approx(truth.quadratic_bytes, rel=0.15)
+    for rows, length in ((16, 100), (64, 256)):
+        assert fitted.peak_bytes(rows, length) == pytest.approx(truth.peak_bytes(rows, length), rel=0.03)
+
+
+def test_fit_never_returns_negative_coefficients():
+    # purely linear memory with a little noise would give a tiny negative L² term in plain least squares
+    measurements = [PeakMeasurement(r, length, 1000 * r * length + (7 if r == 8 else -7))
+                    for r in (2, 8) for length in (64, 128, 256)]
+    fitted = fit_memory_model(measurements)
+    assert min(fitted.base_bytes, fitted.linear_bytes, fitted.quadratic_bytes) >= 0
+    assert fitted.linear_bytes == pytest.approx(1000, rel=0.01)
+
+
+def test_fit_refuses_flat_measurements():
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_memory_model([PeakMeasurement(r, 64, 5000.0) for r in (1, 2, 4)])
+
+
+MODEL = MemoryModel(base_bytes=MIB, linear_bytes=50_000, quadratic_bytes=100)
+
+
+def test_longer_buckets_never_get_more_rows():
+    rows = [MODEL.rows_within(2 * GIB, 1.5, length) for length in memory_bucket_lengths(512)]
+    assert rows == sorted(rows, reverse=True) and rows[-1] > 0
+
+
+def test_half_the_budget_gives_about_half_the_rows():
+    for length in (64, 256, 512):
+        full, half = MODEL.rows_within(8 * GIB, 1.5, length), MODEL.rows_within(4 * GIB, 1.5, length)
+        assert half == pytest.approx(full / 2, abs=1)
+
+
+def test_bucket_lengths_are_multiples_of_eight_up_to_max_length():
+    assert memory_bucket_lengths(256) == [32, 64, 96, 128, 160, 192, 224, 256]
+    assert memory_bucket_lengths(20) == [8, 16, 20]
+
+
+def test_largest_accepted_is_a_binary_search():
+    calls = []
+
+    def accept(rows):
+        calls.append(rows)
+        return rows <= 37
+
+    assert largest_accepted(100, accept) == 37
+    assert len(calls) <= 8
+    assert largest_accepted(100, lambda rows: False) == 0
+
+
+def test_plan_buckets_shrinks_where_the_device_says_no():
+    # the "device" needs twice what the model predicts above 128 tokens
+    def measure(rows, length):
+        return MODEL.peak_bytes(rows, length) * (2.0 if length > 128 else 1.0)
+
+    buckets = plan_buckets(MODEL, GIB, 1.5, [64, 128, 256], max_batch_rows=100_000, max_batch_tokens=None,
+                           measure=measure)
+    by_length = {b.length: b for b in buckets}
+    assert by_length[64].probed_rows == by_length[64].planned_rows  # formula was right
+    assert by_length[256].probed_rows < by_length[256].planned_rows  # shrunk
+    assert measure(by_length[256].probed_rows, 256) <= GIB < measure(by_length[256].probed_rows + 1, 256)
+    assert by_length[256].measured_peak_bytes <= GIB
+
+
+def test_plan_buckets_respects_token_and_row_caps():
+    buckets = plan_buckets(MODEL, 8 * GIB, 1.5, [64, 256], max_batch_rows=50, max_batch_tokens=4096,
+                           measure=lambda rows, length: MODEL.peak_bytes(rows, length))
+    assert [(b.planned_rows, b.probed_rows) for b in buckets] == [(50, 50), (16, 16)]
+
+
+def test_plan_cache_round_trip_and_key_mismatch(tmp_path):
+    plan = MemoryPlan(GIB, 1.5, MODEL, [BucketPlan(64, 10, 8, 8, 1.0, 2.0)], key={"model": "x"})
+    save_plan(str(tmp_path), "abc", plan)
+    loaded = load_cached_plan(str(tmp_path), {"model": "x"}, "abc")
+    assert loaded.buckets == plan.buckets and loaded.coefficients == MODEL
+    assert loaded.source.endswith("abc.json")
+    assert load_cached_plan(str(tmp_path), {"model": "y"}, "abc") is None
+    assert load_cached_plan(str(tmp_path), {"model": "x"}, "missing") is None
+    assert plan.rows_for(10) == 8
+    with pytest.raises(ValueError):
+        plan.rows_for(65)
+
+
+@pytest.mark.slow
+def test_cpu_probe_on_a_tiny_model_shrinks_under_a_tight_budget(tiny_encoder_path):
+    from jobs.registry import get_job
+    from pipeline.memory import probe_memory_plan
+
+    job = get_job("embed")
+    model = job.load(tiny_encoder_path, torch.device("cpu"), torch.float32)
+    roomy = probe_memory_plan(job, model, torch.device("cpu"), 2 * GIB, 1.5, 256, 4096, None)
+    budget = 16 * MIB
+    tight = probe_memory_plan(job, model, torch.device("cpu"), budget, 1.5, 256, 4096, None)
+    assert roomy.coefficients.linear_bytes + roomy.coefficients.quadratic_bytes > 0
+    for small, large in zip(tight.buckets, roomy.buckets):
+        assert small.probed_rows < large.probed_rows
+        assert small.measured_peak_bytes <= budget
+    rows = [b.probed_rows for b in tight.buckets]
+    assert rows == sorted(rows, reverse=True)
