@@ -21,8 +21,8 @@ def uses_sigmoid(config) -> bool:
 class ClassifyJob:
     name = "classify"
 
-    def load(self, model_path, device, dtype):
-        return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype)
+    def load(self, model_path, device, dtype, **loading):
+        return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype, **loading)
 
     def forward(self, model, input_ids, attention_mask):
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()

@@ -17,8 +17,8 @@ from jobs.base import fixed_size_list, load_pretrained
 class EmbedJob:
     name = "embed"
 
-    def load(self, model_path, device, dtype):
-        return load_pretrained(AutoModel, model_path, device, dtype)
+    def load(self, model_path, device, dtype, **loading):
+        return load_pretrained(AutoModel, model_path, device, dtype, may_be_missing=("pooler.",), **loading)
 
     def forward(self, model, input_ids, attention_mask):
         hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()

@@ -6,6 +6,7 @@ memory follows the batch size, never the shard or dataset size.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import UsageError
+from pipeline.errors import UsageError, is_transient, retry_transient
 
 GLOB_CHARACTERS = "*?["
 
@@ -25,6 +26,7 @@ class Shard:
     url: str
     stem: str
     num_rows: int
+    problem: str | None = None  # why it cannot be read: it fails alone, the other shards run
 
 
 @dataclass(frozen=True)
@@ -36,24 +38,38 @@ class RowBlock:
     ids: pa.Array
     texts: pa.Array
     is_last_of_shard: bool
+    failure: str | None = None  # set on a row-less block: this shard broke here, drop all of it
 
     @property
     def num_rows(self) -> int:
         return len(self.ids)
 
 
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _expand(pattern: str, storage_options: dict) -> list[str]:
     """URLs of the Parquet files a directory, glob or file names, with their protocol kept."""
-    fs, path = fsspec.core.url_to_fs(pattern, **storage_options)
-    if any(ch in path for ch in GLOB_CHARACTERS):
-        paths = [p for p in fs.glob(path) if not fs.isdir(p)]
-    elif fs.isdir(path):
-        paths = [p for p in fs.find(path) if p.endswith(".parquet")
-                 and not any(part.startswith(("_", ".")) for part in p[len(path.rstrip("/")):].split("/"))]
-    elif fs.exists(path):
-        paths = [path]
-    else:
-        raise UsageError(f"input {pattern!r} does not exist; check --input")
+    return retry_transient(lambda: _expand_once(pattern, storage_options), f"listing {pattern}", log=_log)
+
+
+def _expand_once(pattern: str, storage_options: dict) -> list[str]:
+    try:
+        fs, path = fsspec.core.url_to_fs(pattern, **storage_options)
+        if any(ch in path for ch in GLOB_CHARACTERS):
+            paths = [p for p in fs.glob(path) if not fs.isdir(p)]
+        elif fs.isdir(path):
+            paths = [p for p in fs.find(path) if p.endswith(".parquet")
+                     and not any(part.startswith(("_", ".")) for part in p[len(path.rstrip("/")):].split("/"))]
+        elif fs.exists(path):
+            paths = [path]
+        else:
+            raise UsageError(f"input {pattern!r} does not exist; check --input")
+    except (ImportError, ValueError, OSError) as error:  # unknown protocol, missing backend, no permission
+        if is_transient(error):
+            raise
+        raise UsageError(f"cannot list input {pattern!r}: {error}; check --input and --storage-option") from error
     return sorted(fs.unstrip_protocol(p) for p in paths)
 
 
@@ -62,13 +78,18 @@ def _stem(url: str) -> str:
     return name[: -len(".parquet")] if name.endswith(".parquet") else name
 
 
+
+TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
+
+
 def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
                 storage_options: dict | None = None) -> list[Shard]:
     """Every shard named by `inputs`, in order, with its row count from the Parquet footer.
 
-    Reads only footers. Fails with a UsageError naming the flag to change when nothing
-    matches, a file is not Parquet, a column is missing, or two shards would write the
-    same output file.
+    Reads only footers. A shard that is not Parquet, lacks a column or has a text column of
+    the wrong type gets a `problem` and fails alone. When every shard has one, or nothing
+    matches, or two shards would write the same output file, it is a usage error naming the
+    flag to change.
     """
     storage_options = storage_options or {}
     urls: list[str] = []
@@ -80,47 +101,84 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
     shards = []
     stems: dict[str, str] = {}
     for url in urls:
-        schema, num_rows = _read_footer(url, storage_options)
-        for column, flag in ((id_column, "--id-column"), (text_column, "--text-column")):
-            if column not in schema.names:
-                raise UsageError(f"shard {url} has no column {column!r} (columns: "
-                                 f"{', '.join(schema.names)}); set {flag}")
         stem = _stem(url)
+        if stem in ("", ".", ".."):
+            raise UsageError(f"input {url} has no usable file name for its output; rename it")
         if stem in stems:
             raise UsageError(f"shards {stems[stem]} and {url} would both write {stem}.parquet; "
                              "give --input files with distinct names")
         stems[stem] = url
-        shards.append(Shard(url=url, stem=stem, num_rows=num_rows))
+        shards.append(_inspect_shard(url, stem, id_column, text_column, storage_options))
+    problems = [shard.problem for shard in shards if shard.problem]
+    if len(problems) == len(shards):
+        more = f" (and {len(problems) - 1} more shards fail)" if len(problems) > 1 else ""
+        raise UsageError(problems[0] + more)
     return shards
 
 
-def _read_footer(url: str, storage_options: dict) -> tuple[pa.Schema, int]:
-    try:
+def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storage_options: dict) -> Shard:
+    """The shard with its footer's row count, or with the problem that stops it being read."""
+    def read_footer():
         with fsspec.open(url, "rb", **storage_options) as f:
-            metadata = pq.ParquetFile(f).metadata
-            return metadata.schema.to_arrow_schema(), metadata.num_rows
+            return pq.ParquetFile(f).metadata
+
+    try:
+        metadata = retry_transient(read_footer, f"reading the footer of {url}", log=_log)
+        schema, num_rows = metadata.schema.to_arrow_schema(), metadata.num_rows
     except (pa.ArrowInvalid, OSError) as error:
-        raise UsageError(f"cannot read {url} as Parquet ({error}); check --input") from error
+        return Shard(url, stem, 0, f"cannot read {url} as Parquet ({error}); check --input")
+    for column, flag in ((id_column, "--id-column"), (text_column, "--text-column")):
+        if column not in schema.names:
+            return Shard(url, stem, num_rows, f"shard {url} has no column {column!r} (columns: "
+                                              f"{', '.join(schema.names)}); set {flag}")
+    text_type = schema.field(text_column).type
+    if text_type not in TEXT_TYPES:
+        return Shard(url, stem, num_rows, f"shard {url}: text column {text_column!r} is {text_type}, not a "
+                                          "string; set --text-column to a string column")
+    return Shard(url, stem, num_rows)
 
 
-def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str,
-                block_rows: int, storage_options: dict | None = None) -> Iterator[RowBlock]:
-    """Stream every shard's rows in order as RowBlocks of at most `block_rows` rows."""
+class ShardError(Exception):
+    """This shard cannot be read; the message says why."""
+
+
+def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block_rows: int,
+                storage_options: dict | None = None) -> Iterator[RowBlock]:
+    """Stream every shard's rows in order as RowBlocks of at most `block_rows` rows.
+
+    A shard with a `problem`, or one that breaks while being read, ends with a row-less
+    block whose `failure` says why, in stream order, and never with its last block, so its
+    output is never committed; the next shard follows.
+    """
     storage_options = storage_options or {}
     for shard_index, shard in enumerate(shards):
-        first_row = 0
-        with fsspec.open(shard.url, "rb", **storage_options) as f:
-            parquet = pq.ParquetFile(f)
-            pending = None
-            for record_batch in parquet.iter_batches(batch_size=block_rows, columns=[id_column, text_column]):
-                if pending is not None:
-                    yield pending
-                pending = RowBlock(shard_index, first_row, record_batch.column(0), record_batch.column(1), False)
-                first_row += record_batch.num_rows
-            if pending is None:  # an empty shard still gets its (empty) output file
-                schema = parquet.schema_arrow
-                pending = RowBlock(shard_index, 0, pa.array([], schema.field(id_column).type),
-                                   pa.array([], schema.field(text_column).type), False)
-        if first_row != shard.num_rows:
-            raise RuntimeError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")
-        yield RowBlock(pending.shard_index, pending.first_row, pending.ids, pending.texts, True)
+        try:
+            if shard.problem:
+                raise ShardError(shard.problem)
+            yield from _read_shard(shard_index, shard, id_column, text_column, block_rows, storage_options)
+        except (ShardError, pa.ArrowException, OSError, EOFError) as error:
+            reason = str(error) if isinstance(error, ShardError) else \
+                f"reading {shard.url} failed: {type(error).__name__}: {error}"
+            nothing = pa.array([], pa.string())
+            yield RowBlock(shard_index, 0, nothing, nothing, False, failure=reason)
+
+
+def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str, block_rows: int,
+                storage_options: dict) -> Iterator[RowBlock]:
+    first_row = 0
+    with fsspec.open(shard.url, "rb", **storage_options) as f:
+        parquet = pq.ParquetFile(f)
+        pending = None
+        for record_batch in parquet.iter_batches(batch_size=block_rows, columns=[id_column, text_column]):
+            if pending is not None:
+                yield pending
+            pending = RowBlock(shard_index, first_row, record_batch.column(id_column),
+                               record_batch.column(text_column), False)
+            first_row += record_batch.num_rows
+        if pending is None:  # an empty shard still gets its (empty) output file
+            schema = parquet.schema_arrow
+            pending = RowBlock(shard_index, 0, pa.array([], schema.field(id_column).type),
+                               pa.array([], schema.field(text_column).type), False)
+    if first_row != shard.num_rows:
+        raise ShardError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")
+    yield RowBlock(pending.shard_index, pending.first_row, pending.ids, pending.texts, True)

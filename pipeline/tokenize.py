@@ -9,8 +9,12 @@ per-token Python objects. A text that cannot be tokenized becomes a row error.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
+import signal
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,11 +50,11 @@ class EncodedRows:
         return len(self.errors)
 
 
-def load_tokenizer_spec(model_path: str, max_length: int) -> TokenizerSpec:
+def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: bool = False) -> TokenizerSpec:
     """Load the model's fast tokenizer once, truncating at max_length and never padding."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise RuntimeError(f"{model_path} has no fast tokenizer (tokenizer.json); lengthwise needs one")
@@ -60,39 +64,59 @@ def load_tokenizer_spec(model_path: str, max_length: int) -> TokenizerSpec:
     return TokenizerSpec(backend.to_str(), max_length, int(pad_token_id))
 
 
-def row_error(text) -> str | None:
-    """Why a text value cannot be tokenized, or None if it can."""
-    if text is None:
-        return "text is null"
-    if not isinstance(text, str):
-        return f"text is a {type(text).__name__}, not a string"
-    if not text.strip():
-        return "text is empty or whitespace only"
-    return None
+def check_text(value) -> tuple[str | None, str | None]:
+    """(the text to tokenize, None) or (None, why this value cannot be tokenized).
+    Bytes (a binary text column) are decoded as UTF-8."""
+    if value is None:
+        return None, "text is null"
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return None, f"text is not valid UTF-8 (byte {error.start}: {value[error.start:error.start + 4]!r})"
+    if not isinstance(value, str):
+        return None, f"text is a {type(value).__name__}, not a string"
+    if not value.strip():
+        return None, "text is empty or whitespace only"
+    return value, None
 
 
 _worker_tokenizer = None
 
 
-def _init_worker(spec: TokenizerSpec) -> None:
+def _init_worker(spec: TokenizerSpec, in_worker: bool = True) -> None:
     global _worker_tokenizer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallelism comes from the pool
+    if in_worker:
+        # Ctrl-C and a group SIGTERM reach the workers too; the parent decides how to stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallelism comes from the pool
+        threading.Thread(target=_exit_with_parent, name="lengthwise-parent-watch", daemon=True).start()
     from tokenizers import Tokenizer
 
     _worker_tokenizer = Tokenizer.from_str(spec.tokenizer_json)
 
 
+def _exit_with_parent() -> None:
+    """A worker whose parent died (even by SIGKILL) exits instead of waiting forever."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
+
+
 def encode_texts(texts: Sequence) -> EncodedRows:
     """Tokenize one chunk of texts with this process's tokenizer (set by _init_worker)."""
     started = time.perf_counter()
-    errors = [row_error(text) for text in texts]
-    good = [text for text, error in zip(texts, errors) if error is None]
+    checked = [check_text(value) for value in texts]
+    errors = [error for _, error in checked]
+    good = [text for text, error in checked if error is None]
     encodings = _worker_tokenizer.encode_batch(good) if good else []
     lengths = np.zeros(len(texts), dtype=np.int64)
     truncated = np.zeros(len(texts), dtype=bool)
     good_positions = np.flatnonzero(np.array([e is None for e in errors], dtype=bool))
     lengths[good_positions] = [len(e.ids) for e in encodings]
     truncated[good_positions] = [bool(e.overflowing) for e in encodings]
+    for position in good_positions[lengths[good_positions] == 0]:  # e.g. only zero-width characters
+        errors[position] = "text has no tokens"
     token_ids = np.fromiter((t for e in encodings for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started)
@@ -114,33 +138,40 @@ class TokenizerPool:
     """A pool of tokenizer processes (spawned, never forked); workers=0 tokenizes in-process.
 
     `submit` returns at once so tokenizing the next window overlaps the model running on
-    the current one; `result` waits for it.
+    the current one; `result` waits for it. A worker that dies (OOM killer, crash) fails
+    the waiting `result` with BrokenProcessPool instead of hanging the run.
     """
 
     def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int = CHUNK_ROWS):
         self.spec = spec
         self.chunk_rows = chunk_rows
-        self._pool = None
+        self._executor = None
         if workers > 0:
-            context = multiprocessing.get_context("spawn")
-            self._pool = context.Pool(workers, initializer=_init_worker, initargs=(spec,))
+            self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_init_worker, initargs=(spec,))
         else:
-            _init_worker(spec)
+            _init_worker(spec, in_worker=False)
 
     def submit(self, texts: list) -> list:
         chunks = [texts[i:i + self.chunk_rows] for i in range(0, len(texts), self.chunk_rows)]
-        if self._pool is None:
+        if self._executor is None:
             return [encode_texts(chunk) for chunk in chunks]
-        return [self._pool.apply_async(encode_texts, (chunk,)) for chunk in chunks]
+        return [self._executor.submit(encode_texts, chunk) for chunk in chunks]
 
     def result(self, pending: list) -> EncodedRows:
-        return concat_encoded([p if self._pool is None else p.get() for p in pending])
+        return concat_encoded([p if self._executor is None else p.result() for p in pending])
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        """Stop the workers now; a waiting `result` then fails rather than blocks."""
+        if self._executor is None:
+            return
+        executor, self._executor = self._executor, None
+        processes = list((executor._processes or {}).values())  # no public terminate before Python 3.14
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.kill()  # workers ignore SIGTERM (see _init_worker)
+        for process in processes:
+            process.join(timeout=5)
 
     def __enter__(self) -> TokenizerPool:
         return self
