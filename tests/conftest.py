@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,9 +14,18 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# memory plans cached by test runs go to a scratch directory, not the user's ~/.cache
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lengthwise-test-cache-")
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "sample_data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+@pytest.fixture(autouse=True)
+def no_lengthwise_environment(monkeypatch):
+    """LENGTHWISE_* variables of the shell that runs the tests must not change what they test."""
+    for name in [n for n in os.environ if n.startswith("LENGTHWISE_")]:
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +78,36 @@ def write_shards(directory: Path, table: pa.Table, sizes: list[int], prefix: str
         start += size
     assert start == table.num_rows, "sizes must add up to the table's rows"
     return paths
+
+
+@pytest.fixture(scope="session")
+def rows_with_bad_ones(sample_table) -> pa.Table:
+    """The shipped sample with null, empty and whitespace texts mixed in."""
+    texts = sample_table["text"].to_pylist()[:200]
+    for position, bad in ((0, None), (17, ""), (99, "   \n"), (150, None)):
+        texts[position] = bad
+    return pa.table({"id": sample_table["id"].to_pylist()[:200], "text": pa.array(texts, pa.string())})
+
+
+def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, dict]:
+    """Run the pipeline over `table` split into shards of `sizes`; the concatenated outputs and
+    the summary. Checks one output per shard, row counts and that no temporary file is left."""
+    from pipeline.config import RunConfig
+    from pipeline.run import run_job
+
+    write_shards(tmp_path / f"{name}-in", table, sizes)
+    output = tmp_path / f"{name}-out"
+    settings.setdefault("tokenize_workers", 0)
+    config = RunConfig(input=(str(tmp_path / f"{name}-in"),), output=str(output), progress=False, **settings)
+    summary = run_job(config)
+    files = sorted(output.glob("*.parquet"))
+    assert [f.stem for f in files] == [f"part-{i:05d}" for i in range(len(sizes))]
+    assert [pq.read_metadata(f).num_rows for f in files] == sizes
+    assert not list(output.glob(".*")), "a temporary file was left behind"
+    return pa.concat_tables(pq.read_table(f) for f in files), json.loads(summary.to_json())
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory, rows_with_bad_ones, tiny_encoder_path):
+    return run_to_table(tmp_path_factory.mktemp("baseline"), "base", rows_with_bad_ones, [200],
+                        model=tiny_encoder_path, max_length=128)

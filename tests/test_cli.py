@@ -107,3 +107,10 @@ def test_console_script_runs_the_demo_config_offline(tmp_path, tiny_encoder_path
     assert outputs == ["stdlib-docs-00000.parquet", "stdlib-docs-00001.parquet"]
     rows = sum(pq.read_metadata(tmp_path / "o" / name).num_rows for name in outputs)
     assert rows == 400 == json.loads((tmp_path / "s.json").read_text())["rows"]
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_use_only_known_keys(config):
+    # --config and --help are eager: the file is read (an unknown key fails) and nothing runs
+    result = CliRunner().invoke(cli, ["run", "--config", str(config), "--help"])
+    assert result.exit_code == 0, result.output

@@ -1,39 +1,13 @@
 """The whole pipeline: every row once, in order, and outputs that do not depend on batching."""
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import RunConfig
-from pipeline.run import group_into_windows, run_job
+from pipeline.run import group_into_windows
 from pipeline.source import RowBlock
-from tests.conftest import write_shards
-
-
-@pytest.fixture(scope="module")
-def rows_with_bad_ones(sample_table) -> pa.Table:
-    """The shipped sample with null, empty and whitespace texts mixed in."""
-    texts = sample_table["text"].to_pylist()[:200]
-    for position, bad in ((0, None), (17, ""), (99, "   \n"), (150, None)):
-        texts[position] = bad
-    return pa.table({"id": sample_table["id"].to_pylist()[:200], "text": pa.array(texts, pa.string())})
-
-
-def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, dict]:
-    write_shards(tmp_path / f"{name}-in", table, sizes)
-    output = tmp_path / f"{name}-out"
-    settings.setdefault("tokenize_workers", 0)
-    config = RunConfig(input=(str(tmp_path / f"{name}-in"),), output=str(output), progress=False, **settings)
-    summary = run_job(config)
-    files = sorted(output.glob("*.parquet"))
-    assert [f.stem for f in files] == [f"part-{i:05d}" for i in range(len(sizes))]
-    assert [pq.read_metadata(f).num_rows for f in files] == sizes
-    assert not list(output.glob(".*")), "a temporary file was left behind"
-    return pa.concat_tables(pq.read_table(f) for f in files), json.loads(summary.to_json())
-
+from tests.conftest import run_to_table
 
 SETTINGS = {
     "one row at a time": dict(max_batch_rows=1),
@@ -43,12 +17,6 @@ SETTINGS = {
     "two tokenizer workers": dict(tokenize_workers=2, window_rows=64),
 }
 LAYOUTS = {"one shard": [200], "three shards": [60, 70, 70], "with a tiny and an empty shard": [1, 99, 0, 100]}
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory, rows_with_bad_ones, tiny_encoder_path):
-    return run_to_table(tmp_path_factory.mktemp("baseline"), "base", rows_with_bad_ones, [200],
-                        model=tiny_encoder_path, max_length=128)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.tokenize import TokenizerPool, load_tokenizer_spec, row_error
+from pipeline.tokenize import TokenizerPool, check_text, load_tokenizer_spec
 
 TEXTS = ["A short one.", "word " * 400, None, "   ", "Ünïcödé and emoji 🙂 text", "", "last row"]
 
@@ -34,11 +34,28 @@ def test_ids_match_the_hf_tokenizer_and_bad_rows_become_errors(spec, minilm_path
     assert encoded.encode_s > 0
 
 
-def test_row_error_kinds():
-    assert row_error("fine") is None
-    assert row_error(None) == "text is null"
-    assert row_error(3) == "text is a int, not a string"
-    assert row_error("\n\t ") == "text is empty or whitespace only"
+def test_check_text_kinds():
+    assert check_text("fine") == ("fine", None)
+    assert check_text("naïve".encode()) == ("naïve", None)
+    assert check_text(None) == (None, "text is null")
+    assert check_text(3) == (None, "text is a int, not a string")
+    assert check_text("\n\t ") == (None, "text is empty or whitespace only")
+    text, error = check_text(b"ok \xff\xfe bytes")
+    assert text is None and error.startswith("text is not valid UTF-8 (byte 3")
+
+
+def test_text_without_tokens_is_a_row_error(spec):
+    import dataclasses
+    import json
+
+    # the same tokenizer without [CLS]/[SEP]: a zero-width space survives strip() but has no tokens
+    without_special = json.loads(spec.tokenizer_json)
+    without_special["post_processor"] = None
+    bare = dataclasses.replace(spec, tokenizer_json=json.dumps(without_special))
+    with TokenizerPool(bare, workers=0) as pool:
+        encoded = pool.result(pool.submit(["\u200b", "word"]))
+    assert encoded.errors == ["text has no tokens", None]
+    assert encoded.lengths.tolist() == [0, 1]
 
 
 def test_spec_disables_padding_and_keeps_pad_id(spec):

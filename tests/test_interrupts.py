@@ -1,0 +1,101 @@
+"""Killing a run at any moment loses nothing: signals, SIGKILL and resume, orphan workers."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import write_shards
+
+LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
+
+
+@pytest.fixture(scope="module")
+def many_rows(sample_table) -> pa.Table:
+    """2,400 rows: the sample six times, with unique ids."""
+    parts = [pa.table({"id": [f"{k}/{i}" for i in sample_table["id"].to_pylist()], "text": sample_table["text"]})
+             for k in range(6)]
+    return pa.concat_tables(parts)
+
+
+def command(inputs, output, model, *extra):
+    # one row per batch and small windows: many small steps and a commit every few windows,
+    # so a signal lands in the middle of the work, not after the last forward
+    return [LENGTHWISE, "run", "--input", str(inputs), "--output", str(output), "--model", model,
+            "--max-length", "64", "--max-batch-rows", "1", "--window-rows", "100", "--no-progress",
+            "--no-probe", *extra]
+
+
+def outputs(directory) -> dict[str, list]:
+    return {p.name: pq.read_table(p).to_pylist() for p in sorted(Path(directory).glob("*.parquet"))}
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory, many_rows, tiny_encoder_path):
+    base = tmp_path_factory.mktemp("clean")
+    write_shards(base / "in", many_rows, [400] * 6)
+    subprocess.run(command(base / "in", base / "out", tiny_encoder_path, "--tokenize-workers", "0"), check=True,
+                   capture_output=True, timeout=300)
+    return base / "in", outputs(base / "out")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_with_143_and_a_rerun_finishes(tmp_path, clean_run, tiny_encoder_path):
+    inputs, expected = clean_run
+    process = subprocess.Popen(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    markers = tmp_path / "out" / "_lengthwise" / "shards"
+    assert wait_for(lambda: markers.exists() and any(markers.iterdir()), 120), "no shard was committed"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert "interrupted by SIGTERM" in stderr
+    assert not list((tmp_path / "out").glob(".*.tmp")), "a temporary file survived"
+    assert not (tmp_path / "out" / "_lengthwise" / "lock").exists()
+    done_before = len(list(markers.iterdir()))
+    rerun = subprocess.run(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"),
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{done_before} of 6 shards already done, resuming" in rerun.stderr
+    assert outputs(tmp_path / "out") == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkill_at_a_random_moment_then_rerun_equals_a_clean_run(tmp_path, clean_run, tiny_encoder_path, seed):
+    inputs, expected = clean_run
+    delay_s = random.Random(seed).uniform(3.0, 9.0)  # from model loading to the middle of the shards
+    process = subprocess.Popen(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "1"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(delay_s)
+    workers = [child.pid for child in psutil.Process(process.pid).children(recursive=True)]
+    process.kill()
+    process.wait()
+    # tokenizer workers notice their parent is gone and exit: no orphans
+    assert wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                                    for pid in workers), 20), f"orphaned workers {workers}"
+    # the lock of the killed run is stale and is taken over
+    rerun = subprocess.run(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"),
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert outputs(tmp_path / "out") == expected
+    assert not list((tmp_path / "out").glob(".*.tmp")), "the rerun left a killed run's temporary file"
+    visible = sorted(p.name for p in (tmp_path / "out").glob("*.parquet"))
+    assert visible == sorted(expected)

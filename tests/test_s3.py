@@ -1,0 +1,125 @@
+"""Input and output on S3 through fsspec/s3fs, against a real S3-compatible server (moto) on
+loopback: a full run, a kill and resume, and a corrupt shard."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+moto_server = pytest.importorskip("moto.server")
+s3fs = pytest.importorskip("s3fs")
+
+LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def endpoint(monkeypatch_module):
+    for name, value in CREDENTIALS.items():
+        monkeypatch_module.setenv(name, value)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture
+def bucket(endpoint, request, sample_table):
+    """A fresh bucket with three 40-row shards under in/."""
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
+    name = "lw-" + request.node.name.lower().replace("_", "-")[:40]
+    fs.mkdir(name)
+    for index in range(3):
+        with fs.open(f"{name}/in/part-{index:05d}.parquet", "wb") as f:
+            pq.write_table(sample_table.slice(40 * index, 40), f)
+    fs.invalidate_cache()
+    return fs, name
+
+
+def run_args(endpoint, bucket_name, model, *extra):
+    return ["run", "--input", f"s3://{bucket_name}/in/", "--output", f"s3://{bucket_name}/out/", "--model", model,
+            "--storage-option", f"endpoint_url={endpoint}", "--max-length", "64", "--no-progress",
+            "--tokenize-workers", "0", *extra]
+
+
+def read_outputs(fs, bucket_name) -> dict[str, list]:
+    fs.invalidate_cache()
+    return {path.rsplit("/", 1)[-1]: pq.read_table(path, filesystem=fs).to_pylist()
+            for path in sorted(fs.glob(f"{bucket_name}/out/*.parquet"))}
+
+
+def test_full_run_on_s3(bucket, endpoint, tiny_encoder_path, sample_table):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    fs, name = bucket
+    result = CliRunner().invoke(cli, run_args(endpoint, name, tiny_encoder_path))
+    assert result.exit_code == 0, result.output
+    outputs = read_outputs(fs, name)
+    assert sorted(outputs) == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    ids = [row["id"] for shard in outputs.values() for row in shard]
+    assert ids == sample_table["id"].to_pylist()[:120]
+    assert not fs.glob(f"{name}/out/.*")
+    markers = fs.glob(f"{name}/out/_lengthwise/shards/*.json")
+    assert len(markers) == 3
+    run_json = json.loads(fs.cat(f"{name}/out/_lengthwise/run.json"))
+    assert run_json["config"]["storage_options"] == {"endpoint_url": endpoint}
+    status = CliRunner().invoke(cli, ["status", "--output", f"s3://{name}/out/", "--storage-option",
+                                      f"endpoint_url={endpoint}", "--json"])
+    assert json.loads(status.output)["done"] == 3
+
+
+def test_corrupt_shard_on_s3_fails_alone(bucket, endpoint, tiny_encoder_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    fs, name = bucket
+    fs.pipe(f"{name}/in/part-00001.parquet", b"PAR1 not really")
+    result = CliRunner().invoke(cli, run_args(endpoint, name, tiny_encoder_path))
+    assert result.exit_code == 1
+    assert sorted(read_outputs(fs, name)) == ["part-00000.parquet", "part-00002.parquet"]
+    marker = json.loads(fs.cat(f"{name}/out/_lengthwise/shards/part-00001.json"))
+    assert marker["status"] == "failed" and "cannot read" in marker["error"]
+
+
+@pytest.mark.slow
+def test_kill_and_resume_on_s3(bucket, endpoint, tiny_encoder_path):
+    fs, name = bucket
+    env = {**__import__("os").environ, **CREDENTIALS}
+    clean = subprocess.run([LENGTHWISE, *run_args(endpoint, name, tiny_encoder_path, "--max-batch-rows", "1")],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr
+    expected = read_outputs(fs, name)
+    fs.rm(f"{name}/out", recursive=True)
+    process = subprocess.Popen([LENGTHWISE, *run_args(endpoint, name, tiny_encoder_path, "--max-batch-rows", "1")],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        fs.invalidate_cache()
+        if fs.glob(f"{name}/out/_lengthwise/shards/*.json"):
+            break
+        time.sleep(0.1)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    rerun = subprocess.run([LENGTHWISE, *run_args(endpoint, name, tiny_encoder_path, "--max-batch-rows", "1")],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "already done, resuming" in rerun.stderr
+    assert read_outputs(fs, name) == expected
