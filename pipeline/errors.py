@@ -35,6 +35,11 @@ def is_transient(error: BaseException) -> bool:
     return any(marker in text for marker in TRANSIENT_MARKERS)
 
 
+def backoff_delay_s(attempt: int, base_delay_s: float = 0.5, max_delay_s: float = 20.0) -> float:
+    """Exponential backoff with full jitter: uniform in [0, min(max, base·2^(attempt−1))]."""
+    return random.uniform(0, min(max_delay_s, base_delay_s * 2 ** (attempt - 1)))
+
+
 def retry_transient(operation: Callable[[], T], what: str, attempts: int = 5, base_delay_s: float = 0.5,
                     max_delay_s: float = 20.0, sleep: Callable[[float], None] = time.sleep,
                     log: Callable[[str], None] | None = None) -> T:
@@ -46,7 +51,7 @@ def retry_transient(operation: Callable[[], T], what: str, attempts: int = 5, ba
         except Exception as error:
             if attempt == attempts or not is_transient(error):
                 raise
-            delay = random.uniform(0, min(max_delay_s, base_delay_s * 2 ** (attempt - 1)))
+            delay = backoff_delay_s(attempt, base_delay_s, max_delay_s)
             if log:
                 log(f"{what}: {type(error).__name__}: {error}; retry {attempt}/{attempts - 1} in {delay:.1f}s")
             sleep(delay)

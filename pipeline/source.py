@@ -7,6 +7,7 @@ memory follows the batch size, never the shard or dataset size.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import UsageError, is_transient, retry_transient
+from pipeline.errors import UsageError, backoff_delay_s, is_transient, retry_transient
 
 GLOB_CHARACTERS = "*?["
 
@@ -166,19 +167,44 @@ def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block
 def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str, block_rows: int,
                 storage_options: dict) -> Iterator[RowBlock]:
     first_row = 0
-    with fsspec.open(shard.url, "rb", **storage_options) as f:
-        parquet = pq.ParquetFile(f)
-        pending = None
-        for record_batch in parquet.iter_batches(batch_size=block_rows, columns=[id_column, text_column]):
-            if pending is not None:
-                yield pending
-            pending = RowBlock(shard_index, first_row, record_batch.column(id_column),
-                               record_batch.column(text_column), False)
-            first_row += record_batch.num_rows
-        if pending is None:  # an empty shard still gets its (empty) output file
-            schema = parquet.schema_arrow
-            pending = RowBlock(shard_index, 0, pa.array([], schema.field(id_column).type),
-                               pa.array([], schema.field(text_column).type), False)
+    pending = None
+    for record_batch in _record_batches(shard.url, [id_column, text_column], block_rows, storage_options):
+        if pending is not None:
+            yield pending
+        pending = RowBlock(shard_index, first_row, record_batch.column(id_column), record_batch.column(text_column),
+                           False)
+        first_row += record_batch.num_rows
     if first_row != shard.num_rows:
         raise ShardError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")
     yield RowBlock(pending.shard_index, pending.first_row, pending.ids, pending.texts, True)
+
+
+def _record_batches(url: str, columns: list[str], block_rows: int, storage_options: dict,
+                    attempts: int = 5, sleep=time.sleep) -> Iterator[pa.RecordBatch]:
+    """The file's record batches (an empty one for an empty file). A transient object-store
+    error in the middle of the stream reopens the file and carries on after the rows already
+    handed on, up to `attempts` times with backoff; other errors are raised."""
+    handed_on = 0
+    for attempt in range(1, attempts + 1):
+        skip = handed_on
+        try:
+            with fsspec.open(url, "rb", **storage_options) as f:
+                parquet = pq.ParquetFile(f)
+                for record_batch in parquet.iter_batches(batch_size=block_rows, columns=columns):
+                    if skip >= record_batch.num_rows:
+                        skip -= record_batch.num_rows
+                        continue
+                    record_batch, skip = record_batch.slice(skip), 0
+                    handed_on += record_batch.num_rows
+                    yield record_batch
+                if handed_on == 0:
+                    schema = pa.schema([parquet.schema_arrow.field(name) for name in columns])
+                    yield pa.RecordBatch.from_pylist([], schema=schema)
+            return
+        except Exception as error:
+            if attempt == attempts or not is_transient(error):
+                raise
+            delay = backoff_delay_s(attempt)
+            _log(f"reading {url}: {type(error).__name__}: {error}; reopening after row {handed_on:,} "
+                 f"(retry {attempt}/{attempts - 1} in {delay:.1f}s)")
+            sleep(delay)

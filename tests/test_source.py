@@ -76,3 +76,44 @@ def test_two_shards_with_the_same_stem_are_refused(tmp_path):
         pq.write_table(TABLE, tmp_path / sub / "same.parquet")
     with pytest.raises(UsageError, match="would both write same.parquet"):
         list_shards([str(tmp_path / "a"), str(tmp_path / "b")], "id", "text")
+
+
+class BreaksOnceAfter(pq.ParquetFile):
+    """A Parquet file whose stream raises a transient error after `after_batches` record
+    batches, the first time it is opened (a dropped connection to an object store)."""
+
+    after_batches = 3
+    opened = 0
+
+    def iter_batches(self, *args, **kwargs):
+        BreaksOnceAfter.opened += 1
+        for count, batch in enumerate(super().iter_batches(*args, **kwargs)):
+            if BreaksOnceAfter.opened == 1 and count == self.after_batches:
+                raise TimeoutError("Read timed out (injected)")
+            yield batch
+
+
+def test_a_dropped_connection_mid_shard_reopens_and_carries_on_without_gaps(tmp_path, monkeypatch):
+    import pipeline.source as source
+
+    big = pa.table({"id": [f"r{i}" for i in range(500)], "text": [f"text {i}" for i in range(500)]})
+    pq.write_table(big, tmp_path / "big.parquet", row_group_size=50)
+    shards = list_shards([str(tmp_path)], "id", "text")
+    BreaksOnceAfter.opened = 0
+    monkeypatch.setattr(source.pq, "ParquetFile", BreaksOnceAfter)
+    monkeypatch.setattr(source, "backoff_delay_s", lambda attempt: 0.0)
+    blocks = list(read_blocks(shards, "id", "text", block_rows=40))
+    assert BreaksOnceAfter.opened == 2, "the error was not injected or the file was not reopened"
+    assert all(b.failure is None for b in blocks)
+    assert [i for b in blocks for i in b.ids.to_pylist()] == big["id"].to_pylist()
+    assert [b.is_last_of_shard for b in blocks].count(True) == 1
+
+
+def test_a_corrupt_shard_is_not_retried_and_fails_alone(tmp_path):
+    write_shards(tmp_path, TABLE, [5, 5])
+    data = (tmp_path / "part-00001.parquet").read_bytes()
+    shards = list_shards([str(tmp_path)], "id", "text")
+    (tmp_path / "part-00001.parquet").write_bytes(data[:8] + b"\0" * (len(data) - 16) + data[-8:])
+    blocks = list(read_blocks(shards, "id", "text", block_rows=100))
+    assert [b.num_rows for b in blocks if b.failure is None] == [5]
+    assert "reading" in blocks[-1].failure and blocks[-1].shard_index == 1
