@@ -148,18 +148,15 @@ class MemoryPlan:
     key: dict = field(default_factory=dict)
 
     def rows_for(self, padded_length: int) -> int:
-        """Rows for a batch of this padded length: the plan of the smallest bucket covering it."""
+        """Rows for a batch of this padded length, from the smallest bucket covering it: as
+        many padded tokens as the bucket's probed worst case (its length × its rows). A
+        shorter batch with no more tokens needs no more memory (the linear term is the same,
+        the attention term smaller), so lengths between bucket bounds keep the full token
+        budget instead of the longest length's row count."""
         for bucket in self.buckets:
             if padded_length <= bucket.length:
-                return bucket.probed_rows
+                return bucket.probed_rows * bucket.length // padded_length
         raise ValueError(f"padded length {padded_length} is beyond the plan's {self.buckets[-1].length}")
-
-    def lower(self, padded_length: int, rows: int) -> None:
-        """After an out-of-memory split during a run: never plan more than `rows` at this length."""
-        for bucket in self.buckets:
-            if padded_length <= bucket.length:
-                bucket.probed_rows = min(bucket.probed_rows, rows)
-                return
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -213,8 +210,13 @@ def plan_buckets(model: MemoryModel, available_bytes: int, safety: float, length
         peaks: dict[int, float] = {}
 
         def accept(rows: int) -> bool:
-            peaks[rows] = max(measure(rows, length) for _ in range(PROBE_ROUNDS))
-            return peaks[rows] <= available_bytes
+            """All PROBE_ROUNDS peaks within the budget; stops at the first round over it."""
+            peaks[rows] = 0.0
+            for _ in range(PROBE_ROUNDS):
+                peaks[rows] = max(peaks[rows], measure(rows, length))
+                if peaks[rows] > available_bytes:
+                    return False
+            return True
 
         probed = planned if accept(planned) else largest_accepted(planned - 1, accept)
         buckets.append(BucketPlan(length, formula_rows, planned, probed,

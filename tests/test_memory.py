@@ -115,6 +115,20 @@ def test_plan_buckets_shrinks_where_the_device_says_no():
     assert by_length[256].measured_peak_bytes <= GIB
 
 
+def test_a_size_is_accepted_only_if_all_three_rounds_fit_and_a_failing_round_ends_the_check():
+    calls = []
+    peaks = iter([0.5 * GIB, 1.5 * GIB] + [0.1 * GIB] * 100)  # the planned size's second round is over
+
+    def measure(rows, length):
+        calls.append(rows)
+        return next(peaks)
+
+    [bucket] = plan_buckets(MODEL, GIB, 1.5, [64], max_batch_rows=40, max_batch_tokens=None, measure=measure)
+    assert calls[:2] == [40, 40] and 40 not in calls[2:]  # no third round once one is over
+    # the binary search below 40 then finds every round fitting, up to 39 (three rounds each)
+    assert bucket.probed_rows == 39 and calls[2:] == [r for r in (20, 30, 35, 37, 38, 39) for _ in range(3)]
+
+
 def test_plan_buckets_respects_token_and_row_caps():
     buckets = plan_buckets(MODEL, 8 * GIB, 1.5, [64, 256], max_batch_rows=50, max_batch_tokens=4096,
                            measure=lambda rows, length: MODEL.peak_bytes(rows, length))
@@ -129,9 +143,18 @@ def test_plan_cache_round_trip_and_key_mismatch(tmp_path):
     assert loaded.source.endswith("abc.json")
     assert load_cached_plan(str(tmp_path), {"model": "y"}, "abc") is None
     assert load_cached_plan(str(tmp_path), {"model": "x"}, "missing") is None
-    assert plan.rows_for(10) == 8
     with pytest.raises(ValueError):
         plan.rows_for(65)
+
+
+def test_lengths_inside_a_bucket_keep_its_probed_token_count():
+    # the bucket up to 96 tokens was probed at 42 rows × 96 = 4,032 tokens; a batch padded to 72
+    # may hold as many tokens (56 rows), not only the 42 rows of the longest length
+    plan = MemoryPlan(GIB, 1.5, MODEL, [BucketPlan(64, 90, 64, 64, 1.0, 2.0), BucketPlan(96, 50, 42, 42, 1.0, 2.0)])
+    assert [plan.rows_for(length) for length in (96, 72, 64, 32, 8)] == [42, 56, 64, 128, 512]
+    assert all(plan.rows_for(length) * length <= 42 * 96 for length in range(65, 97))
+    shrunk = MemoryPlan(GIB, 1.5, MODEL, [BucketPlan(64, 90, 64, 0, 1.0, 2.0)])
+    assert shrunk.rows_for(32) == 0  # not even one row fit: the packer runs rows alone, back-off handles it
 
 
 @pytest.mark.slow
