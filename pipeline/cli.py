@@ -85,21 +85,24 @@ class ByteSize(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
-class TokensOrAuto(click.ParamType):
-    """A positive token count, or `auto` (None): let the memory plan decide."""
+class CountOrAuto(click.ParamType):
+    """A positive count of tokens or rows, or `auto` (None): the sweep's recommendation or
+    the memory plan decides."""
 
-    name = "tokens|auto"
+    def __init__(self, unit: str):
+        self.unit = unit
+        self.name = f"{unit}|auto"
 
     def convert(self, value, param, ctx):
         if value is None or (isinstance(value, str) and value.lower() == "auto"):
             return None
         try:
-            tokens = int(value)
+            count = int(value)
         except (TypeError, ValueError):
-            self.fail(f"{value!r} is neither a number of tokens nor 'auto'", param, ctx)
-        if tokens < 1:
-            self.fail(f"{tokens} is not a positive number of tokens", param, ctx)
-        return tokens
+            self.fail(f"{value!r} is neither a number of {self.unit} nor 'auto'", param, ctx)
+        if count < 1:
+            self.fail(f"{count} is not a positive number of {self.unit}", param, ctx)
+        return count
 
 
 def _apply(options):
@@ -123,10 +126,12 @@ MODEL_OPTIONS = [
 ]
 
 BATCH_OPTIONS = [
-    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=TokensOrAuto(), default="4096", show_default=True,
-            help="Padded tokens per batch (rows x padded length), or auto: as many as the memory plan allows."),
-    _option("--max-batch-rows", env="MAX_BATCH_ROWS", type=click.IntRange(1), default=512, show_default=True,
-            help="Rows per batch, whatever their length."),
+    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="4096",
+            show_default=True,
+            help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this "
+                 "model, device and dtype if there is one, else as many as the memory plan allows."),
+    _option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"), default="512", show_default=True,
+            help="Rows per batch, whatever their length, or auto: the sweep's recommendation, else 512."),
     _option("--memory-budget", env="MEMORY_BUDGET", type=ByteSize(), default=None,
             help="Memory batches may use (e.g. 4GiB). Default: GPU free memory less --memory-reserve; "
                  "on CPU half of the available RAM."),
@@ -191,8 +196,6 @@ def run(inputs, output, job, model, storage_option, no_plan_cache, **settings) -
                            model=None if model in (None, "", "default") else model,
                            storage_options=_parse_storage_options(storage_option),
                            use_plan_cache=not no_plan_cache, **settings)
-        if config.max_batch_tokens is None and not config.probe:
-            raise UsageError("--max-batch-tokens auto needs the memory plan; drop --no-probe or give a number")
         from pipeline.run import run_job
 
         summary = run_job(config)
@@ -233,7 +236,7 @@ def plan(job, model, no_plan_cache, as_json, available, per_sample, **settings) 
                                "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
         return
     from pipeline.config import RunConfig
-    from pipeline.run import check_max_length, memory_plan_for, resolve_model_path
+    from pipeline.run import check_max_length, memory_plan_for, resolve_batch_setting, resolve_model_path
 
     try:
         config = RunConfig(input=(), output="", job=job, model=None if model in (None, "", "default") else model,
@@ -246,12 +249,129 @@ def plan(job, model, no_plan_cache, as_json, available, per_sample, **settings) 
         device = resolve_device(config.device)
         loaded = job_impl.load(model_path, device, resolve_dtype(config.dtype, device))
         check_max_length(loaded, config.max_length)
+        config, setting = resolve_batch_setting(config, model_path, device, loaded)
+        click.echo(f"batch setting: {setting}", err=True)
         memory_plan = memory_plan_for(config, job_impl, loaded, model_path, device)
     except UsageError as error:
         _fail(str(error))
     if memory_plan is None:
         _fail("no plan: the memory probe failed (see above)")
     click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
+
+
+class IntList(click.ParamType):
+    """Comma-separated positive integers: 512,1024,2048."""
+
+    name = "N,N,…"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        try:
+            numbers = tuple(int(part) for part in str(value).split(",") if part.strip())
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers, e.g. 1024,2048,4096", param, ctx)
+        if not numbers or min(numbers) < 1:
+            self.fail(f"{value!r} needs at least one positive integer", param, ctx)
+        return numbers
+
+
+@cli.command()
+@_option("--input", "inputs", env="INPUT", multiple=True, required=True,
+         help="Shards to sample rows from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
+@click.option("--vary", required=True, type=click.Choice(["max-batch-tokens", "max-batch-rows"]),
+              help="The one setting that changes between levels.")
+@click.option("--values", required=True, type=IntList(), help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
+@_apply(MODEL_OPTIONS)
+@_option("--id-column", env="ID_COLUMN", default="id", show_default=True)
+@_option("--text-column", env="TEXT_COLUMN", default="text", show_default=True)
+@click.option("--max-batch-tokens", type=click.IntRange(1), default=None,
+              help="Held fixed while --vary max-batch-rows (default: no token budget).")
+@click.option("--max-batch-rows", type=click.IntRange(1), default=None,
+              help="Held fixed while --vary max-batch-tokens (default: 512, as in run).")
+@click.option("--rows", type=click.IntRange(1), default=2000, show_default=True, help="Measured rows per level.")
+@click.option("--warmup-rows", type=click.IntRange(0), default=200, show_default=True,
+              help="Rows run before each level's clock starts (not counted).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Which rows the sample takes.")
+@click.option("--max-p99-ms", type=click.FloatRange(0, min_open=True), default=None,
+              help="Recommend only levels whose p99 row latency is within this.")
+@click.option("--memory-headroom", type=click.FloatRange(0, 0.9), default=0.10, show_default=True,
+              help="Recommend only levels that leave this share of the memory budget free.")
+@_option("--memory-budget", env="MEMORY_BUDGET", type=ByteSize(), default=None,
+         help="Memory batches may use (default as in run: GPU free memory less the reserve; half the RAM on CPU).")
+@_option("--memory-reserve", env="MEMORY_RESERVE", type=click.FloatRange(0, 0.9), default=0.10, show_default=True)
+@_option("--tokenize-workers", env="TOKENIZE_WORKERS", type=click.IntRange(0), default=os.cpu_count() or 1,
+         show_default=True)
+@_option("--prefetch-batches", env="PREFETCH_BATCHES", type=click.IntRange(1), default=4, show_default=True)
+@_option("--storage-option", env="STORAGE_OPTION", multiple=True, help="KEY=VALUE passed to fsspec. Repeatable.")
+@_option("--plan-cache", env="PLAN_CACHE", type=click.Path(file_okay=False), default=None,
+         help="Where the recommendation is saved for `run --max-batch-tokens auto`. Default: ~/.cache/lengthwise/plans.")
+@click.option("--no-save", is_flag=True, help="Do not save the recommendation for `run … auto`.")
+@click.option("--compare", "compare_with", type=click.Path(dir_okay=False), default=None,
+              help="An earlier sweep CSV: print the change per level and flag regressions.")
+@click.option("--max-throughput-drop", type=click.FloatRange(0, 1), default=0.05, show_default=True,
+              help="--compare flags a level whose rows/s fell by more than this share.")
+@click.option("--max-p99-rise", type=click.FloatRange(0), default=0.10, show_default=True,
+              help="--compare flags a level whose p99 row latency rose by more than this share.")
+@click.option("--fail-on-regression", is_flag=True, help="Exit 3 when --compare flags any level.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False),
+              help="The CSV, one row per level; the fixed settings and the recommendation go to OUT.json.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Also draw throughput, p99 latency and memory against the level (needs matplotlib).")
+def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, max_throughput_drop, max_p99_rise,
+          fail_on_regression, out, plot, max_batch_tokens, max_batch_rows, **settings) -> None:
+    """Load-test one batch setting over several values on real rows; write a CSV, recommend one.
+
+    Only --vary changes between levels. Each level: warm-up rows, measured rows, drain. The
+    recommendation (highest throughput within the limits, or the smallest level within 3% of
+    it) is saved so that `lengthwise run --max-batch-tokens auto` (or `--max-batch-rows auto`)
+    on the same model, device and dtype uses it.
+    """
+    from pipeline import sweep as analysis
+    from pipeline.config import SweepConfig
+
+    if (vary == "max-batch-tokens" and max_batch_tokens is not None) or \
+            (vary == "max-batch-rows" and max_batch_rows is not None):
+        _fail(f"--{vary} is the varied setting; give its levels with --values, not as a fixed value")
+    try:
+        previous = analysis.read_sweep_csv(compare_with) if compare_with else None
+        if plot:
+            analysis.check_plot_available()
+        config = SweepConfig(input=tuple(inputs), vary=vary, values=values, out=out,
+                             model=None if model in (None, "", "default") else model,
+                             max_batch_tokens=max_batch_tokens, max_batch_rows=max_batch_rows or 512,
+                             storage_options=_parse_storage_options(storage_option), save_recommendation=not no_save,
+                             **settings)
+        from pipeline.loadtest import run_sweep
+
+        report = run_sweep(config)
+    except (UsageError, ValueError, ImportError) as error:
+        _fail(str(error))
+    analysis.write_sweep_csv(out, report.levels)
+    Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
+    click.echo(analysis.markdown_table(report.levels, report.recommendation.level))
+    click.echo("")
+    click.echo(f"recommendation: {report.recommendation.reason}")
+    if report.saved_to:
+        click.echo(f"saved for `lengthwise run --{vary} auto` on this model, device and dtype: {report.saved_to}")
+    click.echo(f"csv: {out}  settings: {out}.json")
+    if plot:
+        analysis.plot_sweep(plot, report.levels, vary, report.recommendation.level,
+                            f"{settings['job']} · {report.settings['device']} · {report.settings['dtype']} · "
+                            f"{report.settings['rows']} rows, max length {report.settings['max_length']}")
+        click.echo(f"plot: {plot}")
+    if previous is not None:
+        changes = analysis.compare_sweeps(previous, report.levels, max_throughput_drop, max_p99_rise)
+        click.echo("")
+        click.echo(f"compared with {compare_with}:")
+        click.echo(analysis.comparison_table(changes))
+        flagged = [change.level for change in changes if change.flags]
+        if flagged:
+            click.echo(f"regression at level(s) {', '.join(map(str, flagged))}", err=True)
+            if fail_on_regression:
+                sys.exit(analysis.EXIT_REGRESSION)
+        else:
+            click.echo("no regression")
 
 
 @cli.command()

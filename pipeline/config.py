@@ -1,9 +1,12 @@
-"""The resolved settings of one run: every CLI flag, TOML key and LENGTHWISE_* variable."""
+"""The resolved settings of a run or a sweep: every CLI flag, TOML key and LENGTHWISE_* variable."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+
+
+DEFAULT_MAX_BATCH_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -16,7 +19,7 @@ class RunConfig:
     id_column: str = "id"
     text_column: str = "text"
     max_batch_tokens: int | None = 4096  # padded tokens per batch (rows × padded length); None = auto
-    max_batch_rows: int = 512  # rows per batch, whatever their length
+    max_batch_rows: int | None = DEFAULT_MAX_BATCH_ROWS  # rows per batch, whatever their length; None = auto
     probe: bool = True  # size batches by the memory plan (cached, else probed on the device)
     memory_budget: int | None = None  # bytes batches may use; None = device default
     memory_reserve: float = 0.10  # share of GPU memory kept free when there is no budget
@@ -38,3 +41,36 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """One batch-setting sweep: a single variable stepped over `values` on sampled real rows."""
+
+    input: tuple[str, ...]
+    vary: str  # max-batch-tokens | max-batch-rows
+    values: tuple[int, ...]  # the levels, run in ascending order
+    out: str  # the CSV; the settings and the recommendation go beside it as <out>.json
+    job: str = "embed"
+    model: str | None = None
+    max_length: int = 256
+    id_column: str = "id"
+    text_column: str = "text"
+    max_batch_tokens: int | None = None  # held fixed when varying rows; None = no token budget
+    max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS  # held fixed when varying tokens
+    rows: int = 2000  # measured rows per level
+    warmup_rows: int = 200  # run before each level, not counted
+    seed: int = 0  # which rows the sample takes
+    max_p99_ms: float | None = None  # recommendation: p99 row latency limit
+    memory_headroom: float = 0.10  # recommendation: share of the memory budget left free
+    memory_budget: int | None = None
+    memory_reserve: float = 0.10
+    device: str = "auto"
+    dtype: str = "auto"
+    tokenize_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    prefetch_batches: int = 4
+    storage_options: dict = field(default_factory=dict)
+    plan_cache: str | None = None  # where the recommendation is saved for `run … auto`
+    save_recommendation: bool = True
+    trust_remote_code: bool = False
+    allow_pickle: bool = False

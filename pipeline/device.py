@@ -45,6 +45,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def device_name(device: torch.device) -> str:
+    """What a cached plan or a sweep recommendation was measured on: the GPU model, or the
+    CPU and the thread count torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+
+
 def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded_length: int,
             pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Padded (rows, padded_length) input ids and attention mask from flat token arrays."""
@@ -187,15 +197,31 @@ def measure_peak_bytes(run, device: torch.device) -> float:
         outside_allocator = (free_before - free_after) - (torch.cuda.memory_reserved(device) - before)
         return float(torch.cuda.max_memory_allocated(device) - before + max(0, outside_allocator))
     _release_free_heap()
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # resets VmHWM to the current resident set
-    except OSError as error:
+    if not reset_peak_rss():
         raise RuntimeError("measuring CPU peak memory needs Linux's /proc/self/clear_refs; "
-                           "give --memory-budget and --no-probe, or run on Linux") from error
+                           "give --memory-budget and --no-probe, or run on Linux")
     before = _read_proc_status_kib("VmRSS")
     run()
     return float(_read_proc_status_kib("VmHWM") - before)
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak resident set (VmHWM) to its current one; False if the OS
+    cannot (not Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set since start or the last reset_peak_rss; 0 if unknown."""
+    try:
+        return _read_proc_status_kib("VmHWM")
+    except (OSError, RuntimeError):
+        return 0
 
 
 def _release_free_heap() -> None:

@@ -29,8 +29,8 @@ from tqdm import tqdm
 from jobs.registry import get_job
 from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
 from pipeline.config import RunConfig
-from pipeline.device import (DeviceFeeder, available_memory_bytes, collate, forward_splitting_on_oom, prefetch,
-                             resolve_device, resolve_dtype)
+from pipeline.device import (DeviceFeeder, available_memory_bytes, collate, device_name, forward_splitting_on_oom,
+                             prefetch, resolve_device, resolve_dtype)
 from pipeline.errors import UsageError
 from pipeline.memory import (MemoryPlan, default_plan_cache_dir, load_cached_plan, model_memory_fingerprint,
                              plan_cache_key, probe_memory_plan, save_plan)
@@ -268,6 +268,7 @@ class RunSummary:
     device_busy_fraction: float = 0.0
     oom_splits: int = 0  # batches halved after running out of memory
     lowered_batch_rows: dict = field(default_factory=dict)  # padded length → rows after a split
+    batch_setting: str = ""  # the token and row limits, and where they came from
     batch_plan: str = ""  # where the memory plan came from
     device: str = ""
     dtype: str = ""
@@ -289,6 +290,7 @@ class RunSummary:
             f"in {self.wall_s:.2f}s wall",
             f"stages          {stages}",
             f"device busy     {self.device_busy_fraction:.1%} of the time after setup ({self.device}, {self.dtype})",
+            f"batch setting   {self.batch_setting}",
             f"batch plan      {self.batch_plan}" + (f"; {self.oom_splits} out-of-memory splits, rows lowered to "
                                                     f"{self.lowered_batch_rows}" if self.oom_splits else ""),
             f"output          {self.output}",
@@ -396,6 +398,11 @@ def _run_locked(config: RunConfig, job, shards: list[Shard], sink: ShardSink, ma
     model = job.load(model_path, device, dtype, allow_pickle=config.allow_pickle,
                      trust_remote_code=config.trust_remote_code)
     check_max_length(model, config.max_length)
+    config, summary.batch_setting = resolve_batch_setting(config, model_path, device, model)
+    log(f"batch setting: {summary.batch_setting}")
+    if config.max_batch_tokens is None and not config.probe:
+        raise UsageError("--max-batch-tokens auto has no sweep recommendation to use and --no-probe turns the "
+                         "memory plan off; drop --no-probe, run `lengthwise sweep`, or give a number")
     plan = memory_plan_for(config, job, model, model_path, device) if config.probe else None
     limits = BatchLimits(plan)
     times = StageTimes(setup=time.perf_counter() - started)
@@ -488,6 +495,36 @@ def run_status(output: str, storage_options: dict) -> dict:
     }
 
 
+def resolve_batch_setting(config: RunConfig, model_path: str, device: torch.device, model) -> tuple[RunConfig, str]:
+    """Replace an `auto` token or row limit by the saved sweep recommendation for this model,
+    device, dtype and max length; without one, tokens stay auto (the memory plan alone) and
+    rows fall back to the default. Returns the config and where each limit came from."""
+    from pipeline.config import DEFAULT_MAX_BATCH_ROWS
+    from pipeline.sweep import load_recommendation, recommendation_key
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    changes, notes = {}, []
+    for vary, name in (("max-batch-tokens", "max_batch_tokens"), ("max-batch-rows", "max_batch_rows")):
+        value = getattr(config, name)
+        if value is not None:
+            notes.append(f"--{vary} {value}")
+            continue
+        key, file_name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
+                                            dtype, config.max_length, vary)
+        saved = load_recommendation(config.plan_cache or default_plan_cache_dir(), file_name, key)
+        if saved is not None:
+            changes[name] = saved["level"]
+            notes.append(f"--{vary} {saved['level']} recommended by the sweep of {saved['created']} ({saved['path']})")
+        elif name == "max_batch_tokens":
+            notes.append("--max-batch-tokens auto: no sweep recommendation for this model, device and dtype, "
+                         "so the memory plan alone")
+        else:
+            changes[name] = DEFAULT_MAX_BATCH_ROWS
+            notes.append(f"--max-batch-rows auto: no sweep recommendation for this model, device and dtype, "
+                         f"so {DEFAULT_MAX_BATCH_ROWS}")
+    return dataclasses.replace(config, **changes), "; ".join(notes)
+
+
 def memory_plan_for(config: RunConfig, job, model, model_path: str, device: torch.device) -> MemoryPlan | None:
     """The memory plan for these settings: from the plan cache, else probed on the device and
     cached. Logs which on stderr."""
@@ -497,7 +534,7 @@ def memory_plan_for(config: RunConfig, job, model, model_path: str, device: torc
                          "lower --memory-reserve or set --memory-budget")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
-                               device=_device_name(device), dtype=dtype, max_length=config.max_length,
+                               device=device_name(device), dtype=dtype, max_length=config.max_length,
                                available_bytes=available, safety=config.safety,
                                max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
     cache_dir = config.plan_cache or default_plan_cache_dir()
@@ -520,14 +557,6 @@ def memory_plan_for(config: RunConfig, job, model, model_path: str, device: torc
         plan.source = f"from cache {plan.source}"
     print(f"batch plan: {plan.source}", file=sys.stderr)
     return plan
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-
-    return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
 
 
 def describe_plan(plan: MemoryPlan | None) -> str:

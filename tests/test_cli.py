@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -86,6 +85,15 @@ def test_usage_errors_exit_2_with_one_line_saying_what_to_change(tmp_path, shard
     error_lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and message in error_lines[0]
     assert not list((tmp_path / "out").glob("*.parquet")) if (tmp_path / "out").exists() else True
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-batch-tokens", "lots", "is neither a number of tokens nor 'auto'"),
+    ("--max-batch-rows", "0", "0 is not a positive number of rows"),
+])
+def test_batch_limits_take_a_positive_count_or_auto(flag, value, message):
+    result = CliRunner().invoke(cli, ["run", "--input", "x", "--output", "y", flag, value])
+    assert result.exit_code == 2 and message in result.output
 
 
 def test_unknown_config_key_is_a_usage_error(tmp_path):

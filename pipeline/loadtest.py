@@ -1,0 +1,244 @@
+"""The sweep's measurements on the device: a sample of real rows, then one load test per
+level of the varied setting. The analysis (CSV, recommendation, comparison, plot) is in
+`pipeline/sweep.py`.
+
+Each level runs the same code path as `lengthwise run` (pack → collate on the prefetch
+thread → forward with out-of-memory back-off) in three phases: warm-up rows (not counted:
+first kernels, allocator growth, caches), measured rows, and the drain (the clock stops when
+the last batch's outputs are back on the host).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
+from pipeline.device import (DeviceFeeder, collate, forward_splitting_on_oom, is_out_of_memory, measure_peak_bytes,
+                             peak_rss_bytes, prefetch, reset_peak_rss)
+from pipeline.errors import UsageError
+from pipeline.source import Shard, read_blocks
+from pipeline.config import SweepConfig
+from pipeline.sweep import (VARIABLES, LevelResult, Recommendation, length_distribution, percentiles_ms, recommend,
+                            recommendation_key, sample_positions, save_recommendation)
+from pipeline.tokenize import EncodedRows
+
+BLOCK_ROWS = 8192
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def read_sample(shards: list[Shard], text_column: str, id_column: str, sample_rows: int, seed: int,
+                storage_options: dict) -> list:
+    """Texts of `sample_rows` rows drawn uniformly across all shards (positions chosen from
+    the footers' row counts), in random order. Streams the shards; a broken shard is skipped
+    with a warning."""
+    readable = [shard for shard in shards if not shard.problem]
+    for shard in shards:
+        if shard.problem:
+            log(f"sweep: skipping {shard.url}: {shard.problem}")
+    starts = np.concatenate([[0], np.cumsum([shard.num_rows for shard in readable])])
+    positions = sample_positions(int(starts[-1]), sample_rows, seed)
+    if positions.size == 0:
+        raise UsageError("the input has no rows to sample; check --input")
+    order = np.argsort(positions)
+    wanted = positions[order]  # ascending: taken while streaming
+    texts: list = [None] * len(positions)
+    taken = np.zeros(len(positions), dtype=bool)
+    for block in read_blocks(readable, id_column, text_column, BLOCK_ROWS, storage_options):
+        if block.failure is not None:
+            log(f"sweep: skipping the rest of {readable[block.shard_index].url}: {block.failure}")
+            continue
+        first = starts[block.shard_index] + block.first_row
+        low, high = np.searchsorted(wanted, [first, first + block.num_rows])
+        if high > low:
+            picked = block.texts.take(pa.array(wanted[low:high] - first)).to_pylist()
+            for slot, text in zip(order[low:high], picked):
+                texts[slot] = text
+            taken[order[low:high]] = True
+    return [text for text, ok in zip(texts, taken) if ok]
+
+
+@dataclass
+class LevelSettings:
+    """Everything a level's batches depend on; the sweep changes exactly one field."""
+
+    max_batch_tokens: int | None
+    max_batch_rows: int
+    max_length: int
+    prefetch_batches: int
+
+
+def measure_level(job, model, device: torch.device, encoded: EncodedRows, warmup_rows: np.ndarray,
+                  measured_rows: np.ndarray, settings: LevelSettings, level: int, pad_token_id: int) -> LevelResult:
+    """Warm up, then load-test `measured_rows` of `encoded` under `settings`; a level that
+    runs out of memory comes back with status `oom` instead of raising."""
+    feeder = DeviceFeeder(device)
+    bounds = bucket_bounds(settings.max_length)
+    lengths = encoded.lengths
+
+    def forward(ids, mask):
+        return job.forward(model, ids, mask)
+
+    def batches(rows: np.ndarray):
+        planned = plan_batches(lengths[rows], settings.max_batch_tokens, settings.max_batch_rows, bounds)
+        for batch in planned:
+            entered = time.perf_counter()  # the packer hands these rows on: their latency starts
+            picked = rows[batch.rows]
+            input_ids, attention_mask = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length,
+                                                pad_token_id)
+            tensors, copied = feeder.send(input_ids, attention_mask)
+            yield entered, len(picked), int(lengths[picked].sum()), batch.padded_tokens, tensors, copied
+
+    stats = {"batch_s": [], "row_s": [], "real": 0, "padded": 0, "splits": 0, "failed": 0}
+
+    def run_phase(rows: np.ndarray, record: bool) -> None:
+        with torch.inference_mode():
+            for entered, count, real, padded, tensors, copied in prefetch(batches(rows), settings.prefetch_batches):
+                started = time.perf_counter()
+                input_ids, attention_mask = feeder.receive(tensors, copied)
+                result = forward_splitting_on_oom(forward, input_ids, attention_mask, device)
+                finished = time.perf_counter()  # outputs are on the host: the batch is done
+                if record:
+                    stats["batch_s"].append(finished - started)
+                    stats["row_s"].append(np.full(count, finished - entered))
+                    stats["real"] += real
+                    stats["padded"] += padded
+                    stats["splits"] += result.splits
+                    stats["failed"] += int(result.failed.sum())
+
+    timing = {}
+
+    def measured_phase() -> None:
+        started = time.perf_counter()
+        run_phase(measured_rows, record=True)
+        timing["total_s"] = time.perf_counter() - started
+
+    out_of_memory = False
+    try:
+        if len(warmup_rows):
+            run_phase(warmup_rows, record=False)
+        reset_peak_rss()
+        peak_device = measure_peak_bytes(measured_phase, device)
+    except Exception as error:  # noqa: BLE001 - only out-of-memory is recorded; anything else is raised
+        if not is_out_of_memory(error):
+            raise
+        out_of_memory, peak_device = True, 0.0
+    total_s = timing.get("total_s", 0.0)
+    batch_ms = percentiles_ms(stats["batch_s"])
+    row_ms = percentiles_ms(np.concatenate(stats["row_s"]) if stats["row_s"] else [])
+    rows = len(measured_rows)
+    return LevelResult(
+        level=level, status="oom" if out_of_memory or stats["splits"] or stats["failed"] else "ok",
+        rows=rows, total_s=round(total_s, 4), rows_per_s=round(rows / total_s, 3) if total_s else 0.0,
+        tokens_per_s=round(stats["real"] / total_s, 1) if total_s else 0.0,
+        padding_efficiency=round(padding_efficiency(stats["real"], stats["padded"]), 4),
+        batch_latency_ms_avg=round(batch_ms["avg"], 2), batch_latency_ms_p50=round(batch_ms["p50"], 2),
+        batch_latency_ms_p95=round(batch_ms["p95"], 2), batch_latency_ms_p99=round(batch_ms["p99"], 2),
+        batch_latency_ms_max=round(batch_ms["max"], 2), row_latency_ms_p50=round(row_ms["p50"], 2),
+        row_latency_ms_p95=round(row_ms["p95"], 2), row_latency_ms_p99=round(row_ms["p99"], 2),
+        row_latency_ms_max=round(row_ms["max"], 2), peak_device_bytes=int(peak_device),
+        peak_rss_bytes=peak_rss_bytes(), batches=len(stats["batch_s"]), oom_splits=stats["splits"])
+
+
+# ── the whole sweep ────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class SweepReport:
+    levels: list[LevelResult]
+    recommendation: Recommendation
+    settings: dict  # the fixed settings and the sample, as written to <out>.json
+    saved_to: str | None  # where `run … auto` finds the recommendation
+
+
+def run_sweep(config: SweepConfig) -> SweepReport:
+    """Sample, tokenize once, load the model once, then one load test per level, smallest
+    first; the first level that runs out of memory ends the sweep upward."""
+    import datetime
+
+    from jobs.registry import get_job
+    from pipeline.device import available_memory_bytes, device_name, resolve_device, resolve_dtype
+    from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
+    from pipeline.run import check_max_length, resolve_model_path
+    from pipeline.source import list_shards
+    from pipeline.tokenize import TokenizerPool, load_tokenizer_spec
+
+    if config.vary not in VARIABLES:
+        raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(VARIABLES)}")
+    if not config.values or min(config.values) < 1:
+        raise UsageError("--values must be positive integers, e.g. 1024,2048,4096")
+    job = get_job(config.job)
+    model_path = resolve_model_path(config.model)
+    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
+    texts = read_sample(shards, config.text_column, config.id_column, config.warmup_rows + config.rows, config.seed,
+                        config.storage_options)
+    spec = load_tokenizer_spec(model_path, config.max_length, config.trust_remote_code)
+    with TokenizerPool(spec, config.tokenize_workers) as pool:
+        encoded = pool.result(pool.submit(texts))
+    usable = np.flatnonzero([error is None for error in encoded.errors])
+    if len(usable) < len(texts):
+        log(f"sweep: {len(texts) - len(usable)} sampled rows have no usable text (null, empty, not a string); "
+            "they are left out")
+    if len(usable) < 2:
+        raise UsageError(f"only {len(usable)} usable rows in the sample; the sweep needs more input rows")
+    warmup_count = min(config.warmup_rows, len(usable) // 2)
+    warmup_rows, measured_rows = usable[:warmup_count], usable[warmup_count:warmup_count + config.rows]
+    if len(measured_rows) < config.rows:
+        log(f"sweep: the input has only {len(measured_rows)} usable rows to measure after {warmup_count} warm-up rows "
+            f"(--rows {config.rows})")
+    lengths = length_distribution(encoded.lengths[measured_rows])
+    truncated = float(encoded.truncated[measured_rows].mean())
+    log(f"sample: {lengths['rows']:,} rows from {sum(not s.problem for s in shards)} shard(s), token length median "
+        f"{lengths['median']:.0f}, p90 {lengths['p90']:.0f}, p99 {lengths['p99']:.0f}, max {lengths['max']} "
+        f"({truncated:.1%} truncated at {config.max_length})")
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model = job.load(model_path, device, dtype, allow_pickle=config.allow_pickle,
+                     trust_remote_code=config.trust_remote_code)
+    check_max_length(model, config.max_length)
+    budget = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
+    dtype_name = str(dtype).removeprefix("torch.")
+    fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, config.max_length, config.prefetch_batches)
+    settings = {
+        "vary": config.vary, "values": sorted(config.values), "job": config.job, "model": model_path,
+        "device": device_name(device), "dtype": dtype_name, "max_length": config.max_length,
+        "max_batch_tokens": None if config.vary == "max-batch-tokens" else config.max_batch_tokens,
+        "max_batch_rows": None if config.vary == "max-batch-rows" else config.max_batch_rows,
+        "prefetch_batches": config.prefetch_batches, "torch_threads": torch.get_num_threads(),
+        "memory_budget_bytes": budget, "memory_headroom": config.memory_headroom, "max_p99_ms": config.max_p99_ms,
+        "rows": len(measured_rows), "warmup_rows": warmup_count, "seed": config.seed,
+        "input": list(config.input), "sample_token_lengths": lengths, "sample_truncated_share": round(truncated, 4),
+    }
+    levels: list[LevelResult] = []
+    for value in sorted(set(config.values)):
+        level_settings = LevelSettings(**{**fixed.__dict__, _FIELD_OF[config.vary]: value})
+        result = measure_level(job, model, device, encoded, warmup_rows, measured_rows, level_settings, value,
+                               spec.pad_token_id)
+        levels.append(result)
+        log(f"{config.vary} {value}: {result.rows_per_s:,.1f} rows/s, {result.tokens_per_s:,.0f} tokens/s, "
+            f"row p99 {result.row_latency_ms_p99:,.0f} ms, peak {result.peak_device_bytes / 2**20:,.0f} MiB, "
+            f"{result.batches} batches" + ("" if result.status == "ok" else " — OUT OF MEMORY, stopping here"))
+        if result.status != "ok":
+            break
+    recommendation = recommend(levels, config.vary, budget, config.memory_headroom, config.max_p99_ms)
+    settings["recommendation"] = recommendation.to_dict()
+    saved_to = None
+    if config.save_recommendation and recommendation.level is not None:
+        key, name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
+                                       dtype_name, config.max_length, config.vary)
+        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        saved_to = save_recommendation(config.plan_cache or default_plan_cache_dir(), name, key, recommendation,
+                                       config.out, created)
+    return SweepReport(levels, recommendation, settings, saved_to)
+
+
+_FIELD_OF = {"max-batch-tokens": "max_batch_tokens", "max-batch-rows": "max_batch_rows"}

@@ -1,0 +1,340 @@
+"""The batch-size sweep, minus the device: the sample, the CSV, the recommendation, the
+regression check and the plot. Pure Python and numpy (no torch); `pipeline/loadtest.py`
+runs the levels on the device and hands back `LevelResult`s.
+
+Throughput rises with batch size and then flattens, latency keeps rising, memory grows until
+it runs out. The recommendation is the highest-throughput level that meets the latency and
+memory limits, or, when several are within KNEE_TOLERANCE of it, the smallest of those (the
+knee): the same work for less memory and latency.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+VARIABLES = ("max-batch-tokens", "max-batch-rows")
+KNEE_TOLERANCE = 0.03  # levels within 3% of the best throughput count as equally fast
+EXIT_REGRESSION = 3
+
+
+@dataclass
+class LevelResult:
+    """One CSV row: what one level of the varied setting measured (warm-up rows excluded)."""
+
+    level: int
+    status: str  # ok | oom (ran out of memory: batches split or rows failed; the sweep stops upward)
+    rows: int
+    total_s: float
+    rows_per_s: float
+    tokens_per_s: float
+    padding_efficiency: float
+    batch_latency_ms_avg: float  # one forward pass, host to outputs back on the host
+    batch_latency_ms_p50: float
+    batch_latency_ms_p95: float
+    batch_latency_ms_p99: float
+    batch_latency_ms_max: float
+    row_latency_ms_p50: float  # from the packer putting the row in a batch to its result
+    row_latency_ms_p95: float
+    row_latency_ms_p99: float
+    row_latency_ms_max: float
+    peak_device_bytes: int  # memory the batches added above the loaded model
+    peak_rss_bytes: int  # the process's peak resident set during the level
+    batches: int
+    oom_splits: int
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+_INT_COLUMNS = {f.name for f in fields(LevelResult) if f.type == "int"}
+_STR_COLUMNS = {"status"}
+
+
+def percentiles_ms(seconds: Sequence[float]) -> dict[str, float]:
+    """avg, p50, p95, p99 and max of durations in seconds, as milliseconds."""
+    values = np.asarray(seconds, dtype=np.float64) * 1000.0
+    if values.size == 0:
+        return {"avg": math.nan, "p50": math.nan, "p95": math.nan, "p99": math.nan, "max": math.nan}
+    return {"avg": float(values.mean()), "p50": float(np.percentile(values, 50)),
+            "p95": float(np.percentile(values, 95)), "p99": float(np.percentile(values, 99)),
+            "max": float(values.max())}
+
+
+def length_distribution(lengths: Sequence[int]) -> dict[str, float]:
+    """Token lengths of the sample: what the sweep's result depends on most."""
+    values = np.asarray(lengths)
+    return {"rows": int(values.size), "median": float(np.median(values)), "p90": float(np.percentile(values, 90)),
+            "p99": float(np.percentile(values, 99)), "max": int(values.max())}
+
+
+def sample_positions(total_rows: int, sample_rows: int, seed: int) -> np.ndarray:
+    """`sample_rows` distinct row positions out of `total_rows`, uniformly at random and in
+    random order (the first ones become the warm-up rows); all rows, shuffled, if there are
+    fewer. Reproducible for a seed."""
+    rng = np.random.default_rng(seed)
+    return rng.choice(total_rows, size=min(sample_rows, total_rows), replace=False)
+
+
+# ── the recommendation ─────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Recommendation:
+    vary: str
+    level: int | None  # None: no level met the limits
+    reason: str
+    rows_per_s: float = 0.0
+    excluded: dict = field(default_factory=dict)  # level → why it was not eligible
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def recommend(levels: Sequence[LevelResult], vary: str, budget_bytes: int, memory_headroom: float,
+              max_p99_ms: float | None = None, knee_tolerance: float = KNEE_TOLERANCE) -> Recommendation:
+    """The level to use, and why in words. Eligible: ran without running out of memory,
+    row p99 within `max_p99_ms` (if given), peak device memory leaving `memory_headroom` of
+    `budget_bytes` free. Among the eligible, the smallest level within `knee_tolerance` of
+    the best throughput."""
+    memory_limit = (1.0 - memory_headroom) * budget_bytes
+    excluded: dict[int, str] = {}
+    eligible = []
+    for result in levels:
+        if result.status != "ok":
+            excluded[result.level] = f"ran out of memory ({result.oom_splits} batch splits)"
+        elif max_p99_ms is not None and result.row_latency_ms_p99 > max_p99_ms:
+            excluded[result.level] = f"p99 row latency {result.row_latency_ms_p99:,.0f} ms > {max_p99_ms:,.0f} ms"
+        elif result.peak_device_bytes > memory_limit:
+            excluded[result.level] = (f"peak memory {_gib(result.peak_device_bytes)} leaves less than "
+                                      f"{memory_headroom:.0%} of the {_gib(budget_bytes)} budget free")
+        else:
+            eligible.append(result)
+    if not eligible:
+        why = "; ".join(f"{level}: {reason}" for level, reason in excluded.items()) or "no level ran"
+        return Recommendation(vary, None, f"no level met the limits ({why})", excluded=excluded)
+    best = max(eligible, key=lambda r: r.rows_per_s)
+    near_best = [r for r in eligible if r.rows_per_s >= (1.0 - knee_tolerance) * best.rows_per_s]
+    chosen = min(near_best, key=lambda r: r.level)
+    if chosen is best:
+        how = f"the highest throughput ({best.rows_per_s:,.1f} rows/s)"
+    else:
+        how = (f"{chosen.rows_per_s:,.1f} rows/s, within {knee_tolerance:.0%} of the best ({best.rows_per_s:,.1f} "
+               f"rows/s at {best.level}) and the smallest such level (the knee): the same work for less memory "
+               "and latency")
+    limits = f"p99 row latency {chosen.row_latency_ms_p99:,.0f} ms"
+    if max_p99_ms is not None:
+        limits += f" ≤ {max_p99_ms:,.0f} ms"
+    limits += (f"; peak memory {_gib(chosen.peak_device_bytes)} leaves "
+               f"{1 - chosen.peak_device_bytes / budget_bytes:.0%} of the {_gib(budget_bytes)} budget free")
+    reason = f"{vary} {chosen.level}: {how}; {limits}"
+    if excluded:
+        reason += ". Not eligible: " + "; ".join(f"{level} ({why})" for level, why in excluded.items())
+    return Recommendation(vary, chosen.level, reason, chosen.rows_per_s, excluded)
+
+
+def _gib(count: float) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.0f} MiB"
+
+
+# ── the CSV and the Markdown table ─────────────────────────────────────────────────────
+
+
+def write_sweep_csv(path: str, levels: Sequence[LevelResult]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    temp = f"{path}.{os.getpid()}.tmp"
+    with open(temp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=LevelResult.columns())
+        writer.writeheader()
+        for result in levels:
+            writer.writerow(asdict(result))
+    os.replace(temp, path)
+
+
+def read_sweep_csv(path: str) -> list[LevelResult]:
+    """A sweep CSV written by this or an earlier run; a clear error if it is not one."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as error:
+        raise ValueError(f"cannot read sweep CSV {path}: {error.strerror}") from error
+    missing = set(LevelResult.columns()) - set(rows[0] if rows else {})
+    if not rows or missing:
+        raise ValueError(f"{path} is not a lengthwise sweep CSV (missing columns: {', '.join(sorted(missing))})")
+    try:
+        return [LevelResult(**{name: (row[name] if name in _STR_COLUMNS else
+                                      int(float(row[name])) if name in _INT_COLUMNS else float(row[name]))
+                               for name in LevelResult.columns()}) for row in rows]
+    except ValueError as error:
+        raise ValueError(f"{path} has a value that is not a number: {error}") from error
+
+
+def markdown_table(levels: Sequence[LevelResult], recommended: int | None = None) -> str:
+    lines = ["| level | status | rows/s | tokens/s | padding eff. | batch p50 ms | batch p99 ms | row p50 ms | "
+             "row p99 ms | peak memory | batches | OOM splits |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in levels:
+        mark = " ←" if r.level == recommended else ""
+        lines.append(f"| {r.level}{mark} | {r.status} | {r.rows_per_s:,.1f} | {r.tokens_per_s:,.0f} | "
+                     f"{r.padding_efficiency:.3f} | {r.batch_latency_ms_p50:,.0f} | {r.batch_latency_ms_p99:,.0f} | "
+                     f"{r.row_latency_ms_p50:,.0f} | {r.row_latency_ms_p99:,.0f} | {_gib(r.peak_device_bytes)} | "
+                     f"{r.batches:,} | {r.oom_splits} |")
+    return "\n".join(lines)
+
+
+# ── the regression check ───────────────────────────────────────────────────────────────
+
+
+@dataclass
+class LevelChange:
+    level: int
+    rows_per_s_before: float
+    rows_per_s_now: float
+    p99_ms_before: float
+    p99_ms_now: float
+    flags: list[str]
+
+    @property
+    def throughput_change(self) -> float:
+        return self.rows_per_s_now / self.rows_per_s_before - 1.0 if self.rows_per_s_before else math.nan
+
+    @property
+    def p99_change(self) -> float:
+        return self.p99_ms_now / self.p99_ms_before - 1.0 if self.p99_ms_before else math.nan
+
+
+def compare_sweeps(before: Sequence[LevelResult], now: Sequence[LevelResult], max_throughput_drop: float,
+                   max_p99_rise: float) -> list[LevelChange]:
+    """Per level present in both: throughput and p99 row latency change. A level is flagged
+    when throughput fell by more than `max_throughput_drop`, p99 rose by more than
+    `max_p99_rise`, or it ran out of memory now but not before."""
+    earlier = {r.level: r for r in before}
+    changes = []
+    for result in now:
+        old = earlier.get(result.level)
+        if old is None:
+            continue
+        change = LevelChange(result.level, old.rows_per_s, result.rows_per_s, old.row_latency_ms_p99,
+                             result.row_latency_ms_p99, [])
+        if result.status != "ok" and old.status == "ok":
+            change.flags.append("runs out of memory now")
+        elif result.status == "ok" and old.status == "ok":
+            if change.throughput_change < -max_throughput_drop:
+                change.flags.append(f"throughput {change.throughput_change:+.1%}")
+            if change.p99_change > max_p99_rise:
+                change.flags.append(f"p99 {change.p99_change:+.1%}")
+        changes.append(change)
+    return changes
+
+
+def comparison_table(changes: Sequence[LevelChange]) -> str:
+    lines = ["| level | rows/s before | rows/s now | change | row p99 ms before | row p99 ms now | change | flag |",
+             "|---:|---:|---:|---:|---:|---:|---:|:---|"]
+    for c in changes:
+        lines.append(f"| {c.level} | {c.rows_per_s_before:,.1f} | {c.rows_per_s_now:,.1f} | "
+                     f"{c.throughput_change:+.1%} | {c.p99_ms_before:,.0f} | {c.p99_ms_now:,.0f} | "
+                     f"{c.p99_change:+.1%} | {'REGRESSION: ' + ', '.join(c.flags) if c.flags else ''} |")
+    return "\n".join(lines)
+
+
+# ── the saved recommendation: read by `lengthwise run --max-batch-tokens auto` ──────────
+
+
+def recommendation_key(model_fingerprint: str, job: str, device: str, dtype: str, max_length: int,
+                       vary: str) -> tuple[dict, str]:
+    """What a recommendation holds for: the same model shape, job, device, dtype, max length
+    and varied setting (and lengthwise version); and the file name it is saved under."""
+    from pipeline.memory import plan_cache_key
+
+    return plan_cache_key(kind="sweep", model=model_fingerprint, job=job, device=device, dtype=dtype,
+                          max_length=max_length, vary=vary)
+
+
+def recommendation_path(cache_dir: str, name: str) -> Path:
+    return Path(cache_dir) / f"sweep-{name}.json"
+
+
+def save_recommendation(cache_dir: str, name: str, key: dict, recommendation: Recommendation, csv_path: str,
+                        created: str) -> str:
+    """Write atomically beside the memory plans; a later run with the same key reads it."""
+    path = recommendation_path(cache_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_suffix(f".{os.getpid()}.tmp")
+    temp.write_text(json.dumps({"key": key, "level": recommendation.level, "reason": recommendation.reason,
+                                "csv": os.path.abspath(csv_path), "created": created}, indent=2) + "\n")
+    os.replace(temp, path)
+    return str(path)
+
+
+def load_recommendation(cache_dir: str, name: str, key: dict) -> dict | None:
+    """The saved recommendation for exactly this key, or None."""
+    path = recommendation_path(cache_dir, name)
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if saved.get("key") != key or not isinstance(saved.get("level"), int):
+        return None
+    return {**saved, "path": str(path)}
+
+
+# ── the plot (matplotlib is an optional extra) ─────────────────────────────────────────
+
+
+def check_plot_available() -> None:
+    """Fail before the sweep runs, not after, when --plot cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise ImportError("--plot needs matplotlib: pip install 'lengthwise[plot]' "
+                          "(or .venv/bin/pip install matplotlib)") from error
+
+
+def plot_sweep(path: str, levels: Sequence[LevelResult], vary: str, recommended: int | None, title: str) -> None:
+    """Throughput (left axis) and p99 row latency (right axis) against the varied value,
+    peak memory in a second panel, the recommended level marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in levels if r.status == "ok"]
+    x = [r.level for r in ran]
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+    top.plot(x, [r.rows_per_s for r in ran], "o-", color="tab:blue", label="throughput")
+    top.set_ylabel("rows/s", color="tab:blue")
+    top.set_ylim(bottom=0)
+    latency = top.twinx()
+    latency.plot(x, [r.row_latency_ms_p99 for r in ran], "s--", color="tab:red", label="p99 row latency")
+    latency.set_ylabel("p99 row latency (ms)", color="tab:red")
+    latency.set_ylim(bottom=0)
+    bottom.plot(x, [r.peak_device_bytes / 2**20 for r in ran], "^-", color="tab:green")
+    bottom.set_ylabel("peak memory (MiB)")
+    bottom.set_xlabel(vary)
+    for failed in (r for r in levels if r.status != "ok"):
+        for axis in (top, bottom):
+            axis.axvline(failed.level, color="black", linestyle=":", linewidth=1)
+        top.annotate("out of memory", (failed.level, 0), rotation=90, va="bottom", ha="right", fontsize=8)
+    if recommended is not None:
+        for axis in (top, bottom):
+            axis.axvline(recommended, color="tab:orange", linewidth=2, alpha=0.6)
+        top.annotate(f"recommended: {recommended}", (recommended, top.get_ylim()[1] * 0.05), color="tab:orange",
+                     ha="left", fontsize=9, xytext=(4, 0), textcoords="offset points")
+    if len(x) > 1 and min(x) > 0 and max(x) / min(x) >= 8:
+        bottom.set_xscale("log", base=2)
+    bottom.set_xticks(x, [str(v) for v in x])
+    top.set_title(title, fontsize=10)
+    top.grid(alpha=0.3)
+    bottom.grid(alpha=0.3)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
