@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import torch
 from transformers import AutoModelForSequenceClassification
 
 from jobs.base import load_pretrained

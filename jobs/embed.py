@@ -6,7 +6,6 @@ so the vectors match `SentenceTransformer.encode` on the same model.
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 import torch
 from transformers import AutoModel

@@ -1,7 +1,6 @@
 """Out-of-memory back-off: halve and retry, lose nothing, compute nothing twice."""
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 

@@ -1,6 +1,5 @@
 """Killing a run at any moment loses nothing: signals, SIGKILL and resume, orphan workers."""
 
-import os
 import random
 import signal
 import subprocess

@@ -72,8 +72,8 @@ def test_rerun_under_other_settings_is_refused_unless_overwrite(tmp_path, three_
 
 def test_bad_rows_get_an_error_each_and_nothing_is_dropped(tmp_path, tiny_encoder_path):
     texts = [b"fine text", b"bad \xff\xfe utf-8", None, b"", "long " .encode() * 200, b"second fine text",
-             b"dup one", b"dup two"]
-    ids = ["a", "b", "c", None, "e", "f", "dup", "dup"]
+             b"dup one", b"dup two", b" \t\n ", b""]
+    ids = ["a", "b", "c", None, "e", "f", "dup", "dup", "w", "empty"]
     (tmp_path / "in").mkdir()
     pq.write_table(pa.table({"id": ids, "text": pa.array(texts, pa.binary())}), tmp_path / "in" / "rows.parquet")
     summary = run_job(config_for(tmp_path, tiny_encoder_path))
@@ -86,7 +86,8 @@ def test_bad_rows_get_an_error_each_and_nothing_is_dropped(tmp_path, tiny_encode
     assert errors[3] == "id is null"  # (its text is empty too; the id is checked last and wins)
     assert errors[4] is None and out[4]["truncated"] is True and out[4]["embedding"] is not None
     assert [row["embedding"] is None for row in out] == [e is not None for e in errors]
-    assert summary.error_rows == 3 and summary.truncated_rows == 1
+    assert errors[8] == errors[9] == "text is empty or whitespace only"
+    assert summary.error_rows == 5 and summary.truncated_rows == 1
     assert summary.duplicate_ids == 1 and summary.duplicate_id_examples == ["dup"]
     assert errors[6] is None and errors[7] is None  # duplicates are kept, in place
 

@@ -117,3 +117,13 @@ def test_a_corrupt_shard_is_not_retried_and_fails_alone(tmp_path):
     blocks = list(read_blocks(shards, "id", "text", block_rows=100))
     assert [b.num_rows for b in blocks if b.failure is None] == [5]
     assert "reading" in blocks[-1].failure and blocks[-1].shard_index == 1
+
+
+def test_output_names_come_only_from_the_file_name_of_a_shard(tmp_path):
+    from pipeline.source import _stem
+
+    assert _stem("s3://bucket/in/../../etc/x.parquet") == "x"
+    assert _stem("memory://in/sub/part-1.parquet") == "part-1"
+    pq.write_table(TABLE, tmp_path / "...parquet")  # its stem would be "..": refused, nothing written
+    with pytest.raises(UsageError, match="no usable file name"):
+        list_shards([str(tmp_path / "...parquet")], "id", "text")
