@@ -126,7 +126,7 @@ MODEL_OPTIONS = [
 ]
 
 BATCH_OPTIONS = [
-    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="4096",
+    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="2048",
             show_default=True,
             help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this "
                  "model, device and dtype if there is one, else as many as the memory plan allows."),

@@ -18,7 +18,7 @@ class RunConfig:
     max_length: int = 256  # tokens per row; longer texts are truncated (and flagged)
     id_column: str = "id"
     text_column: str = "text"
-    max_batch_tokens: int | None = 4096  # padded tokens per batch (rows × padded length); None = auto
+    max_batch_tokens: int | None = 2048  # padded tokens per batch (rows × padded length); None = auto
     max_batch_rows: int | None = DEFAULT_MAX_BATCH_ROWS  # rows per batch, whatever their length; None = auto
     probe: bool = True  # size batches by the memory plan (cached, else probed on the device)
     memory_budget: int | None = None  # bytes batches may use; None = device default
