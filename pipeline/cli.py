@@ -328,7 +328,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
     on the same model, device and dtype uses it.
     """
     from pipeline import sweep as analysis
-    from pipeline.config import SweepConfig
+    from pipeline.config import DEFAULT_MAX_BATCH_ROWS, SweepConfig
 
     if (vary == "max-batch-tokens" and max_batch_tokens is not None) or \
             (vary == "max-batch-rows" and max_batch_rows is not None):
@@ -339,7 +339,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
             analysis.check_plot_available()
         config = SweepConfig(input=tuple(inputs), vary=vary, values=values, out=out,
                              model=None if model in (None, "", "default") else model,
-                             max_batch_tokens=max_batch_tokens, max_batch_rows=max_batch_rows or 512,
+                             max_batch_tokens=max_batch_tokens, max_batch_rows=max_batch_rows or DEFAULT_MAX_BATCH_ROWS,
                              storage_options=_parse_storage_options(storage_option), save_recommendation=not no_save,
                              **settings)
         from pipeline.loadtest import run_sweep

@@ -45,6 +45,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """`float32`, `bfloat16`, …: how fingerprints, plan keys and summaries name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def device_name(device: torch.device) -> str:
     """What a cached plan or a sweep recommendation was measured on: the GPU model, or the
     CPU and the thread count torch uses."""

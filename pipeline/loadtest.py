@@ -165,7 +165,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     import datetime
 
     from jobs.registry import get_job
-    from pipeline.device import available_memory_bytes, device_name, resolve_device, resolve_dtype
+    from pipeline.device import available_memory_bytes, device_name, dtype_name, resolve_device, resolve_dtype
     from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
     from pipeline.run import check_max_length, resolve_model_path
     from pipeline.source import list_shards
@@ -206,11 +206,10 @@ def run_sweep(config: SweepConfig) -> SweepReport:
                      trust_remote_code=config.trust_remote_code)
     check_max_length(model, config.max_length)
     budget = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
-    dtype_name = str(dtype).removeprefix("torch.")
     fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, config.max_length, config.prefetch_batches)
     settings = {
         "vary": config.vary, "values": sorted(config.values), "job": config.job, "model": model_path,
-        "device": device_name(device), "dtype": dtype_name, "max_length": config.max_length,
+        "device": device_name(device), "dtype": dtype_name(dtype), "max_length": config.max_length,
         "max_batch_tokens": None if config.vary == "max-batch-tokens" else config.max_batch_tokens,
         "max_batch_rows": None if config.vary == "max-batch-rows" else config.max_batch_rows,
         "prefetch_batches": config.prefetch_batches, "torch_threads": torch.get_num_threads(),
@@ -234,7 +233,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     saved_to = None
     if config.save_recommendation and recommendation.level is not None:
         key, name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
-                                       dtype_name, config.max_length, config.vary)
+                                       dtype_name(dtype), config.max_length, config.vary)
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         saved_to = save_recommendation(config.plan_cache or default_plan_cache_dir(), name, key, recommendation,
                                        config.out, created)

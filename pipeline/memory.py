@@ -234,7 +234,7 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
 
     import torch
 
-    from pipeline.device import is_out_of_memory, measure_peak_bytes
+    from pipeline.device import dtype_name, is_out_of_memory, measure_peak_bytes
 
     started = time.perf_counter()
 
@@ -269,7 +269,7 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
     buckets = plan_buckets(coefficients, available_bytes, safety, memory_bucket_lengths(max_length),
                            max_batch_rows, max_batch_tokens, measure)
     return MemoryPlan(available_bytes, safety, coefficients, buckets, str(device),
-                      str(next(model.parameters()).dtype).removeprefix("torch."),
+                      dtype_name(next(model.parameters()).dtype),
                       round(time.perf_counter() - started, 2))
 
 

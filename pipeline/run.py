@@ -29,8 +29,8 @@ from tqdm import tqdm
 from jobs.registry import get_job
 from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
 from pipeline.config import RunConfig
-from pipeline.device import (DeviceFeeder, available_memory_bytes, collate, device_name, forward_splitting_on_oom,
-                             prefetch, resolve_device, resolve_dtype)
+from pipeline.device import (DeviceFeeder, available_memory_bytes, collate, device_name, dtype_name,
+                             forward_splitting_on_oom, prefetch, resolve_device, resolve_dtype)
 from pipeline.errors import UsageError
 from pipeline.memory import (MemoryPlan, default_plan_cache_dir, load_cached_plan, model_memory_fingerprint,
                              plan_cache_key, probe_memory_plan, save_plan)
@@ -315,7 +315,7 @@ def output_fingerprint(config: RunConfig, model_path: str, dtype: torch.dtype) -
     """Everything that changes the output values. Batch sizes, workers and memory settings
     are left out on purpose: they must not change results."""
     return {"job": config.job, "model": model_content_hash(model_path), "max_length": config.max_length,
-            "dtype": str(dtype).removeprefix("torch."), "id_column": config.id_column,
+            "dtype": dtype_name(dtype), "id_column": config.id_column,
             "text_column": config.text_column}
 
 
@@ -502,7 +502,7 @@ def resolve_batch_setting(config: RunConfig, model_path: str, device: torch.devi
     from pipeline.config import DEFAULT_MAX_BATCH_ROWS
     from pipeline.sweep import load_recommendation, recommendation_key
 
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = dtype_name(next(model.parameters()).dtype)
     changes, notes = {}, []
     for vary, name in (("max-batch-tokens", "max_batch_tokens"), ("max-batch-rows", "max_batch_rows")):
         value = getattr(config, name)
@@ -532,7 +532,7 @@ def memory_plan_for(config: RunConfig, job, model, model_path: str, device: torc
     if available <= 0:
         raise UsageError(f"no memory left for batches on {device} ({available} bytes); "
                          "lower --memory-reserve or set --memory-budget")
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = dtype_name(next(model.parameters()).dtype)
     key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
                                device=device_name(device), dtype=dtype, max_length=config.max_length,
                                available_bytes=available, safety=config.safety,
