@@ -165,7 +165,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     import datetime
 
     from jobs.registry import get_job
-    from pipeline.device import available_memory_bytes, device_name, dtype_name, resolve_device, resolve_dtype
+    from pipeline.device import (available_memory_bytes, device_name, dtype_name, keep_freed_host_memory,
+                                 resolve_device, resolve_dtype)
     from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
     from pipeline.run import check_max_length, resolve_model_path
     from pipeline.source import list_shards
@@ -205,6 +206,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     model = job.load(model_path, device, dtype, allow_pickle=config.allow_pickle,
                      trust_remote_code=config.trust_remote_code)
     check_max_length(model, config.max_length)
+    keep_freed_host_memory(device)  # as `run` does, so levels are measured as they will run
     budget = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
     fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, config.max_length, config.prefetch_batches)
     settings = {

@@ -30,7 +30,8 @@ from jobs.registry import get_job
 from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
 from pipeline.config import RunConfig
 from pipeline.device import (DeviceFeeder, available_memory_bytes, collate, device_name, dtype_name,
-                             forward_splitting_on_oom, prefetch, resolve_device, resolve_dtype)
+                             forward_splitting_on_oom, keep_freed_host_memory, prefetch, resolve_device,
+                             resolve_dtype)
 from pipeline.errors import UsageError
 from pipeline.memory import (MemoryPlan, default_plan_cache_dir, load_cached_plan, model_memory_fingerprint,
                              plan_cache_key, probe_memory_plan, save_plan)
@@ -398,6 +399,7 @@ def _run_locked(config: RunConfig, job, shards: list[Shard], sink: ShardSink, ma
     model = job.load(model_path, device, dtype, allow_pickle=config.allow_pickle,
                      trust_remote_code=config.trust_remote_code)
     check_max_length(model, config.max_length)
+    keep_freed_host_memory(device)
     config, summary.batch_setting = resolve_batch_setting(config, model_path, device, model)
     log(f"batch setting: {summary.batch_setting}")
     if config.max_batch_tokens is None and not config.probe:
