@@ -11,6 +11,7 @@ knee): the same work for less memory and latency.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -291,11 +292,9 @@ def load_recommendation(cache_dir: str, name: str, key: dict) -> dict | None:
 
 def check_plot_available() -> None:
     """Fail before the sweep runs, not after, when --plot cannot be drawn."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as error:
+    if importlib.util.find_spec("matplotlib") is None:
         raise ImportError("--plot needs matplotlib: pip install 'lengthwise[plot]' "
-                          "(or .venv/bin/pip install matplotlib)") from error
+                          "(or .venv/bin/pip install matplotlib)")
 
 
 def plot_sweep(path: str, levels: Sequence[LevelResult], vary: str, recommended: int | None, title: str) -> None:
