@@ -312,11 +312,16 @@ def load_cached_plan(cache_dir: str, key: dict, name: str) -> MemoryPlan | None:
     return plan
 
 
-def save_plan(cache_dir: str, name: str, plan: MemoryPlan) -> str:
-    """Write atomically (temp + rename) so concurrent runs never read half a plan."""
-    path = Path(cache_dir) / f"{name}.json"
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write to a temporary name beside `path`, then rename, so concurrent readers never see
+    half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_suffix(f".{os.getpid()}.tmp")
-    temp.write_text(plan.to_json() + "\n")
+    temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    temp.write_text(text)
     os.replace(temp, path)
+
+
+def save_plan(cache_dir: str, name: str, plan: MemoryPlan) -> str:
+    path = Path(cache_dir) / f"{name}.json"
+    write_text_atomically(path, plan.to_json() + "\n")
     return str(path)

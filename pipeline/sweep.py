@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import json
 import math
 import os
@@ -150,14 +151,14 @@ def _gib(count: float) -> str:
 
 
 def write_sweep_csv(path: str, levels: Sequence[LevelResult]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    temp = f"{path}.{os.getpid()}.tmp"
-    with open(temp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=LevelResult.columns())
-        writer.writeheader()
-        for result in levels:
-            writer.writerow(asdict(result))
-    os.replace(temp, path)
+    from pipeline.memory import write_text_atomically
+
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=LevelResult.columns())
+    writer.writeheader()
+    for result in levels:
+        writer.writerow(asdict(result))
+    write_text_atomically(Path(path), text.getvalue())
 
 
 def read_sweep_csv(path: str) -> list[LevelResult]:
@@ -266,12 +267,11 @@ def recommendation_path(cache_dir: str, name: str) -> Path:
 def save_recommendation(cache_dir: str, name: str, key: dict, recommendation: Recommendation, csv_path: str,
                         created: str) -> str:
     """Write atomically beside the memory plans; a later run with the same key reads it."""
+    from pipeline.memory import write_text_atomically
+
     path = recommendation_path(cache_dir, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_suffix(f".{os.getpid()}.tmp")
-    temp.write_text(json.dumps({"key": key, "level": recommendation.level, "reason": recommendation.reason,
-                                "csv": os.path.abspath(csv_path), "created": created}, indent=2) + "\n")
-    os.replace(temp, path)
+    write_text_atomically(path, json.dumps({"key": key, "level": recommendation.level, "reason": recommendation.reason,
+                                            "csv": os.path.abspath(csv_path), "created": created}, indent=2) + "\n")
     return str(path)
 
 
