@@ -75,14 +75,14 @@ def main() -> None:
             inputs = [str(scratch / "in")]
         # The real command, in its own process: its tokenizer workers then spawn from the small
         # CLI module, not from this script (spawn re-imports the parent's main module).
-        command = [str(Path(sys.executable).parent / "lengthwise"), "run", "--output", str(scratch / "out"),
+        lengthwise = str(Path(sys.executable).parent / "lengthwise")
+        command = [lengthwise, "run", "--output", str(scratch / "out"),
                    "--job", "embed", "--max-length", str(args.max_length), "--dtype", args.dtype,
                    "--max-batch-tokens", str(args.max_batch_tokens), "--summary-json", str(scratch / "summary.json")]
         for path in inputs:
             command += ["--input", path]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         # A nightly run finds its memory plan in the cache; probe it here, outside the timing.
-        lengthwise = str(Path(sys.executable).parent / "lengthwise")
         subprocess.run([lengthwise, "plan", "--job", "embed", "--max-length", str(args.max_length), "--dtype",
                         args.dtype, "--max-batch-tokens", str(args.max_batch_tokens)],
                        check=True, env=env, stdout=subprocess.DEVNULL)
