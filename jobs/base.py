@@ -20,9 +20,11 @@ from pipeline.errors import UsageError
 class Job(Protocol):
     name: str
 
-    def load(self, model_path: str, device: torch.device, dtype: torch.dtype, **loading) -> torch.nn.Module:
-        """The model, in eval mode, on `device` in `dtype`; `loading` goes to load_pretrained
-        (allow_pickle, trust_remote_code)."""
+    def load(self, model_path: str, device: torch.device, dtype: torch.dtype, prompt_tokens: int = 0,
+             **loading) -> torch.nn.Module:
+        """The model, in eval mode, on `device` in `dtype`; `prompt_tokens` leading tokens of
+        every row are the run's prompt (a job may leave them out of its output); `loading` goes
+        to load_pretrained (allow_pickle, trust_remote_code)."""
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:

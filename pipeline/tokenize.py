@@ -25,11 +25,13 @@ CHUNK_ROWS = 256  # texts per pool task: large enough to amortise IPC, small eno
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    """What a worker needs to rebuild the tokenizer: its JSON, the truncation length, pad id."""
+    """What a worker needs to rebuild the tokenizer and prepare texts as the model expects."""
 
     tokenizer_json: str
     max_length: int
     pad_token_id: int
+    prompt: str = ""  # put before every text (sentence-transformers prompts)
+    lowercase: bool = False  # lower-case prompt + text first (sentence-transformers do_lower_case)
 
 
 @dataclass
@@ -50,7 +52,8 @@ class EncodedRows:
         return len(self.errors)
 
 
-def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: bool = False) -> TokenizerSpec:
+def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: bool = False, prompt: str = "",
+                        lowercase: bool = False) -> TokenizerSpec:
     """Load the model's fast tokenizer once, truncating at max_length and never padding."""
     from transformers import AutoTokenizer
 
@@ -61,7 +64,24 @@ def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: boo
     backend.no_padding()
     backend.enable_truncation(max_length=max_length)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TokenizerSpec(backend.to_str(), max_length, int(pad_token_id))
+    return TokenizerSpec(backend.to_str(), max_length, int(pad_token_id), prompt, lowercase)
+
+
+def count_prompt_tokens(spec: TokenizerSpec) -> int:
+    """Leading tokens the prompt takes in every row: the prompt tokenized alone, less a
+    trailing special token (how sentence-transformers counts it for `include_prompt: false`)."""
+    if not spec.prompt:
+        return 0
+    from tokenizers import Tokenizer
+
+    encoding = Tokenizer.from_str(spec.tokenizer_json).encode(prepare_text(spec, ""))
+    return len(encoding.ids) - (1 if encoding.special_tokens_mask and encoding.special_tokens_mask[-1] else 0)
+
+
+def prepare_text(spec: TokenizerSpec, text: str) -> str:
+    """The string the tokenizer sees for a row's text."""
+    text = spec.prompt + text
+    return text.lower() if spec.lowercase else text
 
 
 def check_text(value) -> tuple[str | None, str | None]:
@@ -82,10 +102,11 @@ def check_text(value) -> tuple[str | None, str | None]:
 
 
 _worker_tokenizer = None
+_worker_spec: TokenizerSpec | None = None
 
 
 def _init_worker(spec: TokenizerSpec, in_worker: bool = True) -> None:
-    global _worker_tokenizer
+    global _worker_tokenizer, _worker_spec
     if in_worker:
         # Ctrl-C and a group SIGTERM reach the workers too; the parent decides how to stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -95,6 +116,7 @@ def _init_worker(spec: TokenizerSpec, in_worker: bool = True) -> None:
     from tokenizers import Tokenizer
 
     _worker_tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+    _worker_spec = spec
 
 
 def _exit_with_parent() -> None:
@@ -108,7 +130,7 @@ def encode_texts(texts: Sequence) -> EncodedRows:
     started = time.perf_counter()
     checked = [check_text(value) for value in texts]
     errors = [error for _, error in checked]
-    good = [text for text, error in checked if error is None]
+    good = [prepare_text(_worker_spec, text) for text, error in checked if error is None]
     encodings = _worker_tokenizer.encode_batch(good) if good else []
     lengths = np.zeros(len(texts), dtype=np.int64)
     truncated = np.zeros(len(texts), dtype=bool)
