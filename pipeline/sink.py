@@ -9,18 +9,26 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import socket
-import sys
+import time
 import uuid
+from collections.abc import Callable
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
+from pipeline.config import RunConfig
 from pipeline.errors import UsageError, retry_transient
-from pipeline.source import Shard
+from pipeline.source import RowBlock, Shard, list_shards
+from pipeline.summary import IdTracker, RunSummary, StageTimes
+from pipeline.windows import Window
+
+log = logging.getLogger(__name__)
 
 
 class ShardWriter:
@@ -51,7 +59,7 @@ class ShardWriter:
         self._writer.close()
         self._file.close()
         retry_transient(lambda: self.fs.mv(self.temp_path, self.final_path), f"committing {self.final_path}",
-                        log=_log)
+                        log=log.warning)
         return self.final_path
 
     def abort(self) -> None:
@@ -115,6 +123,77 @@ class ShardSink:
         self._writers.clear()
 
 
+# ── windows to output rows ───────────────────────────────────────────────────────────────
+
+ColumnsOf = Callable[[dict, np.ndarray, int], dict]  # (outputs, valid, rows) → the job's Arrow columns
+
+
+def output_table(block: RowBlock, window: Window, start: int, columns_of: ColumnsOf) -> pa.Table:
+    """The output rows of one block: id, the job's columns, truncated, error — in input order."""
+    positions = slice(start, start + block.num_rows)
+    valid = window.valid[positions]
+    columns = columns_of({k: v[positions] for k, v in window.outputs.items()}, valid, block.num_rows)
+    columns = {"id": block.ids, **columns,
+               "truncated": pa.array(window.encoded.truncated[positions] & valid, pa.bool_()),
+               "error": pa.array(window.encoded.errors[positions], pa.string())}
+    return pa.table(columns)
+
+
+class WindowWriter:
+    """Writes finished windows block by block and commits each shard whose last row it holds,
+    then marks it done. A shard that failed (while being read, or at its commit) is dropped
+    whole: its temporary file is deleted and nothing of it is committed."""
+
+    def __init__(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], columns_of: ColumnsOf,
+                 times: StageTimes):
+        self.sink, self.manifest, self.shards = sink, manifest, shards
+        self.columns_of = columns_of
+        self.times = times
+        self.failures: dict[int, str] = {}  # shard index → why it failed
+        self.counts: dict[int, np.ndarray] = {}  # shard index → rows, error rows, truncated rows written
+        self.ids = IdTracker()
+
+    def write(self, window: Window) -> None:
+        started = time.perf_counter()
+        start = 0
+        for block in window.blocks:
+            positions = slice(start, start + block.num_rows)
+            start += block.num_rows
+            if block.failure is not None:
+                self.failures[block.shard_index] = block.failure
+                self.sink.abort(block.shard_index)
+            if block.shard_index in self.failures:
+                continue
+            shard = self.shards[block.shard_index]
+            self.sink.write(block.shard_index, shard, output_table(block, window, positions.start, self.columns_of))
+            if block.is_last_of_shard:
+                try:
+                    self.sink.commit(block.shard_index)
+                except Exception as error:  # e.g. the rename failed for good, or the row count is wrong
+                    self.failures[block.shard_index] = f"committing the output failed: {type(error).__name__}: {error}"
+                    self.sink.abort(block.shard_index)
+                    continue
+                self.manifest.mark(shard.stem, "done", input=shard.url, rows=shard.num_rows)
+            self.ids.add(block.ids.to_pylist())
+            valid = window.valid[positions]
+            counts = self.counts.setdefault(block.shard_index, np.zeros(3, np.int64))
+            counts += (block.num_rows, (~valid).sum(), (window.encoded.truncated[positions] & valid).sum())
+        self.times.write += time.perf_counter() - started
+
+    def finish(self, summary: RunSummary) -> None:
+        """Drop shards left open (a failure, --fail-fast, an interrupt), mark failed shards
+        failed, and put rows, errors, truncations and duplicate ids into `summary`."""
+        self.sink.abort_all()
+        for shard_index, reason in sorted(self.failures.items()):
+            shard = self.shards[shard_index]
+            self.manifest.mark(shard.stem, "failed", input=shard.url, error=reason)
+            summary.failed_shards.append({"shard": shard.url, "error": reason})
+        written = sum((c for i, c in self.counts.items() if i in self.sink.committed), np.zeros(3, np.int64))
+        summary.rows, summary.error_rows, summary.truncated_rows = (int(n) for n in written)
+        summary.duplicate_ids, summary.duplicate_id_examples = self.ids.duplicates(self.sink.fs,
+                                                                                   self.sink.committed.values())
+
+
 # ── the run manifest: what is done, what failed, under which settings ─────────────────────
 
 MANIFEST_DIR = "_lengthwise"
@@ -148,7 +227,7 @@ class RunManifest:
                 f.write(json.dumps(data, indent=2, default=str) + "\n")
             self.fs.mv(temp, path)
 
-        retry_transient(write, f"writing {path}", log=_log)
+        retry_transient(write, f"writing {path}", log=log.warning)
 
     def _read_json(self, path: str) -> dict | None:
         try:
@@ -235,6 +314,43 @@ class RunManifest:
             self.fs.rm(path)
 
 
+SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
+
+
+def recorded_config(config: RunConfig) -> dict:
+    """The resolved config as saved beside the outputs, with secret storage options blanked."""
+    data = config.to_dict()
+    data["storage_options"] = {k: "<redacted>" if any(w in k.lower() for w in SECRET_WORDS) else v
+                               for k, v in config.storage_options.items()}
+    return data
+
+
+def run_status(output: str, storage_options: dict) -> dict:
+    """Shards done, failed and pending for the run recorded in `output`, without a model."""
+    sink_fs, output_dir = fsspec.core.url_to_fs(output, **storage_options)
+    if not sink_fs.exists(f"{output_dir.rstrip('/')}/{MANIFEST_DIR}/run.json"):
+        raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
+    manifest = RunManifest(sink_fs, output_dir.rstrip("/"))
+    recorded = manifest.read_run()
+    markers = manifest.shard_markers()
+    config = recorded["config"]
+    recorded_options = {k: v for k, v in config.get("storage_options", {}).items() if v != "<redacted>"}
+    shards = list_shards(config["input"], config["id_column"], config["text_column"],
+                         {**recorded_options, **storage_options})
+    by_stem = {shard.stem: shard for shard in shards}
+    status_of = {stem: markers.get(stem, {}).get("status", "pending") for stem in by_stem}
+    done = [stem for stem, state in status_of.items() if state == "done"]
+    return {
+        "output": output, "shards": len(shards), "done": len(done),
+        "failed": sum(state == "failed" for state in status_of.values()),
+        "pending": sum(state == "pending" for state in status_of.values()),
+        "rows": sum(shard.num_rows for shard in shards), "rows_done": sum(by_stem[stem].num_rows for stem in done),
+        "failed_shards": [{"shard": markers[stem].get("input", stem), "error": markers[stem].get("error")}
+                          for stem, state in status_of.items() if state == "failed"],
+        "lock": manifest.read_lock(),
+    }
+
+
 def _process_alive(pid) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -247,7 +363,3 @@ def _process_alive(pid) -> bool:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ memory follows the batch size, never the shard or dataset size.
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -16,6 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import UsageError, backoff_delay_s, is_transient, retry_transient
+
+log = logging.getLogger(__name__)
 
 GLOB_CHARACTERS = "*?["
 
@@ -46,13 +48,9 @@ class RowBlock:
         return len(self.ids)
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _expand(pattern: str, storage_options: dict) -> list[str]:
     """URLs of the Parquet files a directory, glob or file names, with their protocol kept."""
-    return retry_transient(lambda: _expand_once(pattern, storage_options), f"listing {pattern}", log=_log)
+    return retry_transient(lambda: _expand_once(pattern, storage_options), f"listing {pattern}", log=log.warning)
 
 
 def _expand_once(pattern: str, storage_options: dict) -> list[str]:
@@ -124,7 +122,7 @@ def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storag
             return pq.ParquetFile(f).metadata
 
     try:
-        metadata = retry_transient(read_footer, f"reading the footer of {url}", log=_log)
+        metadata = retry_transient(read_footer, f"reading the footer of {url}", log=log.warning)
         schema, num_rows = metadata.schema.to_arrow_schema(), metadata.num_rows
     except (pa.ArrowInvalid, OSError) as error:
         return Shard(url, stem, 0, f"cannot read {url} as Parquet ({error}); check --input")
@@ -205,6 +203,6 @@ def _record_batches(url: str, columns: list[str], block_rows: int, storage_optio
             if attempt == attempts or not is_transient(error):
                 raise
             delay = backoff_delay_s(attempt)
-            _log(f"reading {url}: {type(error).__name__}: {error}; reopening after row {handed_on:,} "
+            log.warning(f"reading {url}: {type(error).__name__}: {error}; reopening after row {handed_on:,} "
                  f"(retry {attempt}/{attempts - 1} in {delay:.1f}s)")
             sleep(delay)

@@ -11,6 +11,7 @@ knee): the same work for less memory and latency.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import io
 import json
@@ -337,3 +338,34 @@ def plot_sweep(path: str, levels: Sequence[LevelResult], vary: str, recommended:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def resolve_batch_setting(config, model_path: str, device, model) -> tuple:
+    """Replace an `auto` token or row limit by the saved sweep recommendation for this model,
+    device, dtype and max length; without one, tokens stay auto (the memory plan alone) and
+    rows fall back to the default. Returns the config and where each limit came from."""
+    from pipeline.config import DEFAULT_MAX_BATCH_ROWS
+    from pipeline.device import device_name, dtype_name
+    from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
+
+    dtype = dtype_name(next(model.parameters()).dtype)
+    changes, notes = {}, []
+    for vary, name in (("max-batch-tokens", "max_batch_tokens"), ("max-batch-rows", "max_batch_rows")):
+        value = getattr(config, name)
+        if value is not None:
+            notes.append(f"--{vary} {value}")
+            continue
+        key, file_name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
+                                            dtype, config.max_length, vary)
+        saved = load_recommendation(config.plan_cache or default_plan_cache_dir(), file_name, key)
+        if saved is not None:
+            changes[name] = saved["level"]
+            notes.append(f"--{vary} {saved['level']} recommended by the sweep of {saved['created']} ({saved['path']})")
+        elif name == "max_batch_tokens":
+            notes.append("--max-batch-tokens auto: no sweep recommendation for this model, device and dtype, "
+                         "so the memory plan alone")
+        else:
+            changes[name] = DEFAULT_MAX_BATCH_ROWS
+            notes.append(f"--max-batch-rows auto: no sweep recommendation for this model, device and dtype, "
+                         f"so {DEFAULT_MAX_BATCH_ROWS}")
+    return dataclasses.replace(config, **changes), "; ".join(notes)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -122,3 +123,72 @@ def test_shipped_configs_use_only_known_keys(config):
     # --config and --help are eager: the file is read (an unknown key fails) and nothing runs
     result = CliRunner().invoke(cli, ["run", "--config", str(config), "--help"])
     assert result.exit_code == 0, result.output
+
+
+# ── settings defined once ──────────────────────────────────────────────────────────────
+
+
+def _options(command):
+    return [p for p in command.params if isinstance(p, click.Option) and p.name not in ("help", "config")]
+
+
+def test_every_option_of_every_command_has_a_lengthwise_variable():
+    for name, command in cli.commands.items():
+        missing = [o.opts[0] for o in _options(command) if not str(o.envvar or "").startswith("LENGTHWISE_")]
+        assert not missing, f"`lengthwise {name}` options without a LENGTHWISE_ variable: {missing}"
+
+
+def test_run_defaults_are_the_config_defaults():
+    import dataclasses
+
+    from pipeline.config import RunConfig
+
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    run = cli.commands["run"]
+    compared = 0
+    for option in _options(run):
+        field = fields.get(option.name)
+        if field is None or option.is_flag or field.default is field.default_factory is dataclasses.MISSING:
+            continue
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        expected = str(default) if option.name in ("max_batch_tokens", "max_batch_rows") else default
+        assert option.default == expected, option.name
+        compared += 1
+    assert compared >= 15
+
+
+def test_sweep_and_plan_read_a_run_config_file(tmp_path, tiny_encoder_path):
+    """A nightly TOML serves `plan` and `sweep` too: their keys apply, run-only keys (output) are skipped."""
+    config = tmp_path / "nightly.toml"
+    config.write_text(f'input = "{ROOT / "pipeline" / "sample_data"}"\noutput = "{tmp_path / "never"}"\n'
+                      f'model = "{tiny_encoder_path}"\nmax_length = 256\ntokenize_workers = 0\n'
+                      f'plan_cache = "{tmp_path / "cache"}"\nmemory_budget = "16MiB"\nmax_batch_tokens = 1024\n')
+    planned = invoke(["plan", "--config", str(config), "--json"])
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads(planned.output[planned.output.index("{"):])
+    assert max(bucket["length"] for bucket in plan["buckets"]) == 256 and plan["available_bytes"] == 16 * 2**20
+    assert "--max-batch-tokens 1024" in planned.output
+    swept = invoke(["sweep", "--config", str(config), "--vary", "max-batch-rows", "--values", "4,8", "--rows", "20",
+                    "--warmup-rows", "0", "--no-save", "--out", str(tmp_path / "s.csv")])
+    assert swept.exit_code == 0, swept.output
+    assert json.loads((tmp_path / "s.csv.json").read_text())["max_length"] == 256
+    assert not (tmp_path / "never").exists()
+    config.write_text(config.read_text() + "max_batch_tokenz = 5\n")
+    assert "unknown key 'max_batch_tokenz'" in CliRunner().invoke(cli, ["sweep", "--config", str(config)]).output
+
+
+def test_quiet_keeps_only_the_summary_and_verbose_adds_nothing_wrong(tmp_path, shards, tiny_encoder_path):
+    base = ["run", "--input", str(shards), "--model", tiny_encoder_path, "--no-progress", "--tokenize-workers", "0",
+            "--max-length", "16", "--no-probe"]
+    loud = invoke(base + ["--output", str(tmp_path / "a")])
+    quiet = invoke(base + ["--output", str(tmp_path / "b"), "--quiet"])
+    assert loud.exit_code == quiet.exit_code == 0
+    assert "batch setting:" in loud.output and "batch setting:" not in quiet.output
+    assert "padding efficiency" in quiet.output  # the summary is output, not a log line
+
+
+def test_status_loads_no_torch():
+    code = ("import sys; from pipeline.cli import cli; from pipeline.sink import run_status; "
+            "assert 'torch' not in sys.modules, 'status imported torch'")
+    completed = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0, completed.stderr

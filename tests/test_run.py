@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline.run import group_into_windows
+from pipeline.windows import group_into_windows
 from pipeline.source import RowBlock
 from tests.conftest import run_to_table
 

@@ -1,0 +1,127 @@
+"""What a run measured and how it is reported: stage times, the summary, duplicate ids.
+
+Pure bookkeeping (no torch), so engines can merge the summaries of several shard runners.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow.parquet as pq
+
+
+@dataclass
+class StageTimes:
+    """Seconds per stage. read/tokenize/collate overlap the device; wait is the device idle."""
+
+    setup: float = 0.0  # listing shards, loading tokenizer and model
+    read: float = 0.0
+    tokenize: float = 0.0  # summed over worker processes
+    collate: float = 0.0
+    wait_for_batch: float = 0.0
+    forward: float = 0.0
+    write: float = 0.0
+
+
+def timed(items: Iterable, times: StageTimes, stage: str) -> Iterator:
+    """Yield from `items`, adding the time spent producing each item to `times.<stage>`."""
+    iterator = iter(items)
+    while True:
+        started = time.perf_counter()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            setattr(times, stage, getattr(times, stage) + time.perf_counter() - started)
+        yield item
+
+
+@dataclass
+class RunSummary:
+    rows: int = 0  # rows written by this run
+    error_rows: int = 0
+    truncated_rows: int = 0
+    shards: int = 0  # shards named by the input
+    shards_done_before: int = 0  # skipped: committed by an earlier run
+    failed_shards: list = field(default_factory=list)  # [{"shard", "error"}]: nothing of them committed
+    duplicate_ids: int = 0  # rows whose id an earlier row of this run already had (both kept)
+    duplicate_id_examples: list = field(default_factory=list)
+    batches: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    padding_efficiency: float = 1.0
+    rows_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    wall_s: float = 0.0
+    stage_s: dict = field(default_factory=dict)
+    device_busy_fraction: float = 0.0
+    oom_splits: int = 0  # batches halved after running out of memory
+    lowered_batch_rows: dict = field(default_factory=dict)  # padded length → rows after a split
+    batch_setting: str = ""  # the token and row limits, and where they came from
+    batch_plan: str = ""  # where the memory plan came from
+    device: str = ""
+    dtype: str = ""
+    model: str = ""
+    output: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def to_text(self) -> str:
+        stages = "  ".join(f"{name} {seconds:.2f}s" for name, seconds in self.stage_s.items())
+        lines = [
+            f"rows            {self.rows:,} in {self.shards - self.shards_done_before - len(self.failed_shards)} "
+            f"shard(s) ({self.error_rows:,} with errors, {self.truncated_rows:,} truncated, "
+            f"{self.duplicate_ids:,} duplicate ids)",
+            f"tokens          {self.real_tokens:,} real / {self.padded_tokens:,} padded in {self.batches:,} batches"
+            f" = padding efficiency {self.padding_efficiency:.3f}",
+            f"throughput      {self.rows_per_s:,.1f} rows/s, {self.tokens_per_s:,.0f} tokens/s "
+            f"in {self.wall_s:.2f}s wall",
+            f"stages          {stages}",
+            f"device busy     {self.device_busy_fraction:.1%} of the time after setup ({self.device}, {self.dtype})",
+            f"batch setting   {self.batch_setting}",
+            f"batch plan      {self.batch_plan}" + (f"; {self.oom_splits} out-of-memory splits, rows lowered to "
+                                                    f"{self.lowered_batch_rows}" if self.oom_splits else ""),
+            f"output          {self.output}",
+        ]
+        if self.shards_done_before:
+            lines.append(f"resumed         {self.shards_done_before} of {self.shards} shards were already done")
+        if self.duplicate_ids:
+            lines.append(f"duplicate ids   e.g. {', '.join(map(repr, self.duplicate_id_examples))}")
+        for failed in self.failed_shards:
+            lines.append(f"FAILED          {failed['shard']}: {failed['error']}")
+        return "\n".join(lines)
+
+
+def id_hash(value) -> int:
+    """A stable 64-bit hash of an id value (type included: 1 and "1" differ)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+class IdTracker:
+    """Finds ids written more than once: 8 bytes of hash a row, checked at the end."""
+
+    def __init__(self) -> None:
+        self._hashes: list[np.ndarray] = []
+
+    def add(self, ids: list) -> None:
+        values = [v for v in ids if v is not None]
+        self._hashes.append(np.fromiter((id_hash(v) for v in values), dtype=np.int64, count=len(values)))
+
+    def duplicates(self, fs, paths: Iterable[str], examples: int = 5) -> tuple[int, list]:
+        """How many rows repeat an earlier id, and a few such ids (read back from `paths`)."""
+        hashes = np.concatenate(self._hashes) if self._hashes else np.zeros(0, np.int64)
+        unique, counts = np.unique(hashes, return_counts=True)
+        repeated = set(unique[counts > 1].tolist())
+        found: list = []
+        for path in paths if repeated else ():
+            for value in pq.read_table(path, columns=["id"], filesystem=fs)["id"].to_pylist():
+                if len(found) < examples and value is not None and id_hash(value) in repeated and value not in found:
+                    found.append(value)
+        return int((counts[counts > 1] - 1).sum()), found

@@ -1,0 +1,99 @@
+"""Windows: consecutive rows read, tokenized, sorted and packed together.
+
+A window bounds the rows in flight (memory follows `--window-rows`, not the data). It may
+span shards; its outputs are scattered back by row position as batches finish, and it is
+written in input order once all of its batches are done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.source import RowBlock
+from pipeline.summary import StageTimes
+from pipeline.tokenize import EncodedRows, TokenizerPool
+
+
+def group_into_windows(blocks: Iterable[RowBlock], window_rows: int) -> Iterator[list[RowBlock]]:
+    """Consecutive row blocks, sliced so each window holds exactly `window_rows` rows
+    (the last may hold fewer). A window may span shards; row-less blocks (an empty shard's,
+    a shard failure) ride along in order."""
+    window: list[RowBlock] = []
+    filled = 0
+    for block in blocks:
+        start = 0
+        while True:
+            take = min(block.num_rows - start, window_rows - filled)
+            end = start + take
+            window.append(dataclasses.replace(block, first_row=block.first_row + start,
+                                              ids=block.ids.slice(start, take), texts=block.texts.slice(start, take),
+                                              is_last_of_shard=block.is_last_of_shard and end == block.num_rows))
+            filled += take
+            start = end
+            if filled == window_rows:
+                yield window
+                window, filled = [], 0
+            if start == block.num_rows:
+                break
+    if window:
+        yield window
+
+
+@dataclass
+class Window:
+    """One window in flight: its blocks, their tokens, and the outputs as they arrive."""
+
+    blocks: list[RowBlock]
+    encoded: EncodedRows
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    valid: np.ndarray = field(init=False)  # rows that tokenized and go to the model
+    tokenize_errors: int = field(init=False)  # rows that never reach the model
+
+    def __post_init__(self) -> None:
+        self.valid = np.array([error is None for error in self.encoded.errors], dtype=bool)
+        self.tokenize_errors = int((~self.valid).sum())
+
+    def fail(self, rows: np.ndarray, error: str) -> None:
+        """Rows that could not run after all (out of memory even alone) get an error."""
+        for row in rows:
+            self.encoded.errors[row] = error
+        self.valid[rows] = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.encoded)
+
+    def store(self, rows: np.ndarray, batch_outputs: dict[str, np.ndarray]) -> None:
+        """Scatter one batch's outputs back to the window positions of its rows."""
+        for name, values in batch_outputs.items():
+            if name not in self.outputs:
+                self.outputs[name] = np.zeros((self.num_rows, *values.shape[1:]), dtype=values.dtype)
+            self.outputs[name][rows] = values
+
+
+def tokenize_windows(pool: TokenizerPool, windows: Iterable[list[RowBlock]], times: StageTimes) -> Iterator[Window]:
+    """Tokenized windows; the next window is submitted before the current one is handed on."""
+    in_flight = None
+    for blocks in windows:
+        texts = [text for block in blocks for text in block.texts.to_pylist()]
+        submitted = (blocks, pool.submit(texts))
+        if in_flight is not None:
+            yield _finish_tokenizing(pool, in_flight, times)
+        in_flight = submitted
+    if in_flight is not None:
+        yield _finish_tokenizing(pool, in_flight, times)
+
+
+def _finish_tokenizing(pool: TokenizerPool, in_flight, times: StageTimes) -> Window:
+    """The window's encoded rows; a row with a null id is an error whatever its text."""
+    blocks, handle = in_flight
+    encoded = pool.result(handle)
+    times.tokenize += encoded.encode_s
+    null_ids = np.concatenate([b.ids.is_null().to_numpy(zero_copy_only=False) for b in blocks])
+    for row in np.flatnonzero(null_ids):
+        encoded.errors[row] = "id is null"
+    return Window(blocks, encoded)
