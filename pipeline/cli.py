@@ -263,6 +263,20 @@ def cli() -> None:
 @_apply(WORKER_OPTIONS)
 @_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
          help="Redo every shard, even ones done before or under other settings.")
+@_option("--engine", env="ENGINE", type=click.Choice(["local", "ray"]), default=_default("engine"), show_default=True,
+         help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster "
+              "(pip install 'lengthwise[ray]').")
+@_option("--ray-address", env="RAY_ADDRESS", default=None,
+         help="--engine ray: the cluster, auto or ray://host:10001. Default: RAY_ADDRESS, else a local Ray.")
+@_option("--workers", env="WORKERS", type=click.IntRange(1), default=None,
+         help="--engine ray: actors. Default: one per GPU of the cluster, else cluster CPUs / --threads-per-worker.")
+@_option("--threads-per-worker", env="THREADS_PER_WORKER", type=click.IntRange(1), default=None,
+         help="--engine ray: torch threads (and CPUs reserved) per actor. Default: 1 for CPU actors.")
+@_option("--num-shards", env="NUM_SHARDS", type=click.IntRange(1), default=_default("num_shards"), show_default=True,
+         help="Run as one of N workers over the same input and output (Kubernetes Indexed Job, Slurm array, "
+              "Airflow mapped task); worker I takes shards I, I+N, … of the sorted shard list.")
+@_option("--shard-index", env="SHARD_INDEX", type=int, default=None,
+         help="This worker's index, 0…N-1. Default: JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID.")
 @_option("--fail-fast", env="FAIL_FAST", is_flag=True, default=False, help="Stop at the first shard that fails.")
 @_option("--progress/--no-progress", env="PROGRESS", default=True, show_default=True,
          help="Progress bar on stderr.")
@@ -279,9 +293,16 @@ def run(inputs, output, model, storage_option, no_plan_cache, **settings) -> Non
         config = RunConfig(input=tuple(inputs), output=output, model=_model_or_default(model),
                            storage_options=_parse_storage_options(storage_option),
                            use_plan_cache=not no_plan_cache, **settings)
-        from pipeline.run import run_job
+        if config.engine == "ray":
+            if config.num_shards > 1:
+                raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
+            from pipeline.ray_engine import run_on_ray
 
-        summary = run_job(config)
+            summary = run_on_ray(config)
+        else:
+            from pipeline.run import run_job
+
+            summary = run_job(config)
     except UsageError as error:
         _fail(str(error))
     click.echo(summary.to_text())
@@ -482,10 +503,17 @@ def status(output, storage_option, as_json) -> None:
                f"{report['pending']} pending; {report['rows_done']:,} of {report['rows']:,} rows done")
     for failed in report["failed_shards"]:
         click.echo(f"failed  {failed['shard']}: {failed['error']}")
-    lock = report["lock"]
-    if lock:
+    workers = report["workers"]
+    if len(workers) > 1:
+        for worker in workers:
+            speed = f", last {worker['last_rows_per_s']:,.1f} rows/s" if worker["last_rows_per_s"] else ""
+            click.echo(f"worker {worker['index']}: {worker['done']} of {worker['shards']} shards done, "
+                       f"{worker['failed']} failed, {worker['pending']} pending"
+                       f"{' (running)' if worker['running'] else ''}{speed}")
+    for lock in report["locks"]:
         state = "running" if lock.get("alive", True) else "stale lock (that process is gone)"
-        click.echo(f"{state}: pid {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}")
+        who = f"worker {lock['index']} of {lock['count']} " if lock.get("count", 1) > 1 else ""
+        click.echo(f"{who}{state}: pid {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}")
 
 
 def _fail(message: str) -> None:

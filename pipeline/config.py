@@ -36,6 +36,12 @@ class RunConfig:
     prefetch_batches: int = 4  # collated batches waiting ahead of the device
     storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
     overwrite: bool = False  # redo every shard, even under a different fingerprint
+    engine: str = "local"  # local (this process, or worker I of N) | ray (actors on a Ray cluster)
+    ray_address: str | None = None  # engine ray: auto, ray://host:10001; None = RAY_ADDRESS or a local cluster
+    workers: int | None = None  # engine ray: actors; None = one per GPU, else CPUs // threads_per_worker
+    threads_per_worker: int | None = None  # engine ray: torch threads per actor (CPU actors: 1 when None)
+    num_shards: int = 1  # this process is one of N workers over the same input and output
+    shard_index: int | None = None  # which of them (0…N-1); None = JOB_COMPLETION_INDEX / SLURM_ARRAY_TASK_ID
     fail_fast: bool = False  # stop at the first failed shard
     allow_pickle: bool = False  # accept pickle (.bin) checkpoints; they can run code when loaded
     trust_remote_code: bool = False  # let a model folder run its own Python code

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,7 @@ from pipeline.errors import UsageError
 from pipeline.memory import MemoryPlan, describe_plan, memory_plan_for
 from pipeline.model import LoadedModel, ModelChoice, choose_model, load_model, model_content_hash
 from pipeline.sink import RunManifest, ShardSink, WindowWriter, fingerprint_differences, pending, recorded_config
-from pipeline.source import Shard, list_shards, read_blocks
+from pipeline.source import Shard, WorkerSlot, list_shards, read_blocks, resolve_worker_slot
 from pipeline.summary import RunSummary, StageTimes, timed
 from pipeline.sweep import resolve_batch_setting
 from pipeline.tokenize import EncodedRows, TokenizerPool
@@ -42,48 +43,57 @@ from pipeline.windows import Window, group_into_windows, tokenize_windows
 log = logging.getLogger(__name__)
 
 
-def run_job(config: RunConfig) -> RunSummary:
+def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSummary:
     """Run `config` over every shard not yet done, in this process, and return the summary.
+    With --num-shards N this process is one worker of N and takes its share of the shards
+    (index from --shard-index or the scheduler's variable in `environ`).
 
     Raises UsageError on bad settings (nothing written). A shard that fails is recorded in
     the summary and the manifest and the others go on; the caller decides the exit code.
     """
     started = time.perf_counter()
-    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
+    slot = resolve_worker_slot(config.num_shards, config.shard_index, environ)
+    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot)
+    if slot.count > 1:
+        log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
-    lock_note = manifest.acquire_lock()
+    lock_note = manifest.acquire_lock(slot)
     if lock_note:
         log.warning(lock_note)
     try:
         choice = choose_model(config)
-        todo = claim_output(config, choice, shards, sink, manifest)
+        todo = claim_output(config, choice, shards, sink, manifest, slot)
         summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
         if todo:
             runner = ShardRunner(config, load_model(config, choice))
             runner.run(todo, sink, manifest, summary, started)
         summary.wall_s = time.perf_counter() - started
+        manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
     finally:
-        manifest.release_lock()
+        manifest.release_lock(slot)
 
 
 def claim_output(config: RunConfig, choice: ModelChoice, shards: list[Shard], sink: ShardSink,
-                 manifest: RunManifest) -> list[Shard]:
-    """Check the output holds results of these settings (or clear it for --overwrite), record
-    the run, and return the shards still to do, in input order."""
+                 manifest: RunManifest, slot: WorkerSlot = WorkerSlot()) -> list[Shard]:
+    """Check the output holds results of these settings (or clear this worker's shards for
+    --overwrite), record the run, and return the shards still to do, in input order. Only
+    `shards` (this worker's) are touched: other workers may be writing theirs."""
     fingerprint = output_fingerprint(config, choice)
     recorded = manifest.read_run()
     if recorded and recorded["fingerprint"] != fingerprint and not config.overwrite:
         raise UsageError(f"{config.output} holds results made with other settings "
                          f"({'; '.join(fingerprint_differences(recorded['fingerprint'], fingerprint))}); "
                          "rerun with the same settings, choose another --output, or add --overwrite to redo it")
+    stems = [shard.stem for shard in shards]
     if config.overwrite:
-        manifest.clear_markers()
-        sink.remove_outputs([shard.stem for shard in shards])
-    if sink.remove_stale_temporaries():
+        manifest.clear_markers(stems)
+        sink.remove_outputs(stems)
+    if sink.remove_stale_temporaries(stems):
         log.info("removed temporary files of an interrupted run")
-    manifest.write_run(fingerprint, recorded_config(config))
+    if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:
+        manifest.write_run(fingerprint, recorded_config(config))  # once for N workers: they all check it
     done = {stem for stem, marker in manifest.shard_markers().items() if marker["status"] == "done"}
     todo_stems = set(pending([s.stem for s in shards], done))
     if len(todo_stems) < len(shards):

@@ -24,11 +24,16 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.config import RunConfig
 from pipeline.errors import UsageError, retry_transient
-from pipeline.source import RowBlock, Shard, list_shards
+from pipeline.source import RowBlock, Shard, WorkerSlot, list_shards, slot_of
 from pipeline.summary import IdTracker, RunSummary, StageTimes
 from pipeline.windows import Window
 
 log = logging.getLogger(__name__)
+
+
+def temporary_stem(name: str) -> str:
+    """The shard stem of a temporary output name `.STEM.parquet.ATTEMPT.tmp`."""
+    return name[1:name.rindex(".parquet.")]
 
 
 class ShardWriter:
@@ -103,9 +108,12 @@ class ShardSink:
         if writer is not None:
             writer.abort()
 
-    def remove_stale_temporaries(self) -> int:
-        """Delete temporary outputs a killed run left behind (call under the run lock)."""
-        stale = self.fs.glob(f"{self.output_dir}/.*.parquet.*.tmp")
+    def remove_stale_temporaries(self, stems: list[str]) -> int:
+        """Delete temporary outputs a killed attempt left behind for these shards (call under
+        the lock of the worker that owns them: another worker's live files are never touched)."""
+        mine = set(stems)
+        stale = [path for path in self.fs.glob(f"{self.output_dir}/.*.parquet.*.tmp")
+                 if temporary_stem(path.rsplit("/", 1)[-1]) in mine]
         for path in stale:
             self.fs.rm(path)
         return len(stale)
@@ -173,7 +181,8 @@ class WindowWriter:
                     self.failures[block.shard_index] = f"committing the output failed: {type(error).__name__}: {error}"
                     self.sink.abort(block.shard_index)
                     continue
-                self.manifest.mark(shard.stem, "done", input=shard.url, rows=shard.num_rows)
+                self.manifest.mark(shard.stem, "done", input=shard.url, rows=shard.num_rows,
+                                   host=socket.gethostname(), pid=os.getpid())
             self.ids.add(block.ids.to_pylist())
             valid = window.valid[positions]
             counts = self.counts.setdefault(block.shard_index, np.zeros(3, np.int64))
@@ -213,7 +222,9 @@ def fingerprint_differences(recorded: dict, current: dict) -> list[str]:
 class RunManifest:
     """`OUTPUT/_lengthwise/`: run.json (resolved config and the fingerprint of everything that
     changes outputs), shards/<stem>.json (one marker per finished or failed shard, written
-    after the shard's output is committed) and lock (host and pid of the run in progress)."""
+    after the shard's output is committed), the lock of each running worker (`lock` for a
+    single worker, `lock-worker-I-of-N` for worker I of N: host and pid) and workers/I-of-N.json
+    (the last summary of each worker)."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str):
         self.fs = fs
@@ -243,6 +254,20 @@ class RunManifest:
         self._write_json(f"{self.root}/run.json", {"fingerprint": fingerprint, "config": config,
                                                    "updated_at": _now()})
 
+    def write_worker_summary(self, slot: WorkerSlot, summary: dict) -> None:
+        self.fs.makedirs(f"{self.root}/workers", exist_ok=True)
+        self._write_json(f"{self.root}/workers/{slot.index}-of-{slot.count}.json",
+                         {"index": slot.index, "count": slot.count, "at": _now(), "summary": summary})
+
+    def worker_summaries(self) -> dict[tuple[int, int], dict]:
+        """(index, count) → the last summary that worker wrote."""
+        found = {}
+        for path in self.fs.glob(f"{self.root}/workers/*.json"):
+            record = self._read_json(path)
+            if record is not None:
+                found[(record["index"], record["count"])] = record
+        return found
+
     def shard_markers(self) -> dict[str, dict]:
         markers = {}
         for path in self.fs.glob(f"{self.root}/shards/*.json"):
@@ -255,17 +280,29 @@ class RunManifest:
         self._write_json(f"{self.root}/shards/{stem}.json",
                          {"shard": stem, "status": status, "at": _now(), **details})
 
-    def clear_markers(self) -> None:
-        for path in self.fs.glob(f"{self.root}/shards/*.json"):
-            self.fs.rm(path)
+    def clear_markers(self, stems: list[str]) -> None:
+        for stem in stems:
+            path = f"{self.root}/shards/{stem}.json"
+            if self.fs.exists(path):
+                self.fs.rm(path)
 
-    # The lock: one run per output directory.
+    # The locks: one live process per worker slot, and no two slot layouts at once.
 
-    def acquire_lock(self) -> str | None:
-        """Take the lock; returns a note when a stale lock of a dead process was taken over.
-        Raises UsageError when another live run holds it."""
-        path = f"{self.root}/lock"
-        mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
+    def lock_path(self, slot: WorkerSlot) -> str:
+        return f"{self.root}/lock" if slot.count == 1 else f"{self.root}/lock-worker-{slot.index}-of-{slot.count}"
+
+    def acquire_lock(self, slot: WorkerSlot = WorkerSlot()) -> str | None:
+        """Take this slot's lock; returns a note when a stale lock of a dead process was taken
+        over. Raises UsageError when a live process holds it, or when live workers of another
+        layout (another --num-shards) write to this output."""
+        for holder in self.read_locks():
+            if holder.get("alive", True) and holder.get("count", 1) != slot.count:
+                raise UsageError(f"workers of a run split {holder.get('count', 1)} way(s) are writing to this output "
+                                 f"(pid {holder.get('pid')} on {holder.get('host')}); wait for them, or use the "
+                                 f"same --num-shards")
+        path = self.lock_path(slot)
+        mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now(), "index": slot.index,
+                "count": slot.count}
         note = None
         for _ in range(3):
             if self._create_exclusive(path, mine):
@@ -278,9 +315,10 @@ class RunManifest:
                         f"(since {holder.get('since')}), which is no longer running")
                 self.fs.rm(path)
                 continue
-            raise UsageError(f"another run (pid {holder.get('pid')} on {holder.get('host')}, since "
+            who = "another run" if slot.count == 1 else f"another worker with index {slot.index} of {slot.count}"
+            raise UsageError(f"{who} (pid {holder.get('pid')} on {holder.get('host')}, since "
                              f"{holder.get('since')}) is writing to this output; wait for it, or delete "
-                             f"{path} if that run is gone")
+                             f"{path} if that process is gone")
         raise UsageError(f"could not take the lock {path}: other runs keep taking it; try again")
 
     def _create_exclusive(self, path: str, data: dict) -> bool:
@@ -300,15 +338,20 @@ class RunManifest:
         self.fs.pipe(path, text.encode())
         return self._read_json(path) == json.loads(text)
 
-    def read_lock(self) -> dict | None:
-        """The lock's holder, with `alive` (False: a dead process on this host left it)."""
-        holder = self._read_json(f"{self.root}/lock")
-        if holder is not None and holder.get("host") == socket.gethostname():
-            holder["alive"] = _process_alive(holder.get("pid"))
-        return holder
+    def read_locks(self) -> list[dict]:
+        """Every worker's lock holder, with `alive` (False: a dead process on this host left it)."""
+        holders = []
+        for path in sorted(self.fs.glob(f"{self.root}/lock*")):
+            holder = self._read_json(path)
+            if holder is None:
+                continue
+            if holder.get("host") == socket.gethostname():
+                holder["alive"] = _process_alive(holder.get("pid"))
+            holders.append(holder)
+        return holders
 
-    def release_lock(self) -> None:
-        path = f"{self.root}/lock"
+    def release_lock(self, slot: WorkerSlot = WorkerSlot()) -> None:
+        path = self.lock_path(slot)
         holder = self._read_json(path)
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             self.fs.rm(path)
@@ -318,15 +361,18 @@ SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
 
 
 def recorded_config(config: RunConfig) -> dict:
-    """The resolved config as saved beside the outputs, with secret storage options blanked."""
+    """The resolved config as saved beside the outputs (the same for every worker: its own
+    index is left out), with secret storage options blanked."""
     data = config.to_dict()
+    data.pop("shard_index", None)
     data["storage_options"] = {k: "<redacted>" if any(w in k.lower() for w in SECRET_WORDS) else v
                                for k, v in config.storage_options.items()}
     return data
 
 
 def run_status(output: str, storage_options: dict) -> dict:
-    """Shards done, failed and pending for the run recorded in `output`, without a model."""
+    """Shards done, failed and pending for the run recorded in `output`, overall and per
+    worker, without a model: reads the manifest and the input listing (footers)."""
     sink_fs, output_dir = fsspec.core.url_to_fs(output, **storage_options)
     if not sink_fs.exists(f"{output_dir.rstrip('/')}/{MANIFEST_DIR}/run.json"):
         raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
@@ -339,16 +385,39 @@ def run_status(output: str, storage_options: dict) -> dict:
                          {**recorded_options, **storage_options})
     by_stem = {shard.stem: shard for shard in shards}
     status_of = {stem: markers.get(stem, {}).get("status", "pending") for stem in by_stem}
-    done = [stem for stem, state in status_of.items() if state == "done"]
+    locks = manifest.read_locks()
     return {
-        "output": output, "shards": len(shards), "done": len(done),
-        "failed": sum(state == "failed" for state in status_of.values()),
-        "pending": sum(state == "pending" for state in status_of.values()),
-        "rows": sum(shard.num_rows for shard in shards), "rows_done": sum(by_stem[stem].num_rows for stem in done),
+        **_shard_counts(list(by_stem), status_of, by_stem), "output": output,
         "failed_shards": [{"shard": markers[stem].get("input", stem), "error": markers[stem].get("error")}
                           for stem, state in status_of.items() if state == "failed"],
-        "lock": manifest.read_lock(),
+        "workers": _worker_status(shards, status_of, by_stem, config.get("num_shards", 1), locks,
+                                  manifest.worker_summaries()),
+        "lock": next((lock for lock in locks if lock.get("count", 1) == 1), None),
+        "locks": locks,
     }
+
+
+def _shard_counts(stems: list[str], status_of: dict[str, str], by_stem: dict[str, Shard]) -> dict:
+    done = [stem for stem in stems if status_of[stem] == "done"]
+    return {"shards": len(stems), "done": len(done), "failed": sum(status_of[s] == "failed" for s in stems),
+            "pending": sum(status_of[s] == "pending" for s in stems),
+            "rows": sum(by_stem[s].num_rows for s in stems), "rows_done": sum(by_stem[s].num_rows for s in done)}
+
+
+def _worker_status(shards: list[Shard], status_of: dict[str, str], by_stem: dict[str, Shard], count: int,
+                   locks: list[dict], summaries: dict) -> list[dict]:
+    """Per worker slot of the recorded layout: its shards' counts, whether it runs, its last rows/s."""
+    url_to_stem = {shard.url: shard.stem for shard in shards}
+    workers = []
+    for index in range(count):
+        stems = [url_to_stem[url] for url in slot_of([s.url for s in shards], WorkerSlot(index, count))]
+        lock = next((h for h in locks if (h.get("index", 0), h.get("count", 1)) == (index, count)), None)
+        last = summaries.get((index, count))
+        workers.append({"index": index, **_shard_counts(stems, status_of, by_stem),
+                        "running": bool(lock and lock.get("alive", True)),
+                        "last_rows_per_s": last["summary"].get("rows_per_s") if last else None,
+                        "last_finished": last["at"] if last else None})
+    return workers
 
 
 def _process_alive(pid) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import fsspec
@@ -81,11 +81,59 @@ def _stem(url: str) -> str:
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 
-def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
-                storage_options: dict | None = None) -> list[Shard]:
-    """Every shard named by `inputs`, in order, with its row count from the Parquet footer.
+@dataclass(frozen=True)
+class WorkerSlot:
+    """Which share of the shards this process takes: worker `index` of `count`."""
 
-    Reads only footers. A shard that is not Parquet, lacks a column or has a text column of
+    index: int = 0
+    count: int = 1
+    source: str = "single worker"  # where the index came from, for the log
+
+    def describe(self) -> str:
+        return f"worker {self.index} of {self.count} (index from {self.source})"
+
+
+WORKER_INDEX_VARIABLES = ("JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID")  # Kubernetes Indexed Jobs, Slurm arrays
+
+
+def resolve_worker_slot(num_shards: int, shard_index: int | None, environ: Mapping[str, str]) -> WorkerSlot:
+    """The worker slot from --shard-index, else from the scheduler's index variable (a Slurm
+    array that starts at SLURM_ARRAY_TASK_MIN counts from there)."""
+    if num_shards < 1:
+        raise UsageError(f"--num-shards {num_shards} must be at least 1")
+    source = "--shard-index"
+    if shard_index is None:
+        if num_shards == 1:
+            return WorkerSlot()
+        name = next((n for n in WORKER_INDEX_VARIABLES if environ.get(n, "").strip()), None)
+        if name is None:
+            raise UsageError(f"--num-shards {num_shards} needs this worker's index: set --shard-index, or run it as a "
+                             f"Kubernetes Indexed Job or Slurm array ({' / '.join(WORKER_INDEX_VARIABLES)})")
+        try:
+            shard_index = int(environ[name])
+            if name == "SLURM_ARRAY_TASK_ID" and environ.get("SLURM_ARRAY_TASK_MIN", "").strip():
+                shard_index -= int(environ["SLURM_ARRAY_TASK_MIN"])
+        except ValueError:
+            raise UsageError(f"{name}={environ[name]!r} is not a worker index; set --shard-index") from None
+        source = name
+    if not 0 <= shard_index < num_shards:
+        raise UsageError(f"worker index {shard_index} (from {source}) is outside 0…{num_shards - 1} for "
+                         f"--num-shards {num_shards}")
+    return WorkerSlot(shard_index, num_shards, source)
+
+
+def slot_of(urls: Sequence[str], slot: WorkerSlot) -> list[str]:
+    """The URLs worker `slot.index` takes: every `count`-th of the sorted list, from `index`.
+    One worker keeps the input order."""
+    return list(urls) if slot.count == 1 else sorted(urls)[slot.index::slot.count]
+
+
+def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
+                storage_options: dict | None = None, slot: WorkerSlot = WorkerSlot()) -> list[Shard]:
+    """Every shard named by `inputs` that `slot` takes, in order, with its row count from the
+    Parquet footer.
+
+    Reads only the footers of the slot's shards. A shard that is not Parquet, lacks a column or has a text column of
     the wrong type gets a `problem` and fails alone. When every shard has one, or nothing
     matches, or two shards would write the same output file, it is a usage error naming the
     flag to change.
@@ -97,7 +145,6 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
         if not found:
             raise UsageError(f"input {pattern!r} matches no Parquet files; check --input")
         urls.extend(u for u in found if u not in urls)
-    shards = []
     stems: dict[str, str] = {}
     for url in urls:
         stem = _stem(url)
@@ -107,7 +154,10 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
             raise UsageError(f"shards {stems[stem]} and {url} would both write {stem}.parquet; "
                              "give --input files with distinct names")
         stems[stem] = url
-        shards.append(_inspect_shard(url, stem, id_column, text_column, storage_options))
+    mine = slot_of(urls, slot)
+    if not mine:
+        return []
+    shards = [_inspect_shard(url, _stem(url), id_column, text_column, storage_options) for url in mine]
     problems = [shard.problem for shard in shards if shard.problem]
     if len(problems) == len(shards):
         more = f" (and {len(problems) - 1} more shards fail)" if len(problems) > 1 else ""

@@ -69,6 +69,7 @@ class RunSummary:
     dtype: str = ""
     model: str = ""
     output: str = ""
+    workers: list = field(default_factory=list)  # engine ray: per actor pid, host, shards, rows, rows/s
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -94,6 +95,9 @@ class RunSummary:
             lines.append(f"resumed         {self.shards_done_before} of {self.shards} shards were already done")
         if self.duplicate_ids:
             lines.append(f"duplicate ids   e.g. {', '.join(map(repr, self.duplicate_id_examples))}")
+        for worker in self.workers:
+            lines.append(f"actor {worker['actor']:<9} {worker['rows']:,} rows in {worker['shards']} shard(s), "
+                         f"{worker['rows_per_s']:,.1f} rows/s (pid {worker['pid']} on {worker['host']})")
         for failed in self.failed_shards:
             lines.append(f"FAILED          {failed['shard']}: {failed['error']}")
         return "\n".join(lines)
