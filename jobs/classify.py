@@ -13,6 +13,9 @@ from transformers import AutoModelForSequenceClassification
 from jobs.base import load_pretrained
 
 
+MAX_SCORE_CHANGE = 0.01  # another dtype must keep every probability this close to float32's
+
+
 def uses_sigmoid(config) -> bool:
     return config.num_labels == 1 or config.problem_type == "multi_label_classification"
 
@@ -27,6 +30,15 @@ class ClassifyJob:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
         scores = logits.sigmoid() if uses_sigmoid(model.config) else logits.softmax(dim=-1)
         return {"scores": scores}
+
+    def agreement(self, reference, candidate) -> tuple[bool, str]:
+        """Another dtype is as good as `reference` when every row keeps its top label and no
+        score moves by more than MAX_SCORE_CHANGE."""
+        a, b = reference["scores"].float(), candidate["scores"].float()
+        same_label = int((a.argmax(dim=1) == b.argmax(dim=1)).sum())
+        change = float((a - b).abs().max())
+        return same_label == len(a) and change <= MAX_SCORE_CHANGE, \
+            f"same top label on {same_label}/{len(a)} rows, max |Δscore| {change:.4f}"
 
     def output_schema(self, model):
         return pa.schema([("label", pa.string()), ("score", pa.float32()),

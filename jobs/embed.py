@@ -71,6 +71,9 @@ class SentenceEmbedder(torch.nn.Module):
         return pool(hidden, attention_mask, self.recipe, self.prompt_tokens)
 
 
+MIN_COSINE = 0.999  # another dtype must keep every row's vector this close to float32's
+
+
 class EmbedJob:
     name = "embed"
 
@@ -83,6 +86,12 @@ class EmbedJob:
 
     def forward(self, model, input_ids, attention_mask):
         return {"embedding": model(input_ids, attention_mask)}
+
+    def agreement(self, reference, candidate) -> tuple[bool, str]:
+        """Whether `candidate` outputs (another dtype) are as good as `reference`: cosine ≥ MIN_COSINE on every row."""
+        a, b = reference["embedding"].float(), candidate["embedding"].float()
+        cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=1).min())
+        return cosine >= MIN_COSINE, f"min cosine {cosine:.5f}"
 
     def output_schema(self, model):
         return pa.schema([("embedding", pa.list_(pa.float32(), model.embedding_width))])

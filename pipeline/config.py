@@ -9,6 +9,15 @@ from dataclasses import asdict, dataclass, field
 DEFAULT_MAX_BATCH_ROWS = 512
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a container's or a Slurm job's share),
+    not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class RunConfig:
     input: tuple[str, ...]  # directories, globs or files; local paths or fsspec URLs
@@ -30,7 +39,7 @@ class RunConfig:
     plan_cache: str | None = None  # directory of cached plans; None = ~/.cache/lengthwise/plans
     use_plan_cache: bool = True  # reuse a cached plan instead of probing
     window_rows: int = 8192  # rows sorted and packed together; bounds memory in flight
-    tokenize_workers: int = field(default_factory=lambda: os.cpu_count() or 1)  # 0 = in-process
+    tokenize_workers: int = field(default_factory=usable_cores)  # 0 = in-process
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     prefetch_batches: int = 4  # collated batches waiting ahead of the device
@@ -78,7 +87,7 @@ class SweepConfig:
     memory_reserve: float = 0.10
     device: str = "auto"
     dtype: str = "auto"
-    tokenize_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    tokenize_workers: int = field(default_factory=usable_cores)
     prefetch_batches: int = 4
     storage_options: dict = field(default_factory=dict)
     plan_cache: str | None = None  # where the recommendation is saved for `run … auto`

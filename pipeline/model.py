@@ -9,6 +9,9 @@ then loads the tokenizer and the model once and prepares the device.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +19,13 @@ import torch
 
 from jobs.registry import get_job
 from jobs.sentence_transformers_folder import DEFAULT_MAX_LENGTH, read_text_settings, resolve_prompt
-from pipeline.device import keep_freed_host_memory, resolve_device, resolve_dtype
+from pipeline.device import (DTYPES, device_name, dtype_name, keep_freed_host_memory, native_bf16_feature,
+                             resolve_device, resolve_dtype)
 from pipeline.errors import UsageError
+from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint, plan_cache_key, write_text_atomically
 from pipeline.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
+
+log = logging.getLogger(__name__)
 
 
 def default_model_path() -> str:
@@ -45,6 +52,7 @@ class ModelChoice:
     max_length: int  # --max-length, else the folder's max_seq_length, else DEFAULT_MAX_LENGTH
     prompt: str  # put before every row ("" for none)
     lowercase: bool
+    dtype_reason: str = ""  # why this dtype, for the log and the summary
 
 
 def choose_model(settings) -> ModelChoice:
@@ -52,9 +60,90 @@ def choose_model(settings) -> ModelChoice:
     path = resolve_model_path(settings.model)
     text = read_text_settings(path)
     device = resolve_device(settings.device)
-    return ModelChoice(path=path, device=device, dtype=resolve_dtype(settings.dtype, device),
-                       max_length=settings.max_length or text.max_seq_length or DEFAULT_MAX_LENGTH,
-                       prompt=resolve_prompt(text, settings.prompt, settings.prompt_name), lowercase=text.lowercase)
+    max_length = settings.max_length or text.max_seq_length or DEFAULT_MAX_LENGTH
+    dtype = resolve_dtype(settings.dtype, device)
+    reason = f"{dtype_name(dtype)}: " + ("--dtype" if settings.dtype != "auto" else f"the default on {device.type}")
+    if device.type == "cpu" and settings.dtype == "auto":
+        dtype, reason = choose_cpu_dtype(settings, path, max_length)
+    elif device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_feature() is None:
+        log.warning(f"--dtype bfloat16 on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}) "
+                    "is emulated and runs several times slower than float32; --dtype auto picks float32 here")
+    log.info(f"dtype {reason}")
+    return ModelChoice(path=path, device=device, dtype=dtype, max_length=max_length,
+                       prompt=resolve_prompt(text, settings.prompt, settings.prompt_name), lowercase=text.lowercase,
+                       dtype_reason=reason)
+
+
+# ── bf16 on the CPU: only where it is native, measured faster, and agrees with fp32 ────
+
+BF16_MIN_SPEEDUP = 1.2  # below this, the precision is not worth it
+TRIAL_ROWS, TRIAL_LENGTH = 64, 128  # the trial batch: 64 rows of 32…128 tokens, padded
+
+
+def pick_cpu_dtype(feature: str | None, capability: str, speedup: float | None, agrees: bool | None,
+                   agreement: str) -> tuple[str, str]:
+    """(dtype name, why) from what the CPU has and what the trial batch measured."""
+    if feature is None:
+        return "float32", f"float32: no native bf16 ({capability})"
+    if not agrees:
+        return "float32", f"float32: bfloat16 disagrees with float32 ({agreement})"
+    if speedup < BF16_MIN_SPEEDUP:
+        return "float32", f"float32: bfloat16 only {speedup:.2f}x as fast on {feature} (needs {BF16_MIN_SPEEDUP}x)"
+    return "bfloat16", f"bfloat16: {feature}, {speedup:.2f}x faster, {agreement}"
+
+
+def choose_cpu_dtype(settings, path: str, max_length: int) -> tuple[torch.dtype, str]:
+    """`--dtype auto` on the CPU: bfloat16 when the CPU runs it natively and a trial batch is
+    at least BF16_MIN_SPEEDUP times faster in it and agrees with float32 (the job's test);
+    else float32. The decision is cached per model, job, CPU and torch version."""
+    feature = native_bf16_feature()
+    if feature is None:
+        return torch.float32, pick_cpu_dtype(None, torch.backends.cpu.get_cpu_capability(), None, None, "")[1]
+    key, name = plan_cache_key(kind="cpu-dtype", model=model_memory_fingerprint(path), job=settings.job,
+                               device=device_name(torch.device("cpu")), torch=torch.__version__,
+                               length=min(TRIAL_LENGTH, max_length))
+    cache = Path(settings.plan_cache or default_plan_cache_dir()) / f"dtype-{name}.json"
+    try:
+        cached = json.loads(cache.read_text())
+        if cached["key"] == key:
+            return DTYPES[cached["dtype"]], cached["reason"] + " (cached)"
+    except (OSError, ValueError, KeyError):
+        pass
+    job = get_job(settings.job)
+    loading = {"allow_pickle": settings.allow_pickle, "trust_remote_code": settings.trust_remote_code}
+    try:
+        speedup, agrees, agreement = bf16_trial(job, path, loading, min(TRIAL_LENGTH, max_length))
+    except Exception as error:  # noqa: BLE001 - out of memory, an op bf16 lacks: float32 is always safe
+        return torch.float32, f"float32: the bfloat16 trial failed ({type(error).__name__}: {error})"
+    chosen, reason = pick_cpu_dtype(feature, torch.backends.cpu.get_cpu_capability(), speedup, agrees, agreement)
+    write_text_atomically(cache, json.dumps({"key": key, "dtype": chosen, "reason": reason}) + "\n")
+    return DTYPES[chosen], reason
+
+
+def bf16_trial(job, path: str, loading: dict, length: int) -> tuple[float, bool, str]:
+    """(bf16 speed-up over fp32, whether the job's outputs agree, how closely) on one padded
+    trial batch of random token ids, best of three timed forwards after a warm-up each."""
+    device = torch.device("cpu")
+    models = {dtype: job.load(path, device, dtype, **loading) for dtype in (torch.float32, torch.bfloat16)}
+    generator = torch.Generator().manual_seed(0)
+    vocab = getattr(models[torch.float32].config, "vocab_size", 1000)
+    lengths = torch.randint(max(1, length // 4), length + 1, (TRIAL_ROWS,), generator=generator)
+    lengths[0] = length
+    attention_mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    input_ids = torch.randint(1000 if vocab > 2000 else 1, vocab, (TRIAL_ROWS, length), generator=generator)
+    input_ids = input_ids * attention_mask
+    seconds, outputs = {}, {}
+    with torch.inference_mode():
+        for dtype, model in models.items():
+            outputs[dtype] = job.forward(model, input_ids, attention_mask)
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                job.forward(model, input_ids, attention_mask)
+                times.append(time.perf_counter() - started)
+            seconds[dtype] = min(times)
+    agrees, agreement = job.agreement(outputs[torch.float32], outputs[torch.bfloat16])
+    return seconds[torch.float32] / seconds[torch.bfloat16], agrees, f"{agreement} vs float32 on {TRIAL_ROWS} rows"
 
 
 @dataclass

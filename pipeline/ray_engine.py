@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from pipeline.buckets import padding_efficiency
 from pipeline.config import RunConfig
+from pipeline.device import dtype_name
 from pipeline.errors import UsageError
 from pipeline.model import choose_model, load_model
 from pipeline.run import ShardRunner, claim_output
@@ -85,7 +86,10 @@ def run_on_ray(config: RunConfig) -> RunSummary:
         log.warning(lock_note)
     connected_here = False
     try:
-        todo = claim_output(config, choose_model(config), shards, sink, manifest)
+        choice = choose_model(config)
+        todo = claim_output(config, choice, shards, sink, manifest)
+        # every actor runs what the fingerprint says, whatever its node's CPU would pick for `auto`
+        config = dataclasses.replace(config, dtype=dtype_name(choice.dtype))
         summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
         if todo:
             if not ray.is_initialized():
@@ -217,5 +221,5 @@ def merge_summary(total: RunSummary, part: dict) -> None:
         total.stage_s[name] = round(total.stage_s.get(name, 0.0) + seconds, 3)
     total.lowered_batch_rows.update(part["lowered_batch_rows"])
     total.padding_efficiency = padding_efficiency(total.real_tokens, total.padded_tokens)
-    for name in ("batch_setting", "batch_plan", "device", "dtype", "model"):
+    for name in ("batch_setting", "batch_plan", "device", "dtype", "dtype_reason", "model"):
         setattr(total, name, part[name])

@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
 from pipeline.config import RunConfig
-from pipeline.device import DeviceFeeder, SplitForward, collate, dtype_name, forward_splitting_on_oom, prefetch
+from pipeline.device import (DeviceFeeder, SplitForward, collate, dtype_name, forward_splitting_on_oom,
+                             padding_multiple, prefetch)
 from pipeline.errors import UsageError
 from pipeline.memory import MemoryPlan, describe_plan, memory_plan_for
 from pipeline.model import LoadedModel, ModelChoice, choose_model, load_model, model_content_hash
@@ -137,6 +138,7 @@ class ShardRunner:
         job, model, device = loaded.job, loaded.model, loaded.choice.device
         times = StageTimes(setup=time.perf_counter() - started)
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
+        summary.dtype_reason = loaded.choice.dtype_reason
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
         writer = WindowWriter(sink, manifest, shards, self._columns_of, times)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
@@ -158,6 +160,10 @@ class ShardRunner:
                         continue
                     if result.outputs:
                         item.window.store(item.rows, result.outputs)
+                        broken = ~finite_rows(result.outputs) & ~result.failed
+                        if broken.any():
+                            item.window.fail(item.rows[broken], f"the model gave a non-finite output (nan or inf) "
+                                             f"in {summary.dtype}; rerun with --dtype float32")
                     if result.failed.any():
                         item.window.fail(item.rows[result.failed], f"out of memory even alone at padded length "
                                          f"{item.padded_length}; lower --max-length or use a larger device")
@@ -186,6 +192,16 @@ class ShardRunner:
             return job.to_columns(model, outputs, valid)
         # no row of this window could run
         return {f.name: pa.nulls(rows, f.type) for f in job.output_schema(model)}
+
+
+def finite_rows(outputs: dict[str, np.ndarray]) -> np.ndarray:
+    """Rows whose every output value is finite: a nan or inf (overflow in half precision, a
+    broken model) becomes the row's error instead of a valid-looking result."""
+    finite = None
+    for values in outputs.values():
+        row_finite = np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+        finite = row_finite if finite is None else finite & row_finite
+    return finite
 
 
 # ── batches: planned per window, collated ahead of the device ──────────────────────────
@@ -232,9 +248,11 @@ class BatchLimits:
 def collate_batches(encoded: EncodedRows, rows: np.ndarray, max_batch_tokens: int | None, max_batch_rows: int,
                     max_length: int, limits: BatchLimits, pad_token_id: int, feeder: DeviceFeeder,
                     times: StageTimes | None = None, window: Window | None = None) -> Iterator[ReadyBatch]:
-    """Plan `rows` of `encoded` into batches (longest first) and collate each for the device."""
+    """Plan `rows` of `encoded` into batches (longest first, padded to the device's multiple)
+    and collate each for the device."""
     lengths = encoded.lengths[rows]
-    for batch in plan_batches(lengths, max_batch_tokens, max_batch_rows, bucket_bounds(max_length), limits.rows_for):
+    bounds = bucket_bounds(max_length, padding_multiple(feeder.device))
+    for batch in plan_batches(lengths, max_batch_tokens, max_batch_rows, bounds, limits.rows_for):
         entered = time.perf_counter()
         picked = rows[batch.rows]
         input_ids, attention_mask = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length,

@@ -98,6 +98,7 @@ def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, di
     write_shards(tmp_path / f"{name}-in", table, sizes)
     output = tmp_path / f"{name}-out"
     settings.setdefault("tokenize_workers", 0)
+    settings.setdefault("dtype", "float32")  # the references these outputs are compared with are fp32
     config = RunConfig(input=(str(tmp_path / f"{name}-in"),), output=str(output), progress=False, **settings)
     summary = run_job(config)
     files = sorted(output.glob("*.parquet"))

@@ -105,3 +105,32 @@ def test_the_probe_shrinks_batches_that_run_out_of_memory_on_the_device(oom_job,
     plan = probe_memory_plan(job, model, torch.device("cpu"), 2**30, 1.5, 128, 512, None)
     assert [b.probed_rows for b in plan.buckets] == [8] * len(plan.buckets)
     assert plan.buckets[0].planned_rows > 8  # the formula asked for more; later buckets start from 8
+
+
+class NonFiniteForSomeRows(EmbedJob):
+    """The embed job on a model that overflows (nan) for rows whose second token id is odd."""
+
+    name = "embed-nan"
+
+    def forward(self, model, input_ids, attention_mask):
+        outputs = super().forward(model, input_ids, attention_mask)
+        overflowing = input_ids[:, 1] % 2 == 1
+        outputs["embedding"][overflowing] = float("nan")
+        return outputs
+
+
+def test_a_non_finite_output_becomes_the_rows_error_not_a_result(tmp_path, monkeypatch, baseline, rows_with_bad_ones,
+                                                                 tiny_encoder_path):
+    monkeypatch.setitem(jobs.registry.JOBS, "embed-nan", NonFiniteForSomeRows())
+    output, summary = run_to_table(tmp_path, "nan", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
+                                   max_length=128, job="embed-nan")
+    expected, _ = baseline
+    errors, vectors = output["error"].to_pylist(), output["embedding"].to_pylist()
+    broken = [i for i, e in enumerate(errors) if e and e.startswith("the model gave a non-finite output")]
+    assert broken and summary["error_rows"] == 4 + len(broken) and summary["rows"] == 200
+    assert all(vectors[i] is None for i in broken)
+    assert not any(np.isnan(v).any() for v in vectors if v is not None)
+    kept = [i for i, v in enumerate(vectors) if v is not None]
+    np.testing.assert_allclose(np.array([vectors[i] for i in kept]),
+                               np.array([expected["embedding"][i].as_py() for i in kept]), atol=2e-5)
+    assert "rerun with --dtype float32" in errors[broken[0]]

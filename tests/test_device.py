@@ -96,3 +96,11 @@ def test_freed_activation_memory_is_reused_without_page_faults():
 
 def test_the_allocator_setting_is_left_alone_on_other_devices():
     assert keep_freed_host_memory(torch.device("cuda")) is False
+
+
+def test_gpus_before_ampere_get_float16_not_emulated_bfloat16():
+    from pipeline.device import gpu_auto_dtype
+
+    assert gpu_auto_dtype((7, 5)) == "float16"  # T4
+    assert gpu_auto_dtype((8, 0)) == "bfloat16"  # A100
+    assert gpu_auto_dtype((9, 0)) == "bfloat16"  # H100, H200

@@ -123,7 +123,7 @@ def test_embed_equals_sentence_transformers_for_the_folder(tmp_path, sample_tabl
     folder = st_folder(tmp_path, "model", minilm_path, **spec)
     rows = sample_table.slice(0, 48)
     write_shards(tmp_path / "in", rows, [48])
-    run_job(RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=folder, progress=False,
+    run_job(RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=folder, progress=False, dtype="float32",
                       tokenize_workers=0, max_batch_tokens=1024, **run_settings))
     output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     ours = np.array(output["embedding"].to_pylist(), dtype=np.float32)

@@ -67,7 +67,8 @@ def test_an_index_outside_the_range_exits_2(tmp_path):
 
 def worker_command(inputs: Path, output: Path, model: str, count: int, index: int | None) -> list[str]:
     command = [LENGTHWISE, "run", "--input", str(inputs), "--output", str(output), "--model", model,
-               "--max-length", "128", "--no-progress", "--tokenize-workers", "0", "--num-shards", str(count)]
+               "--max-length", "128", "--no-progress", "--tokenize-workers", "0", "--num-shards", str(count),
+               "--dtype", "float32"]
     return command + (["--shard-index", str(index)] if index is not None else [])
 
 

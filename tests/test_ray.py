@@ -43,14 +43,14 @@ def ray_cluster():
 def ray_args(inputs: Path, output: Path, model: str, *extra: str) -> list[str]:
     return ["run", "--engine", "ray", "--ray-address", "auto", "--workers", "2", "--threads-per-worker", "1",
             "--input", str(inputs), "--output", str(output), "--model", model, "--max-length", "128",
-            "--no-progress", "--tokenize-workers", "0", *extra]
+            "--no-progress", "--tokenize-workers", "0", "--dtype", "float32", *extra]
 
 
 def local_reference(tmp_path: Path, table: pa.Table, sizes: list[int], model: str, *extra: str) -> pa.Table:
     write_shards(tmp_path / "local-in", table, sizes)
     result = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "local-in"), "--output",
                                       str(tmp_path / "local-out"), "--model", model, "--max-length", "128",
-                                      "--no-progress", "--tokenize-workers", "0", *extra])
+                                      "--no-progress", "--tokenize-workers", "0", "--dtype", "float32", *extra])
     assert result.exit_code == 0, result.output
     return read_outputs(tmp_path / "local-out")
 
