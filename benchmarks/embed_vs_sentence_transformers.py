@@ -81,7 +81,8 @@ def main() -> None:
         lengthwise = str(Path(sys.executable).parent / "lengthwise")
         command = [lengthwise, "run", "--output", str(scratch / "out"),
                    "--job", "embed", "--max-length", str(args.max_length), "--dtype", args.dtype,
-                   "--max-batch-tokens", str(args.max_batch_tokens), "--summary-json", str(scratch / "summary.json")]
+                   "--max-batch-tokens", str(args.max_batch_tokens), "--summary-json", str(scratch / "summary.json"),
+                   "--no-progress"]
         for path in inputs:
             command += ["--input", path]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -103,16 +104,19 @@ def main() -> None:
 
             source_paths = sorted(glob.glob(str(Path(inputs[0]) / "*.parquet"))) if args.rows_per_shard else inputs
             texts = pa.concat_tables(pq.read_table(p, columns=["text"]) for p in source_paths)["text"].to_pylist()
-            ours = np.stack(table["embedding"].to_numpy(zero_copy_only=False))
+            texts = [text or "" for text in texts]  # a null text is an error row in lengthwise, left out below
+            vectors = table["embedding"].to_pylist()
+            valid = np.array([v is not None for v in vectors])  # rows with an error (empty text) have none
+            ours = np.array([v for v in vectors if v is not None], dtype=np.float32)
             results["sentence_transformers"] = {}
             for position, dtype in enumerate(args.reference_dtypes.split(",")):
                 model = SentenceTransformer(default_model_path(), device="cpu",
                                             model_kwargs={"torch_dtype": getattr(torch, dtype)})
                 model.max_seq_length = args.max_length
                 started = time.perf_counter()
-                reference = model.encode(texts, batch_size=32, convert_to_numpy=True, show_progress_bar=True)
+                reference = model.encode(texts, batch_size=32, convert_to_numpy=True, show_progress_bar=False)
                 encode_s = time.perf_counter() - started
-                reference = reference.astype(np.float32)
+                reference = reference.astype(np.float32)[valid]
                 cosine = (ours * reference).sum(axis=1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(reference, axis=1)
                 results["sentence_transformers"][dtype] = {"rows": len(texts), "encode_s": round(encode_s, 2),
                                                            "rows_per_s": round(len(texts) / encode_s, 1),

@@ -119,7 +119,8 @@ class DeviceFeeder:
     def send(self, *arrays: np.ndarray) -> tuple[list[torch.Tensor], object]:
         if self.stream is None:
             return [torch.from_numpy(a) for a in arrays], None
-        with torch.cuda.stream(self.stream):
+        # the current device is per thread: the prefetch thread must make cuda:N its own too
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             tensors = [torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True) for a in arrays]
             copied = torch.cuda.Event()
             copied.record(self.stream)

@@ -12,7 +12,6 @@ this module is pure (no torch); the probe at the bottom imports torch when it ru
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -32,7 +31,9 @@ log = logging.getLogger(__name__)
 
 SAFETY_RANGE = (1.0, 4.0)
 MEMORY_BUCKETS = 8  # lengths probed: max_length/8, 2·max_length/8, …, max_length
-PROBE_ROUNDS = 3
+PROBE_ROUNDS = 3  # rounds a size must pass when its peak comes near the budget
+CLEAR_SHARE = 0.85  # a first round peaking at or below this share of the budget passes at once: the
+# rounds guard against run-to-run noise near the limit, which is a few % here, not 15%
 FIT_ROWS = (2, 8)  # batch sizes of the fitting grid
 FIT_LENGTH_FRACTIONS = (0.25, 0.5, 1.0)  # lengths of the fitting grid, as fractions of max_length
 
@@ -201,11 +202,26 @@ def largest_accepted(upper: int, accept: Callable[[int], bool]) -> int:
     return low
 
 
+CORRECTION_AIM = 0.97  # a corrected size aims at this share of the budget: within 3% of the most that fits
+
+
+def corrected_rows(rows: int, peak_bytes: float, base_bytes: float, available_bytes: float) -> int:
+    """Rows expected to peak at CORRECTION_AIM of the budget, from a size that peaked above it:
+    the peak is base + rows × per-row bytes, and this measurement says what a row costs here.
+    0 when the measurement says nothing (out of memory)."""
+    if not math.isfinite(peak_bytes) or peak_bytes <= base_bytes:
+        return 0
+    per_row = (peak_bytes - base_bytes) / rows
+    return max(0, math.floor((available_bytes * CORRECTION_AIM - base_bytes) / per_row))
+
+
 def plan_buckets(model: MemoryModel, available_bytes: int, safety: float, lengths: Sequence[int],
                  max_batch_rows: int, max_batch_tokens: int | None,
                  measure: Callable[[int, int], float]) -> list[BucketPlan]:
     """Formula rows per bucket, capped by the user's limits, then verified with `measure(rows,
-    length) → peak bytes` PROBE_ROUNDS times; shrunk by binary search where a round exceeds."""
+    length) → peak bytes`: once when the peak is clearly within the budget (CLEAR_SHARE), else up
+    to PROBE_ROUNDS times. Where a size exceeds the budget, the size its measurement predicts
+    just under the budget is tried next, and a binary search below it only if that fails too."""
     buckets = []
     for length in lengths:
         formula_rows = model.rows_within(available_bytes, safety, length)
@@ -216,49 +232,31 @@ def plan_buckets(model: MemoryModel, available_bytes: int, safety: float, length
         peaks: dict[int, float] = {}
 
         def accept(rows: int) -> bool:
-            """All PROBE_ROUNDS peaks within the budget; stops at the first round over it."""
+            """Within the budget: one round clearly within, or PROBE_ROUNDS rounds near it; stops at
+            the first round over it."""
             peaks[rows] = 0.0
             for _ in range(PROBE_ROUNDS):
                 peaks[rows] = max(peaks[rows], measure(rows, length))
                 if peaks[rows] > available_bytes:
                     return False
+                if peaks[rows] <= CLEAR_SHARE * available_bytes:
+                    return True
             return True
 
-        probed = planned if accept(planned) else largest_accepted(planned - 1, accept)
+        if accept(planned):
+            probed = planned
+        else:  # aim just under the budget from what the failing size measured, then search below if needed
+            guess = min(planned - 1, corrected_rows(planned, peaks[planned], model.base_bytes, available_bytes))
+            if guess < 1:  # out of memory: the measurement says nothing, search all sizes below
+                probed = largest_accepted(planned - 1, accept)
+            else:
+                probed = guess if accept(guess) else largest_accepted(guess - 1, accept)
         buckets.append(BucketPlan(length, formula_rows, planned, probed,
                                   model.peak_bytes(max(probed, 1), length), peaks.get(max(probed, 1), 0.0)))
     return buckets
 
 
 # ── the probe: runs on the real device (imports torch) ───────────────────────────────────
-
-
-@contextlib.contextmanager
-def one_layer_deep(model):
-    """Run `model` with its stack of identical layers cut to the first one, then restore it.
-
-    Inference frees each layer's activations before the next layer runs, so a batch's peak
-    is reached inside one layer and is the same for one layer as for all of them; the probe
-    then costs one layer's compute instead of N (6x less for MiniLM-L6, 24x for a 24-layer
-    model). The stack is the largest ModuleList whose entries are all of one class; a model
-    without one runs whole.
-    """
-    import torch
-
-    stacks = [(name, module) for name, module in model.named_modules()
-              if isinstance(module, torch.nn.ModuleList) and len(module) > 1
-              and len({type(layer) for layer in module}) == 1]
-    if not stacks:
-        yield
-        return
-    name, stack = max(stacks, key=lambda item: len(item[1]))
-    parent_name, _, attribute = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, attribute, torch.nn.ModuleList([stack[0]]))
-    try:
-        yield
-    finally:
-        setattr(parent, attribute, stack)
 
 
 def probe_memory_plan(job, model, device, available_bytes: int, safety: float, max_length: int,
@@ -273,7 +271,6 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
     started = time.perf_counter()
 
     vocab_size = getattr(model.config, "vocab_size", 1000)
-    depth = {"shallow": True}
 
     def measure(rows: int, length: int) -> float:
         """Peak bytes of one forward pass; infinite if it ran out of memory. Every row has a
@@ -282,18 +279,14 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
         attention_mask = torch.ones((rows, length), dtype=torch.long, device=device)
         if length > 1:
             attention_mask[:, -1] = 0
-        shallow = depth["shallow"]
 
         def forward() -> None:
-            with torch.inference_mode(), one_layer_deep(model) if shallow else contextlib.nullcontext():
+            with torch.inference_mode():
                 job.forward(model, input_ids, attention_mask)
 
         try:
             return measure_peak_bytes(forward, device)
         except Exception as error:
-            if shallow and not is_out_of_memory(error):  # a model whose forward needs all its layers
-                depth["shallow"] = False
-                return measure(rows, length)
             if not is_out_of_memory(error):
                 raise
         if device.type == "cuda":

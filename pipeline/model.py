@@ -158,6 +158,8 @@ def load_model(settings, choice: ModelChoice | None = None) -> LoadedModel:
     """Tokenizer and model loaded once, the max length checked against the model, and the
     host allocator set up for the device (see `keep_freed_host_memory`)."""
     choice = choice or choose_model(settings)
+    if choice.device.type == "cuda":
+        torch.cuda.set_device(choice.device)  # cuda:N current for the main thread (kernels, caches, streams)
     job = get_job(settings.job)
     tokenizer = load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
                                     choice.lowercase)

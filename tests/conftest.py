@@ -112,3 +112,19 @@ def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, di
 def baseline(tmp_path_factory, rows_with_bad_ones, tiny_encoder_path):
     return run_to_table(tmp_path_factory.mktemp("baseline"), "base", rows_with_bad_ones, [200],
                         model=tiny_encoder_path, max_length=128)
+
+
+def read_outputs(output: Path) -> pa.Table:
+    """Every output shard of `output`, in name order, as one table."""
+    return pa.concat_tables(pq.read_table(path) for path in sorted(output.glob("*.parquet")))
+
+
+def assert_equal_outputs(ours: pa.Table, expected: pa.Table) -> None:
+    """Same ids, errors and truncation flags; embeddings equal within float tolerance."""
+    import numpy as np
+
+    for column in ("id", "error", "truncated"):
+        assert ours[column].to_pylist() == expected[column].to_pylist()
+    good = [i for i, v in enumerate(expected["embedding"].to_pylist()) if v is not None]
+    np.testing.assert_allclose(np.array([ours["embedding"][i].as_py() for i in good]),
+                               np.array([expected["embedding"][i].as_py() for i in good]), atol=2e-5)

@@ -9,16 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
 from pipeline.errors import UsageError
 from pipeline.source import WorkerSlot, resolve_worker_slot, slot_of
-from tests.conftest import run_to_table, write_shards
+from tests.conftest import assert_equal_outputs, read_outputs, run_to_table, write_shards
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
 SIZES = [40, 30, 0, 50, 45, 35]
@@ -70,18 +67,6 @@ def worker_command(inputs: Path, output: Path, model: str, count: int, index: in
                "--max-length", "128", "--no-progress", "--tokenize-workers", "0", "--num-shards", str(count),
                "--dtype", "float32"]
     return command + (["--shard-index", str(index)] if index is not None else [])
-
-
-def read_outputs(output: Path) -> pa.Table:
-    return pa.concat_tables(pq.read_table(path) for path in sorted(output.glob("*.parquet")))
-
-
-def assert_equal_outputs(ours: pa.Table, expected: pa.Table) -> None:
-    for column in ("id", "error", "truncated"):
-        assert ours[column].to_pylist() == expected[column].to_pylist()
-    good = [i for i, v in enumerate(expected["embedding"].to_pylist()) if v is not None]
-    np.testing.assert_allclose(np.array([ours["embedding"][i].as_py() for i in good]),
-                               np.array([expected["embedding"][i].as_py() for i in good]), atol=2e-5)
 
 
 @pytest.mark.slow

@@ -12,16 +12,14 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
 from pipeline.config import RunConfig
 from pipeline.ray_engine import actor_layout
-from tests.conftest import write_shards
+from tests.conftest import assert_equal_outputs, read_outputs, write_shards
 
 BIN = Path(sys.executable).parent
 SIX_SHARDS = [40, 30, 0, 50, 45, 35]
@@ -53,18 +51,6 @@ def local_reference(tmp_path: Path, table: pa.Table, sizes: list[int], model: st
                                       "--no-progress", "--tokenize-workers", "0", "--dtype", "float32", *extra])
     assert result.exit_code == 0, result.output
     return read_outputs(tmp_path / "local-out")
-
-
-def read_outputs(output: Path) -> pa.Table:
-    return pa.concat_tables(pq.read_table(path) for path in sorted(output.glob("*.parquet")))
-
-
-def assert_equal_outputs(ours: pa.Table, expected: pa.Table) -> None:
-    for column in ("id", "error", "truncated"):
-        assert ours[column].to_pylist() == expected[column].to_pylist()
-    good = [i for i, v in enumerate(expected["embedding"].to_pylist()) if v is not None]
-    np.testing.assert_allclose(np.array([ours["embedding"][i].as_py() for i in good]),
-                               np.array([expected["embedding"][i].as_py() for i in good]), atol=2e-5)
 
 
 def test_actors_follow_the_cluster():
