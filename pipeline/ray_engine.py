@@ -29,7 +29,7 @@ from pipeline.config import RunConfig
 from pipeline.device import dtype_name
 from pipeline.errors import UsageError
 from pipeline.model import choose_model, load_model
-from pipeline.run import ShardRunner, claim_output
+from pipeline.run import ShardRunner, claim_output, keep_recorded_dtype
 from pipeline.sink import RunManifest, ShardSink
 from pipeline.source import Shard, WorkerSlot, list_shards
 from pipeline.summary import RunSummary
@@ -86,6 +86,7 @@ def run_on_ray(config: RunConfig) -> RunSummary:
         log.warning(lock_note)
     connected_here = False
     try:
+        config = keep_recorded_dtype(config, manifest)
         choice = choose_model(config)
         todo = claim_output(config, choice, shards, sink, manifest)
         # every actor runs what the fingerprint says, whatever its node's CPU would pick for `auto`

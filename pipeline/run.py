@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
 from pipeline.config import RunConfig
-from pipeline.device import (DeviceFeeder, SplitForward, collate, dtype_name, forward_splitting_on_oom,
+from pipeline.device import (DTYPES, DeviceFeeder, SplitForward, collate, dtype_name, forward_splitting_on_oom,
                              padding_multiple, prefetch)
 from pipeline.errors import UsageError
 from pipeline.memory import MemoryPlan, describe_plan, memory_plan_for
@@ -63,6 +63,7 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
     if lock_note:
         log.warning(lock_note)
     try:
+        config = keep_recorded_dtype(config, manifest)
         choice = choose_model(config)
         todo = claim_output(config, choice, shards, sink, manifest, slot)
         summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
@@ -74,6 +75,18 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
         return summary
     finally:
         manifest.release_lock(slot)
+
+
+def keep_recorded_dtype(config: RunConfig, manifest: RunManifest) -> RunConfig:
+    """`--dtype auto` on an output that already holds results keeps the dtype they were made
+    with: a rerun on another node, or a bf16 trial landing on the other side of its threshold,
+    must not turn a resume into a refusal or split one output across two dtypes."""
+    recorded = manifest.read_run()
+    dtype = recorded and recorded["fingerprint"].get("dtype")
+    if config.dtype != "auto" or config.overwrite or dtype not in DTYPES:
+        return config
+    log.info(f"dtype {dtype}: what {config.output} was made with (--dtype auto)")
+    return dataclasses.replace(config, dtype=dtype)
 
 
 def claim_output(config: RunConfig, choice: ModelChoice, shards: list[Shard], sink: ShardSink,

@@ -227,3 +227,14 @@ def test_transient_errors_are_retried_with_backoff_and_others_are_not():
     assert len(calls) == 4
     assert is_transient(ConnectionResetError()) and not is_transient(PermissionError("denied"))
     assert not is_transient(ValueError("read 503 rows"))
+
+
+def test_dtype_auto_resumes_with_the_dtype_the_output_was_made_with(tmp_path, three_shards, tiny_encoder_path):
+    """Whatever `auto` would pick on this node now, a rerun keeps the recorded dtype."""
+    run_job(config_for(tmp_path, tiny_encoder_path, dtype="bfloat16", input=(str(three_shards / "part-00000.parquet"),)))
+    resumed = run_job(config_for(tmp_path, tiny_encoder_path, dtype="auto"))  # the other two shards, resumed
+    assert resumed.dtype == "bfloat16" and resumed.shards_done_before == 1 and resumed.rows == 60
+    run_json = json.loads((tmp_path / "out" / "_lengthwise" / "run.json").read_text())
+    assert run_json["fingerprint"]["dtype"] == "bfloat16"
+    with pytest.raises(UsageError, match=r"dtype: 'bfloat16' → 'float32'"):
+        run_job(config_for(tmp_path, tiny_encoder_path, dtype="float32"))
