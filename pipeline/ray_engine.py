@@ -28,10 +28,10 @@ from pipeline.buckets import padding_efficiency
 from pipeline.config import RunConfig
 from pipeline.device import dtype_name
 from pipeline.errors import UsageError
-from pipeline.model import choose_model, load_model
-from pipeline.run import ShardRunner, claim_output, keep_recorded_dtype
+from pipeline.model import ModelChoice, load_model
+from pipeline.run import ShardRunner, run_claimed
 from pipeline.sink import RunManifest, ShardSink
-from pipeline.source import Shard, WorkerSlot, list_shards
+from pipeline.source import Shard, WorkerSlot
 from pipeline.summary import RunSummary
 
 log = logging.getLogger(__name__)
@@ -76,41 +76,33 @@ class ShardWorker:
 
 def run_on_ray(config: RunConfig) -> RunSummary:
     """`lengthwise run --engine ray`: claim the output here, run the pending shards on actors."""
+    import_ray()
+    return run_claimed(config, WorkerSlot(), run_on_actors)
+
+
+def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,
+                  summary: RunSummary, started: float) -> None:
+    """The Ray engine: connect (unless this process already is), hand `todo` to actors, then
+    remove what attempts whose actor died left behind."""
     ray = import_ray()
-    started = time.perf_counter()
-    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
-    sink = ShardSink(config.output, config.storage_options)
-    manifest = RunManifest(sink.fs, sink.output_dir)
-    lock_note = manifest.acquire_lock()
-    if lock_note:
-        log.warning(lock_note)
-    connected_here = False
+    # every actor runs what the fingerprint says, whatever its node's CPU would pick for `auto`
+    config = dataclasses.replace(config, dtype=dtype_name(choice.dtype))
+    connected_here = not ray.is_initialized()
+    if connected_here:
+        handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+        ray.init(address=config.ray_address, logging_level=logging.WARNING, log_to_driver=True)
+        if threading.current_thread() is threading.main_thread():
+            for number, handler in handlers.items():  # Ray installs its own; ours stop the run cleanly
+                signal.signal(number, handler)
     try:
-        config = keep_recorded_dtype(config, manifest)
-        choice = choose_model(config)
-        todo = claim_output(config, choice, shards, sink, manifest)
-        # every actor runs what the fingerprint says, whatever its node's CPU would pick for `auto`
-        config = dataclasses.replace(config, dtype=dtype_name(choice.dtype))
-        summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
-        if todo:
-            if not ray.is_initialized():
-                handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
-                ray.init(address=config.ray_address, logging_level=logging.WARNING, log_to_driver=True)
-                if threading.current_thread() is threading.main_thread():
-                    for number, handler in handlers.items():  # Ray installs its own; ours stop the run cleanly
-                        signal.signal(number, handler)
-                connected_here = True
-            ActorPool(ray, config, len(todo)).run(todo, manifest, summary, config.progress)
-        sink.remove_stale_temporaries([shard.stem for shard in todo])  # left by attempts whose actor died
-        summary.wall_s = time.perf_counter() - started
-        summary.rows_per_s = summary.rows / summary.wall_s
-        summary.tokens_per_s = summary.real_tokens / summary.wall_s
-        manifest.write_worker_summary(WorkerSlot(), dataclasses.asdict(summary))
-        return summary
+        ActorPool(ray, config, len(todo)).run(todo, manifest, summary, config.progress)
     finally:
         if connected_here:
             ray.shutdown()
-        manifest.release_lock()
+    sink.remove_stale_temporaries([shard.stem for shard in todo])
+    wall_s = time.perf_counter() - started
+    summary.rows_per_s = summary.rows / wall_s
+    summary.tokens_per_s = summary.real_tokens / wall_s
 
 
 def actor_layout(config: RunConfig, cluster: dict, shards: int) -> tuple[int, dict, int | None]:

@@ -52,8 +52,21 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
     Raises UsageError on bad settings (nothing written). A shard that fails is recorded in
     the summary and the manifest and the others go on; the caller decides the exit code.
     """
-    started = time.perf_counter()
     slot = resolve_worker_slot(config.num_shards, config.shard_index, environ)
+    return run_claimed(config, slot, run_here)
+
+
+def run_here(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,
+             summary: RunSummary, started: float) -> None:
+    """The local engine: the model loaded once in this process, one shard runner for all of `todo`."""
+    ShardRunner(config, load_model(config, choice)).run(todo, sink, manifest, summary, started)
+
+
+def run_claimed(config: RunConfig, slot: WorkerSlot, engine) -> RunSummary:
+    """What every engine shares: list this slot's shards, hold its lock, settle the model and
+    claim the output, let `engine(config, choice, todo, sink, manifest, summary, started)` run
+    the pending shards, then record this worker's summary."""
+    started = time.perf_counter()
     shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot)
     if slot.count > 1:
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
@@ -68,8 +81,7 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
         todo = claim_output(config, choice, shards, sink, manifest, slot)
         summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
         if todo:
-            runner = ShardRunner(config, load_model(config, choice))
-            runner.run(todo, sink, manifest, summary, started)
+            engine(config, choice, todo, sink, manifest, summary, started)
         summary.wall_s = time.perf_counter() - started
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
