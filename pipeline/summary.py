@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline.diagnosis import diagnosis_lines
+
 
 @dataclass
 class StageTimes:
@@ -109,15 +111,6 @@ class RunSummary:
             lines.append(f"FAILED          {failed['shard']}: {failed['error']}")
         lines.extend(diagnosis_lines(self.diagnosis))
         return "\n".join(lines)
-
-
-def diagnosis_lines(findings: list[dict]) -> list[str]:
-    """How run, sweep and load-test output show findings: the code and its evidence, then the action."""
-    lines = []
-    for finding in findings:
-        lines.append(f"diagnosis       {finding['code']}: {finding['evidence']}")
-        lines.append(f"                → {finding['action']}")
-    return lines
 
 
 TOP_ERROR_REASONS = 5  # reasons kept in the summary; the output's `error` column has every row's
