@@ -109,7 +109,7 @@ def _row_errors(s: dict) -> Finding | None:
             advice.append("lower --max-length or use a larger device for the rows that run out of memory alone")
         elif "non-finite" in reason:
             advice.append("--dtype float32 for the rows whose outputs overflowed")
-        elif "fix the input rows" not in advice:
+        else:  # null, empty, undecodable or untokenizable text, a null id
             advice.append("fix the input rows")
     return Finding(
         "row-errors",

@@ -142,8 +142,8 @@ class RowStats:
         if not total:
             return {}
         cumulative = np.cumsum(self.length_counts)
-        return {"p50": int(np.searchsorted(cumulative, 0.50 * total)), "p99": int(np.searchsorted(cumulative, 0.99 * total)),
-                "max": int(np.flatnonzero(self.length_counts)[-1])}
+        return {"p50": int(np.searchsorted(cumulative, 0.50 * total)),
+                "p99": int(np.searchsorted(cumulative, 0.99 * total)), "max": int(np.flatnonzero(self.length_counts)[-1])}
 
     def top_reasons(self) -> dict:
         return dict(sorted(self.reasons.items(), key=lambda item: -item[1])[:TOP_ERROR_REASONS])
