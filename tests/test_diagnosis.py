@@ -268,13 +268,28 @@ def test_a_healthy_sweep_has_no_findings():
 
 def test_throughput_falling_with_padding_asks_for_a_sample_as_large_as_the_window():
     levels = [level(8, 20.0, 0.97), level(16, 30.0, 0.96), level(32, 24.0, 0.88), level(64, 21.0, 0.80)]
-    findings = diagnose(levels, 16)
-    assert [f.code for f in findings] == ["sweep-sample-too-thin"]
-    assert findings[0].evidence == ("from --max-batch-rows 16 to 64 rows/s fall 30.0 → 21.0 (-30%) while padding "
-                                    "efficiency falls 0.960 → 0.800; the sample has 200 rows")
-    assert findings[0].action.startswith("--rows 8192: a run packs its batches out of --window-rows (8192) rows")
-    big_sample = diagnose(levels, 16, rows=10_000)
-    assert big_sample[0].action.startswith("padding dominates at the larger levels: stay at --max-batch-rows 16")
+    finding = only(diagnose(levels, 16), "sweep-sample-too-thin")
+    assert finding.evidence == ("padding efficiency falls 0.970 → 0.800 from --max-batch-rows 8 to 64 (rows/s 20.0 → "
+                                "21.0, -30% from the best 30.0 at 16); the sample has 200 rows")
+    assert finding.action.startswith("--rows 8192: a run packs its batches out of --window-rows (8192) rows")
+    assert finding.action.endswith("so their fall in throughput may be the sample's, not the device's")
+
+
+def test_a_thin_sample_is_named_even_while_throughput_still_rises():
+    """The shape of the 200-row imdb sweep in the README: padding 1.000 → 0.906 from 1 to 64 rows."""
+    levels = [level(1, 1.1, 1.0), level(8, 12.6, 0.983), level(64, 17.2, 0.906)]
+    finding = only(diagnose(levels, 64), "sweep-sample-too-thin")
+    assert finding.evidence == ("padding efficiency falls 1.000 → 0.906 from --max-batch-rows 1 to 64 (rows/s 1.1 → "
+                                "17.2); the sample has 200 rows")
+    assert finding.action.endswith("the larger levels are measured with more padding than the run will have")
+
+
+def test_throughput_falling_with_padding_on_a_full_sample_is_padding():
+    levels = [level(8, 20.0, 0.97), level(16, 30.0, 0.96), level(32, 24.0, 0.88), level(64, 21.0, 0.80)]
+    finding = only(diagnose(levels, 16, rows=10_000), "padding-dominates")
+    assert finding.evidence == ("from --max-batch-rows 16 to 64 rows/s fall 30.0 → 21.0 (-30%) while padding "
+                                "efficiency falls 0.960 → 0.800")
+    assert finding.action.startswith("stay at --max-batch-rows 16")
 
 
 def test_flat_throughput_from_a_small_level_names_the_knee():
