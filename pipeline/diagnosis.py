@@ -351,14 +351,20 @@ def _latency_tail(results: list[dict], settings: dict) -> Finding | None:
                 f"worst at {worst['level']}: p99 {worst['row_latency_ms_p99']:,.0f} ms = "
                 f"{worst['row_latency_ms_p99'] / worst['row_latency_ms_p50']:.1f}× p50 "
                 f"{worst['row_latency_ms_p50']:,.0f} ms")
+    evidence += (f" (one batch: p50 {worst['batch_latency_ms_p50']:,.0f} ms, p99 "
+                 f"{worst['batch_latency_ms_p99']:,.0f} ms)")
     if lengths:
         evidence += f"; sample token lengths median {lengths['median']:,.0f}, p99 {lengths['p99']:,.0f}"
     if lengths and lengths["p99"] >= 2 * lengths["median"]:
         action = (f"long rows: --max-p99-ms picks a level that meets your limit; a lower --max-length (now "
                   f"{settings.get('max_length')}) caps the longest rows")
+    elif worst["batch_latency_ms_p99"] > TAIL_RATIO * worst["batch_latency_ms_p50"]:
+        action = ("stalls: some batches of rows of similar length took far longer than the rest, so other work "
+                  "shared the device or its host cores; sweep again when the machine is otherwise idle")
     else:
-        action = ("queueing: rows wait behind earlier batches in the prefetch queue; fewer --prefetch-batches or a "
-                  "smaller level, and --max-p99-ms to make the recommendation respect the limit")
+        action = ("queueing: rows wait behind earlier batches in the prefetch queue; fewer --prefetch-batches"
+                  + (" or a smaller level" if worst is not _ok(results)[0] else "")
+                  + ", and --max-p99-ms to make the recommendation respect the limit")
     return Finding("latency-tail", evidence, action)
 
 

@@ -305,10 +305,17 @@ def test_p99_far_above_p50_blames_long_rows_when_the_sample_has_them():
     levels = [level(8, 20.0, p50_ms=100, p99_ms=450), level(16, 25.0), level(32, 30.0)]
     finding = only(diagnose(levels, 32, sample_token_lengths={"median": 60.0, "p99": 256.0}), "latency-tail")
     assert finding.evidence == ("row p99 is over 3× p50 at --max-batch-rows 8; worst at 8: p99 450 ms = 4.5× p50 "
-                                "100 ms; sample token lengths median 60, p99 256")
+                                "100 ms (one batch: p50 100 ms, p99 450 ms); sample token lengths median 60, p99 256")
     assert finding.action.startswith("long rows: --max-p99-ms picks a level")
-    even = only(diagnose(levels, 32), "latency-tail")  # median 230, p99 256: not long rows
-    assert even.action.startswith("queueing")
+
+
+def test_p99_far_above_p50_with_even_rows_is_stalls_or_queueing():
+    stalled = [level(8, 20.0, p50_ms=100, p99_ms=450), level(16, 25.0), level(32, 30.0)]
+    assert only(diagnose(stalled, 32), "latency-tail").action.startswith("stalls: some batches")  # median 230
+    queued = dataclasses.replace(level(16, 25.0), batch_latency_ms_p99=120.0, row_latency_ms_p99=500.0)
+    finding = only(diagnose([level(8, 20.0), queued, level(32, 30.0)], 32), "latency-tail")
+    assert finding.action.startswith("queueing: rows wait behind earlier batches in the prefetch queue; fewer "
+                                     "--prefetch-batches or a smaller level")
 
 
 def test_memory_headroom_nearly_gone_at_the_recommended_level():
