@@ -334,11 +334,12 @@ def _knee(results: list[dict], settings: dict) -> Finding | None:
     return Finding(
         "throughput-flat",
         f"rows/s stay within {FLAT_TOLERANCE:.0%} of the best ({best['rows_per_s']:,.1f}) from --{vary} "
-        f"{knee['level']} to {last['level']} ({min(speeds):,.1f}–{max(speeds):,.1f}) while row p99 grows "
-        f"{knee['row_latency_ms_p99']:,.0f} → {last['row_latency_ms_p99']:,.0f} ms and peak memory "
+        f"{knee['level']} to {last['level']} ({min(speeds):,.1f}–{max(speeds):,.1f}); meanwhile row p99 "
+        f"{knee['row_latency_ms_p99']:,.0f} → {last['row_latency_ms_p99']:,.0f} ms, peak memory "
         f"{_mib(knee['peak_device_bytes'])} → {_mib(last['peak_device_bytes'])}",
         f"the device is saturated from --{vary} {knee['level']} (the knee): use it, or the recommendation if it is "
-        "within the band; larger batches add only latency and memory")
+        "within the band; larger batches buy no throughput, only "
+        + ("latency and memory" if last["row_latency_ms_p99"] > knee["row_latency_ms_p99"] else "memory"))
 
 
 def _latency_tail(results: list[dict], settings: dict) -> Finding | None:

@@ -297,8 +297,11 @@ def test_flat_throughput_from_a_small_level_names_the_knee():
               level(16, 30.5, p99_ms=300, peak=300 * MIB)]
     finding = only(diagnose(levels, 4), "throughput-flat")
     assert finding.evidence == ("rows/s stay within 10% of the best (30.5) from --max-batch-rows 4 to 16 "
-                                "(29.0–30.5) while row p99 grows 150 → 300 ms and peak memory 100 MiB → 300 MiB")
+                                "(29.0–30.5); meanwhile row p99 150 → 300 ms, peak memory 100 MiB → 300 MiB")
     assert finding.action.startswith("the device is saturated from --max-batch-rows 4 (the knee)")
+    assert finding.action.endswith("larger batches buy no throughput, only latency and memory")
+    steady = [level(4, 29.0, p99_ms=300), level(8, 30.0, p99_ms=250)]
+    assert only(diagnose(steady, 8), "throughput-flat").action.endswith("buy no throughput, only memory")
 
 
 def test_p99_far_above_p50_blames_long_rows_when_the_sample_has_them():
