@@ -172,6 +172,19 @@ def test_row_stats_percentiles_and_top_reasons():
     assert RowStats().token_lengths() == {}
 
 
+def test_the_ray_engine_merges_what_the_diagnosis_reads():
+    from pipeline.ray_engine import merge_summary
+
+    total = RunSummary()
+    for reasons, lengths in (({"text is null": 2}, {"p50": 40, "p99": 300, "max": 900}),
+                             ({"text is null": 1, "id is null": 1}, {"p50": 60, "p99": 280, "max": 1200})):
+        merge_summary(total, dataclasses.asdict(RunSummary(error_reasons=reasons, token_lengths=lengths,
+                                                           settings={"max_length": 256})))
+    assert total.error_reasons == {"text is null": 3, "id is null": 1}
+    assert total.token_lengths == {"p50": 60, "p99": 300, "max": 1200}  # per shard's largest: an upper bound
+    assert total.settings == {"max_length": 256}
+
+
 # ── the numbers, measured for real ─────────────────────────────────────────────────────
 
 
