@@ -306,6 +306,9 @@ def run(inputs, output, model, storage_option, no_plan_cache, **settings) -> Non
             summary = run_job(config)
     except UsageError as error:
         _fail(str(error))
+    from pipeline.diagnosis import as_dicts, diagnose_run
+
+    summary.diagnosis = as_dicts(diagnose_run(summary))
     click.echo(summary.to_text())
     if config.summary_json:
         Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
@@ -457,11 +460,16 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
         report = run_sweep(config)
     except (UsageError, ValueError, ImportError) as error:
         _fail(str(error))
+    from pipeline.diagnosis import as_dicts, diagnose_sweep, diagnosis_lines
+
+    report.settings["diagnosis"] = as_dicts(diagnose_sweep(report.levels, report.recommendation, report.settings))
     analysis.write_sweep_csv(out, report.levels)
     Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
     click.echo(analysis.markdown_table(report.levels, report.recommendation.level))
     click.echo("")
     click.echo(f"recommendation: {report.recommendation.reason}")
+    for line in diagnosis_lines(report.settings["diagnosis"]):
+        click.echo(line)
     if report.saved_to:
         click.echo(f"saved for `lengthwise run --{vary} auto` on this model, device and dtype: {report.saved_to}")
     click.echo(f"csv: {out}  settings: {out}.json")

@@ -213,6 +213,11 @@ def merge_summary(total: RunSummary, part: dict) -> None:
     for name, seconds in part["stage_s"].items():
         total.stage_s[name] = round(total.stage_s.get(name, 0.0) + seconds, 3)
     total.lowered_batch_rows.update(part["lowered_batch_rows"])
+    for reason, rows in part["error_reasons"].items():
+        total.error_reasons[reason] = total.error_reasons.get(reason, 0) + rows
+    for name, length in part["token_lengths"].items():  # the largest shard's percentile: an upper bound
+        total.token_lengths[name] = max(total.token_lengths.get(name, 0), length)
     total.padding_efficiency = padding_efficiency(total.real_tokens, total.padded_tokens)
-    for name in ("batch_setting", "batch_plan", "device", "dtype", "dtype_reason", "model"):
+    for name in ("batch_setting", "batch_plan", "device", "dtype", "dtype_reason", "model", "settings",
+                 "sweep_reference"):
         setattr(total, name, part[name])

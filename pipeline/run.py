@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, usable_cores
 from pipeline.device import (DTYPES, DeviceFeeder, HostCopy, SplitForward, collate, dtype_name,
                              forward_splitting_on_oom, padding_multiple, prefetch)
 from pipeline.errors import UsageError
@@ -37,7 +37,7 @@ from pipeline.model import LoadedModel, ModelChoice, choose_model, load_model, m
 from pipeline.sink import BackgroundWriter, RunManifest, ShardSink, WindowWriter, fingerprint_differences, pending, recorded_config
 from pipeline.source import Shard, WorkerSlot, list_shards, read_blocks, resolve_worker_slot
 from pipeline.summary import RunSummary, StageTimes, timed
-from pipeline.sweep import resolve_batch_setting
+from pipeline.sweep import resolve_batch_setting, saved_recommendations, sweep_reference
 from pipeline.tokenize import EncodedRows, TokenizerPool
 from pipeline.windows import Window, group_into_windows, tokenize_windows
 
@@ -149,6 +149,8 @@ class ShardRunner:
         self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.path, loaded.choice.device,
                                                                 loaded.model)
         log.info(f"batch setting: {self.batch_setting}")
+        self.sweep_reference = sweep_reference(saved_recommendations(config, loaded.choice.path, loaded.choice.device,
+                                                                     loaded.model))
         self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
                                     loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
@@ -163,6 +165,7 @@ class ShardRunner:
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
+        summary.settings, summary.sweep_reference = diagnosis_settings(config, model), self.sweep_reference
         writer = WindowWriter(sink, manifest, shards, self._columns_of, times)
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
@@ -219,6 +222,14 @@ class ShardRunner:
             return job.to_columns(model, outputs, valid)
         # no row of this window could run
         return {f.name: pa.nulls(rows, f.type) for f in job.output_schema(model)}
+
+
+def diagnosis_settings(config: RunConfig, model: torch.nn.Module) -> dict:
+    """The settings the diagnosis reads and names in its actions."""
+    return {"max_length": config.max_length, "max_positions": getattr(model.config, "max_position_embeddings", None),
+            "window_rows": config.window_rows, "tokenize_workers": config.tokenize_workers, "cores": usable_cores(),
+            "safety": config.safety, "max_batch_tokens": config.max_batch_tokens,
+            "max_batch_rows": config.max_batch_rows}
 
 
 def finite_rows(outputs: dict[str, np.ndarray]) -> np.ndarray:

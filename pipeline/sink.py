@@ -27,7 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.config import RunConfig
 from pipeline.errors import UsageError, retry_transient
 from pipeline.source import RowBlock, Shard, WorkerSlot, list_shards, slot_of
-from pipeline.summary import IdTracker, RunSummary, StageTimes
+from pipeline.summary import IdTracker, RowStats, RunSummary, StageTimes
 from pipeline.windows import Window
 
 log = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ class WindowWriter:
         self.failures: dict[int, str] = {}  # shard index → why it failed
         self.counts: dict[int, np.ndarray] = {}  # shard index → rows, error rows, truncated rows written
         self.ids = IdTracker()
+        self.row_stats = RowStats()
 
     def write(self, window: Window) -> None:
         started = time.perf_counter()
@@ -189,6 +190,7 @@ class WindowWriter:
             valid = window.valid[positions]
             counts = self.counts.setdefault(block.shard_index, np.zeros(3, np.int64))
             counts += (block.num_rows, (~valid).sum(), (window.encoded.truncated[positions] & valid).sum())
+            self.row_stats.add(window.encoded.full_lengths[positions][valid], window.encoded.errors[positions])
         self.times.write += time.perf_counter() - started
 
     def finish(self, summary: RunSummary) -> None:
@@ -203,6 +205,7 @@ class WindowWriter:
         summary.rows, summary.error_rows, summary.truncated_rows = (int(n) for n in written)
         summary.duplicate_ids, summary.duplicate_id_examples = self.ids.duplicates(self.sink.fs,
                                                                                    self.sink.committed.values())
+        summary.token_lengths, summary.error_reasons = self.row_stats.token_lengths(), self.row_stats.top_reasons()
 
 
 class BackgroundWriter:

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline.diagnosis import diagnosis_lines
+
 
 @dataclass
 class StageTimes:
@@ -71,6 +73,11 @@ class RunSummary:
     model: str = ""
     output: str = ""
     workers: list = field(default_factory=list)  # engine ray: per actor pid, host, shards, rows, rows/s
+    token_lengths: dict = field(default_factory=dict)  # p50, p99, max of rows' token lengths before truncation
+    error_reasons: dict = field(default_factory=dict)  # the most frequent row errors → rows
+    settings: dict = field(default_factory=dict)  # the settings the diagnosis names (max_length, window_rows, …)
+    sweep_reference: dict = field(default_factory=dict)  # the saved sweep figure for this model, device, dtype
+    diagnosis: list = field(default_factory=list)  # [{code, evidence, action}] (pipeline/diagnosis.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -102,7 +109,44 @@ class RunSummary:
                          f"{worker['rows_per_s']:,.1f} rows/s (pid {worker['pid']} on {worker['host']})")
         for failed in self.failed_shards:
             lines.append(f"FAILED          {failed['shard']}: {failed['error']}")
+        lines.extend(diagnosis_lines(self.diagnosis))
         return "\n".join(lines)
+
+
+TOP_ERROR_REASONS = 5  # reasons kept in the summary; the output's `error` column has every row's
+
+
+class RowStats:
+    """Token lengths before truncation and row error reasons of the rows written, for the
+    diagnosis: a count per length (bounded by MAX_COUNTED_LENGTH) and per reason."""
+
+    MAX_COUNTED_LENGTH = 1 << 20  # longer rows count as this long
+
+    def __init__(self) -> None:
+        self.length_counts = np.zeros(0, np.int64)
+        self.reasons: dict[str, int] = {}
+
+    def add(self, full_lengths: np.ndarray, errors: Iterable) -> None:
+        """`full_lengths` of the rows that ran; `errors` of all rows (None for no error)."""
+        counts = np.bincount(np.minimum(full_lengths, self.MAX_COUNTED_LENGTH).astype(np.int64))
+        if len(counts) > len(self.length_counts):
+            self.length_counts = np.pad(self.length_counts, (0, len(counts) - len(self.length_counts)))
+        self.length_counts[:len(counts)] += counts
+        for error in errors:
+            if error is not None:
+                self.reasons[error] = self.reasons.get(error, 0) + 1
+
+    def token_lengths(self) -> dict:
+        """p50, p99 and max token length (before truncation) of the rows counted; {} for none."""
+        total = int(self.length_counts.sum())
+        if not total:
+            return {}
+        cumulative = np.cumsum(self.length_counts)
+        return {"p50": int(np.searchsorted(cumulative, 0.50 * total)),
+                "p99": int(np.searchsorted(cumulative, 0.99 * total)), "max": int(np.flatnonzero(self.length_counts)[-1])}
+
+    def top_reasons(self) -> dict:
+        return dict(sorted(self.reasons.items(), key=lambda item: -item[1])[:TOP_ERROR_REASONS])
 
 
 def id_hash(value) -> int:

@@ -96,6 +96,7 @@ class Recommendation:
     level: int | None  # None: no level met the limits
     reason: str
     rows_per_s: float = 0.0
+    tokens_per_s: float = 0.0
     excluded: dict = field(default_factory=dict)  # level → why it was not eligible
 
     def to_dict(self) -> dict:
@@ -141,7 +142,7 @@ def recommend(levels: Sequence[LevelResult], vary: str, budget_bytes: int, memor
     reason = f"{vary} {chosen.level}: {how}; {limits}"
     if excluded:
         reason += ". Not eligible: " + "; ".join(f"{level} ({why})" for level, why in excluded.items())
-    return Recommendation(vary, chosen.level, reason, chosen.rows_per_s, excluded)
+    return Recommendation(vary, chosen.level, reason, chosen.rows_per_s, chosen.tokens_per_s, excluded)
 
 
 def _gib(count: float) -> str:
@@ -267,11 +268,14 @@ def recommendation_path(cache_dir: str, name: str) -> Path:
 
 def save_recommendation(cache_dir: str, name: str, key: dict, recommendation: Recommendation, csv_path: str,
                         created: str) -> str:
-    """Write atomically beside the memory plans; a later run with the same key reads it."""
+    """Write atomically beside the memory plans; a later run with the same key reads it (its
+    level for `auto`, its throughput for the diagnosis)."""
     from pipeline.memory import write_text_atomically
 
     path = recommendation_path(cache_dir, name)
     write_text_atomically(path, json.dumps({"key": key, "level": recommendation.level, "reason": recommendation.reason,
+                                            "rows_per_s": recommendation.rows_per_s,
+                                            "tokens_per_s": recommendation.tokens_per_s,
                                             "csv": os.path.abspath(csv_path), "created": created}, indent=2) + "\n")
     return str(path)
 
@@ -345,19 +349,15 @@ def resolve_batch_setting(config, model_path: str, device, model) -> tuple:
     device, dtype and max length, else by the device's default (`DEVICE_BATCH_LIMITS`).
     Returns the config and where each limit came from."""
     from pipeline.config import device_batch_limit
-    from pipeline.device import device_name, dtype_name
-    from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
 
-    dtype = dtype_name(next(model.parameters()).dtype)
+    saved_for = saved_recommendations(config, model_path, device, model)
     changes, notes = {}, []
     for vary, name in (("max-batch-tokens", "max_batch_tokens"), ("max-batch-rows", "max_batch_rows")):
         value = getattr(config, name)
         if value is not None:
             notes.append(f"--{vary} {value}")
             continue
-        key, file_name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
-                                            dtype, config.max_length, vary)
-        saved = load_recommendation(config.plan_cache or default_plan_cache_dir(), file_name, key)
+        saved = saved_for[vary]
         if saved is not None:
             changes[name] = saved["level"]
             notes.append(f"--{vary} {saved['level']} recommended by the sweep of {saved['created']} ({saved['path']})")
@@ -366,3 +366,28 @@ def resolve_batch_setting(config, model_path: str, device, model) -> tuple:
             notes.append(f"--{vary} {changes[name]} (auto: no sweep recommendation for this model, device and dtype; "
                          f"the {device.type} default)")
     return dataclasses.replace(config, **changes), "; ".join(notes)
+
+
+def saved_recommendations(config, model_path: str, device, model) -> dict[str, dict | None]:
+    """The saved recommendation (or None) per varied setting, for this model, job, device,
+    dtype and max length."""
+    from pipeline.device import device_name, dtype_name
+    from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
+
+    dtype = dtype_name(next(model.parameters()).dtype)
+    fingerprint = model_memory_fingerprint(model_path)
+    saved = {}
+    for vary in VARIABLES:
+        key, file_name = recommendation_key(fingerprint, config.job, device_name(device), dtype, config.max_length,
+                                            vary)
+        saved[vary] = load_recommendation(config.plan_cache or default_plan_cache_dir(), file_name, key)
+    return saved
+
+
+def sweep_reference(saved_for: dict[str, dict | None]) -> dict:
+    """The newest saved recommendation that records its throughput, as the run summary's
+    `sweep_reference` (what the diagnosis compares the run's throughput with); {} if none."""
+    figures = [{"vary": vary, "level": saved["level"], "rows_per_s": saved["rows_per_s"],
+                "tokens_per_s": saved["tokens_per_s"], "created": saved["created"], "path": saved["path"]}
+               for vary, saved in saved_for.items() if saved and saved.get("tokens_per_s")]
+    return max(figures, key=lambda figure: figure["created"], default={})

@@ -43,10 +43,16 @@ class EncodedRows:
     truncated: np.ndarray  # bool, the text was longer than max_length tokens
     errors: list  # str or None per row
     encode_s: float  # worker time spent tokenizing
+    cut_tokens: np.ndarray | None = None  # int64, tokens truncation cut off each row (None: nothing cut)
 
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    @property
+    def full_lengths(self) -> np.ndarray:
+        """Each row's length had it not been truncated: what a --max-length covering the data needs."""
+        return self.lengths if self.cut_tokens is None else self.lengths + self.cut_tokens
 
     def __len__(self) -> int:
         return len(self.errors)
@@ -137,11 +143,14 @@ def encode_texts(texts: Sequence) -> EncodedRows:
     good_positions = np.flatnonzero(np.array([e is None for e in errors], dtype=bool))
     lengths[good_positions] = [len(e.ids) for e in encodings]
     truncated[good_positions] = [bool(e.overflowing) for e in encodings]
+    cut_tokens = np.zeros(len(texts), dtype=np.int64)  # the overflow pieces repeat the special tokens
+    cut_tokens[good_positions] = [sum(len(o.ids) - sum(o.special_tokens_mask) for o in e.overflowing)
+                                  for e in encodings]
     for position in good_positions[lengths[good_positions] == 0]:  # e.g. only zero-width characters
         errors[position] = "text has no tokens"
     token_ids = np.fromiter((t for e in encodings for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started)
+    return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens)
 
 
 def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
@@ -153,6 +162,7 @@ def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
         truncated=np.concatenate([p.truncated for p in parts]) if parts else np.zeros(0, bool),
         errors=[e for p in parts for e in p.errors],
         encode_s=sum(p.encode_s for p in parts),
+        cut_tokens=np.concatenate([p.full_lengths - p.lengths for p in parts]) if parts else np.zeros(0, np.int64),
     )
 
 

@@ -1,0 +1,480 @@
+"""What limits a run, a sweep or a load test: the practice's troubleshooting table, read off
+the numbers lengthwise already measures.
+
+Pure Python (no torch): a run summary, a sweep's levels or a load test's rows in, a list of
+findings out, each a stable code, the evidence (the numbers that triggered it) and the action
+(the flag to change, and to what). Nothing is found when nothing is wrong.
+
+The thresholds are judgment, not law; each says where it comes from. The measurements they
+are compared with come from this project's runs on a shared 2-core CPU machine (README,
+Performance and Choosing batch settings), where sweeps repeat within about ±10%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeline.config import RunConfig
+
+# ── thresholds ─────────────────────────────────────────────────────────────────────────
+
+# Run. The device thread waiting for batches more than a quarter of its time is called
+# input-bound (the practice's reading of utilisation traces: an accelerator idle for the input
+# pipeline a quarter of the time is worth fixing first); the README's runs wait 0.2–8%.
+PREPROCESSING_WAIT_SHARE = 0.25
+# A wait shorter than this is start-up (the first window is tokenized before any batch), not a bottleneck.
+PREPROCESSING_MIN_WAIT_S = 1.0
+# A fifth of the computed tokens being padding: the README's most uneven data (the sample,
+# 20 to 2,664 characters) packs at 0.85, imdb reviews at 0.99.
+LOW_PADDING_EFFICIENCY = 0.80
+# More than 1% of the rows truncated means --max-length is below the data's p99 length.
+TRUNCATED_SHARE = 0.01
+# A run streaming at under half the sweep's figure: the sweep times the device alone on
+# pre-tokenized rows of a sample, a run also reads, tokenizes and writes its own data; the
+# README's 50,000-row imdb run (6,541 tokens/s at --max-batch-tokens 2048) came within 5% of its
+# sweep (6,222 at 2048). Half is far beyond that and beyond the ±10% noise.
+BELOW_SWEEP_SHARE = 0.5
+LENGTH_STEP = 8  # a suggested --max-length is rounded up to a multiple of this (the GPU bucket step)
+
+# Sweep. Differences under ~10% are this machine's noise (README: repeat a sweep before
+# trusting a difference under ~10%), so a level within 10% of the best is "as fast".
+FLAT_TOLERANCE = 0.10
+# Padding efficiency 5 points lower at a larger level: the larger batches are short of rows of
+# similar length (on imdb a 2,000-row sample keeps it within 2 points from 512 to 16k tokens).
+PADDING_DROP = 0.05
+# Throughput down by more than the noise.
+THROUGHPUT_DROP = 0.10
+# p99 three times p50: the practice's "p99 jumps while p50 is fine". The README's imdb sweep
+# keeps row p99 within 1.5x of p50 at every level.
+TAIL_RATIO = 3.0
+# Under 20% of the memory budget free at the recommended level: twice the sweep's default
+# --memory-headroom (10%), which the recommendation already keeps.
+LOW_MEMORY_FREE = 0.20
+
+# Online load test. Batches under half full on average leave by the wait timeout, not by size.
+BATCH_FILL_SHARE = 0.5
+# Achieved qps more than 10% under the offered rate (the noise band above): the queue grows.
+ACHIEVED_QPS_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str  # stable: scripts and alerts match on it
+    evidence: str  # the numbers that triggered it
+    action: str  # what to change, and to what
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def as_dicts(findings: Sequence[Finding]) -> list[dict]:
+    return [finding.to_dict() for finding in findings]
+
+
+def diagnosis_lines(findings: Sequence[dict]) -> list[str]:
+    """How run, sweep and load-test output show findings: the code and its evidence, then the action."""
+    lines = []
+    for finding in findings:
+        lines.append(f"diagnosis       {finding['code']}: {finding['evidence']}")
+        lines.append(f"                → {finding['action']}")
+    return lines
+
+
+def _record(value) -> dict:
+    """A dataclass (RunSummary, LevelResult, Recommendation) or its dict, as a dict."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
+
+
+# ── a run ──────────────────────────────────────────────────────────────────────────────
+
+
+def diagnose_run(summary) -> list[Finding]:
+    """Findings for a run summary (a RunSummary or its JSON dict), in the practice's order:
+    memory, throughput, the input pipeline, padding and truncation, ids, row errors."""
+    s = _record(summary)
+    checks = (_oom_splits, _below_sweep, _preprocessing_bound, _low_padding, _truncated_rows, _duplicate_ids,
+              _row_errors)
+    return [finding for check in checks if (finding := check(s)) is not None]
+
+
+def _row_errors(s: dict) -> Finding | None:
+    if not s.get("error_rows"):
+        return None
+    reasons = s.get("error_reasons") or {}
+    listed = "; ".join(f"{count:,} × {reason!r}" for reason, count in reasons.items())
+    advice = []
+    for reason in reasons:
+        if "out of memory" in reason:
+            advice.append("lower --max-length or use a larger device for the rows that run out of memory alone")
+        elif "non-finite" in reason:
+            advice.append("--dtype float32 for the rows whose outputs overflowed")
+        else:  # null, empty, undecodable or untokenizable text, a null id
+            advice.append("fix the input rows")
+    return Finding(
+        "row-errors",
+        f"{s['error_rows']:,} of {s['rows']:,} rows have an error" + (f": {listed}" if listed else ""),
+        "the rows are in the output with `error` set and no result (select them with `error IS NOT NULL`); "
+        + "; ".join(dict.fromkeys(advice or ["read the output's `error` column"])))
+
+
+def _duplicate_ids(s: dict) -> Finding | None:
+    if not s.get("duplicate_ids"):
+        return None
+    examples = ", ".join(map(repr, s.get("duplicate_id_examples") or []))
+    return Finding(
+        "duplicate-ids",
+        f"{s['duplicate_ids']:,} rows repeat the id of an earlier row" + (f" (e.g. {examples})" if examples else ""),
+        "both rows are kept, so results joined back by id get mixed up: deduplicate the input, or set --id-column "
+        "to a column that is unique")
+
+
+def _oom_splits(s: dict) -> Finding | None:
+    if not s.get("oom_splits"):
+        return None
+    settings = s.get("settings") or {}
+    safety = settings.get("safety")
+    lowered = s.get("lowered_batch_rows") or {}
+    return Finding(
+        "oom-splits",
+        f"{s['oom_splits']:,} batches ran out of memory and were halved"
+        + (f"; rows per padded length lowered to {lowered}" if lowered else "") + f" ({s.get('batch_plan', '')})",
+        "the memory plan is stale or too tight: probe again with --no-plan-cache"
+        + (f", or raise --safety from {safety:g} to {safety + 0.5:g}" if safety else ", or raise --safety"))
+
+
+def _preprocessing_bound(s: dict) -> Finding | None:
+    stages = s.get("stage_s") or {}
+    wait, forward = stages.get("wait_for_batch", 0.0), stages.get("forward", 0.0)
+    if wait + forward <= 0 or wait < PREPROCESSING_MIN_WAIT_S or wait / (wait + forward) <= PREPROCESSING_WAIT_SHARE:
+        return None
+    settings = s.get("settings") or {}
+    workers, cores = settings.get("tokenize_workers"), settings.get("cores")
+    read, tokenize, collate = stages.get("read", 0.0), stages.get("tokenize", 0.0), stages.get("collate", 0.0)
+    tokenize_wall = tokenize / max(workers or 1, 1)  # tokenize is summed over the worker processes
+    evidence = (f"the device waited for batches {wait:.1f}s, {wait / (wait + forward):.0%} of its time (forward "
+                f"{forward:.1f}s; device busy {s.get('device_busy_fraction', 0.0):.0%}); the stages feeding it: read "
+                f"{read:.1f}s, tokenize {tokenize:.1f}s over {workers} worker(s), collate {collate:.1f}s")
+    if read >= max(tokenize_wall, collate):
+        action = ("reading the input is the slowest stage: read from a faster store or a nearer copy; more "
+                  "--tokenize-workers will not help")
+    elif collate > tokenize_wall:
+        action = "collating on the one prefetch thread is the slowest stage: smaller batches (--max-batch-tokens)"
+    elif workers == 0:
+        action = f"--tokenize-workers {max(1, (cores or 2) - 1)}: tokenizing runs in the main process now"
+    elif cores and workers >= cores:
+        action = (f"--tokenize-workers {max(1, cores - 1)}: {workers} tokenizer processes on {cores} cores starve "
+                  "the thread that feeds the device")
+    elif cores and workers < cores - 1:
+        action = f"--tokenize-workers {min(cores - 1, 2 * workers)} (now {workers}, on {cores} cores)"
+    else:
+        action = "tokenizing is the slowest stage and every core has a worker: a machine with more cores per device"
+    return Finding("preprocessing-bound", evidence, action)
+
+
+def _low_padding(s: dict) -> Finding | None:
+    efficiency = s.get("padding_efficiency", 1.0)
+    if not s.get("padded_tokens") or efficiency >= LOW_PADDING_EFFICIENCY:
+        return None
+    settings = s.get("settings") or {}
+    window = settings.get("window_rows")
+    rows = s.get("rows", 0) + s.get("error_rows", 0)
+    evidence = (f"padding efficiency {efficiency:.3f}: {1 - efficiency:.0%} of the {s['padded_tokens']:,} computed "
+                f"tokens were padding")
+    if window and rows > window:
+        action = (f"--window-rows {4 * window} (now {window}): more rows of each length to pack together, "
+                  "or smaller batches (--max-batch-tokens) that span fewer lengths")
+    else:
+        action = ("the whole input was one window, so only smaller batches (--max-batch-tokens, --max-batch-rows) "
+                  "span fewer lengths; on a GPU, rows much shorter than the 8-token bucket step pad more")
+    return Finding("low-padding-efficiency", evidence, action)
+
+
+def _truncated_rows(s: dict) -> Finding | None:
+    rows, truncated = s.get("rows", 0), s.get("truncated_rows", 0)
+    if not rows or truncated / rows <= TRUNCATED_SHARE:
+        return None
+    settings, lengths = s.get("settings") or {}, s.get("token_lengths") or {}
+    max_length, positions = settings.get("max_length"), settings.get("max_positions")
+    evidence = (f"{truncated:,} of {rows:,} rows ({truncated / rows:.1%}) were longer than --max-length "
+                f"{max_length} tokens and truncated")
+    if lengths:
+        evidence += (f"; token lengths before truncation: p50 {lengths['p50']:,}, p99 {lengths['p99']:,}, "
+                     f"max {lengths['max']:,}")
+        covering = math.ceil(lengths["p99"] / LENGTH_STEP) * LENGTH_STEP
+        if positions and covering > positions:
+            if max_length is not None and max_length >= positions:
+                action = (f"--max-length is at the model's limit ({positions} positions): split long texts into "
+                          "chunks before the run if their tails matter")
+            else:
+                action = (f"--max-length {positions} (the model's limit) keeps more of each row; p99 is beyond "
+                          "what the model takes, so split long texts into chunks if their tails matter")
+        else:
+            action = (f"--max-length {covering} covers 99% of the rows (longer rows cost more per batch: "
+                      f"`lengthwise plan --max-length {covering}` shows the rows per batch)")
+    else:
+        action = "a larger --max-length (the summary has no token lengths to size it)"
+    return Finding("truncated-rows", evidence, action)
+
+
+def _below_sweep(s: dict) -> Finding | None:
+    reference = s.get("sweep_reference") or {}
+    streaming_s = s.get("wall_s", 0.0) - (s.get("stage_s") or {}).get("setup", 0.0)
+    if not reference.get("tokens_per_s") or streaming_s <= 0 or not s.get("real_tokens"):
+        return None
+    tokens_per_s = s["real_tokens"] / streaming_s  # after setup, as the sweep times it
+    if tokens_per_s >= BELOW_SWEEP_SHARE * reference["tokens_per_s"]:
+        return None
+    return Finding(
+        "below-sweep",
+        f"{tokens_per_s:,.0f} tokens/s after setup is {tokens_per_s / reference['tokens_per_s']:.0%} of the "
+        f"{reference['tokens_per_s']:,.0f} tokens/s that the sweep of {reference['created']} measured at "
+        f"--{reference['vary']} {reference['level']} on this model, device and dtype",
+        "something else changed: other work on the device (see device busy and the stage times), the data's "
+        f"lengths, --tokenize-workers or --dtype; run `lengthwise sweep --vary {reference['vary']}` again to "
+        "refresh the figure")
+
+
+# ── a sweep ────────────────────────────────────────────────────────────────────────────
+
+
+def diagnose_sweep(levels: Sequence, recommendation, settings: dict) -> list[Finding]:
+    """Findings for a sweep: its levels (LevelResult or CSV-row dicts), its recommendation
+    (Recommendation or dict) and its settings (as written to OUT.json: vary, rows,
+    sample_token_lengths, memory_budget_bytes, max_length)."""
+    results = sorted((_record(level) for level in levels), key=lambda r: r["level"])
+    chosen = _record(recommendation).get("level")
+    checks = (_sweep_out_of_memory(results, settings), _thin_sample(results, settings),
+              _padding_dominates(results, settings), _knee(results, settings), _latency_tail(results, settings),
+              _memory_nearly_gone(results, chosen, settings))
+    return [finding for finding in checks if finding is not None]
+
+
+def _ok(results: list[dict]) -> list[dict]:
+    return [r for r in results if r["status"] == "ok" and r["rows_per_s"] > 0]
+
+
+def _sweep_out_of_memory(results: list[dict], settings: dict) -> Finding | None:
+    failed = [r for r in results if r["status"] != "ok"]
+    if not failed:
+        return None
+    vary, first = settings["vary"], failed[0]
+    below = [r["level"] for r in _ok(results) if r["level"] < first["level"]]
+    return Finding(
+        "sweep-out-of-memory",
+        f"--{vary} {first['level']} ran out of memory ({first['oom_splits']} batch splits); the sweep stopped there",
+        (f"levels up to {max(below)} fit; " if below else "no level fit; ")
+        + "larger ones need a larger device, a lower --max-length or another --dtype")
+
+
+def _thin_sample(results: list[dict], settings: dict) -> Finding | None:
+    """Padding falling with the level because the sample is smaller than a run's window: the
+    larger levels are measured with more padding than the run will have."""
+    ok, sample_rows = _ok(results), settings.get("rows", 0)
+    window = RunConfig.__dataclass_fields__["window_rows"].default
+    if len(ok) < 2 or sample_rows >= window:
+        return None
+    first, worst = ok[0], min(ok[1:], key=lambda r: r["padding_efficiency"])
+    if worst["padding_efficiency"] >= first["padding_efficiency"] - PADDING_DROP:
+        return None
+    vary, best = settings["vary"], max(ok, key=lambda r: r["rows_per_s"])
+    fell = worst["rows_per_s"] < (1 - THROUGHPUT_DROP) * best["rows_per_s"] and worst["level"] > best["level"]
+    return Finding(
+        "sweep-sample-too-thin",
+        f"padding efficiency falls {first['padding_efficiency']:.3f} → {worst['padding_efficiency']:.3f} from "
+        f"--{vary} {first['level']} to {worst['level']} (rows/s {first['rows_per_s']:,.1f} → "
+        f"{worst['rows_per_s']:,.1f}" + (f", {worst['rows_per_s'] / best['rows_per_s'] - 1:+.0%} from the best "
+                                        f"{best['rows_per_s']:,.1f} at {best['level']}" if fell else "")
+        + f"); the sample has {sample_rows:,} rows",
+        f"--rows {window}: a run packs its batches out of --window-rows ({window}) rows at once, the sweep out of its "
+        f"{sample_rows:,}-row sample, which has too few rows of each length to fill the larger batches; the larger "
+        "levels are measured with more padding than the run will have"
+        + (", so their fall in throughput may be the sample's, not the device's" if fell else ""))
+
+
+def _padding_dominates(results: list[dict], settings: dict) -> Finding | None:
+    """Throughput and padding falling together at the larger levels of a sample as large as
+    a run's window: the padding is real, the larger batches span too many lengths."""
+    ok, sample_rows = _ok(results), settings.get("rows", 0)
+    if len(ok) < 2 or sample_rows < RunConfig.__dataclass_fields__["window_rows"].default:
+        return None
+    best = max(ok, key=lambda r: r["rows_per_s"])
+    fallen = [r for r in ok if r["level"] > best["level"]
+              and r["rows_per_s"] < (1 - THROUGHPUT_DROP) * best["rows_per_s"]
+              and r["padding_efficiency"] < best["padding_efficiency"] - PADDING_DROP]
+    if not fallen:
+        return None
+    worst, vary = min(fallen, key=lambda r: r["padding_efficiency"]), settings["vary"]
+    return Finding(
+        "padding-dominates",
+        f"from --{vary} {best['level']} to {worst['level']} rows/s fall {best['rows_per_s']:,.1f} → "
+        f"{worst['rows_per_s']:,.1f} ({worst['rows_per_s'] / best['rows_per_s'] - 1:+.0%}) while padding "
+        f"efficiency falls {best['padding_efficiency']:.3f} → {worst['padding_efficiency']:.3f}",
+        f"stay at --{vary} {best['level']}, or raise --window-rows in the run so that batches span fewer lengths")
+
+
+def _knee(results: list[dict], settings: dict) -> Finding | None:
+    ok = _ok(results)
+    if len(ok) < 2:
+        return None
+    best = max(ok, key=lambda r: r["rows_per_s"])
+    band = (1 - FLAT_TOLERANCE) * best["rows_per_s"]
+    knee = next(r for r in ok if r["rows_per_s"] >= band)
+    flat = [knee]
+    for result in ok[ok.index(knee) + 1:]:
+        if result["rows_per_s"] < band:
+            break
+        flat.append(result)
+    if len(flat) < 2:
+        return None
+    vary, last = settings["vary"], flat[-1]
+    speeds = [r["rows_per_s"] for r in flat]
+    return Finding(
+        "throughput-flat",
+        f"rows/s stay within {FLAT_TOLERANCE:.0%} of the best ({best['rows_per_s']:,.1f}) from --{vary} "
+        f"{knee['level']} to {last['level']} ({min(speeds):,.1f}–{max(speeds):,.1f}); meanwhile row p99 "
+        f"{knee['row_latency_ms_p99']:,.0f} → {last['row_latency_ms_p99']:,.0f} ms, peak memory "
+        f"{_mib(knee['peak_device_bytes'])} → {_mib(last['peak_device_bytes'])}",
+        f"the device is saturated from --{vary} {knee['level']} (the knee): use it, or the recommendation if it is "
+        "within the band; larger batches buy no throughput, only "
+        + ("latency and memory" if last["row_latency_ms_p99"] > knee["row_latency_ms_p99"] else "memory"))
+
+
+def _latency_tail(results: list[dict], settings: dict) -> Finding | None:
+    tails = [r for r in _ok(results)
+             if r["row_latency_ms_p50"] > 0 and r["row_latency_ms_p99"] > TAIL_RATIO * r["row_latency_ms_p50"]]
+    if not tails:
+        return None
+    worst = max(tails, key=lambda r: r["row_latency_ms_p99"] / r["row_latency_ms_p50"])
+    vary, lengths = settings["vary"], settings.get("sample_token_lengths") or {}
+    evidence = (f"row p99 is over {TAIL_RATIO:g}× p50 at --{vary} {', '.join(str(r['level']) for r in tails)}; "
+                f"worst at {worst['level']}: p99 {worst['row_latency_ms_p99']:,.0f} ms = "
+                f"{worst['row_latency_ms_p99'] / worst['row_latency_ms_p50']:.1f}× p50 "
+                f"{worst['row_latency_ms_p50']:,.0f} ms")
+    evidence += (f" (one batch: p50 {worst['batch_latency_ms_p50']:,.0f} ms, p99 "
+                 f"{worst['batch_latency_ms_p99']:,.0f} ms)")
+    if lengths:
+        evidence += f"; sample token lengths median {lengths['median']:,.0f}, p99 {lengths['p99']:,.0f}"
+    if lengths and lengths["p99"] >= 2 * lengths["median"]:
+        action = (f"long rows: --max-p99-ms picks a level that meets your limit; a lower --max-length (now "
+                  f"{settings.get('max_length')}) caps the longest rows")
+    elif worst["batch_latency_ms_p99"] > TAIL_RATIO * worst["batch_latency_ms_p50"]:
+        action = ("stalls: some batches of rows of similar length took far longer than the rest, so other work "
+                  "shared the device or its host cores; sweep again when the machine is otherwise idle")
+    else:
+        action = ("queueing: rows wait behind earlier batches in the prefetch queue; fewer --prefetch-batches"
+                  + (" or a smaller level" if worst is not _ok(results)[0] else "")
+                  + ", and --max-p99-ms to make the recommendation respect the limit")
+    return Finding("latency-tail", evidence, action)
+
+
+def _memory_nearly_gone(results: list[dict], chosen: int | None, settings: dict) -> Finding | None:
+    budget = settings.get("memory_budget_bytes")
+    picked = next((r for r in results if r["level"] == chosen), None)
+    if picked is None or not budget or 1 - picked["peak_device_bytes"] / budget >= LOW_MEMORY_FREE:
+        return None
+    vary, lengths = settings["vary"], settings.get("sample_token_lengths") or {}
+    smaller = [r["level"] for r in _ok(results) if r["level"] < chosen]
+    free = 1 - picked["peak_device_bytes"] / budget
+    return Finding(
+        "memory-headroom-low",
+        f"at the recommended --{vary} {chosen} the batches peaked at {_mib(picked['peak_device_bytes'])} of the "
+        f"{_mib(budget)} budget: {free:.0%} free",
+        f"rows longer than the sample's (p99 {lengths.get('p99', '?')} tokens) or another process on the device "
+        "will run out of memory: "
+        + (f"use --{vary} {max(smaller)}, or " if smaller else "")
+        + f"sweep with --memory-headroom {LOW_MEMORY_FREE:.2f} to keep more free")
+
+
+def _mib(count: float) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:,.0f} MiB"
+
+
+# ── an online load test ────────────────────────────────────────────────────────────────
+
+LOADTEST_KEYS = ("max_batch_size", "requests", "total_s", "latency_ms_avg", "latency_ms_p50", "latency_ms_p95",
+                 "latency_ms_p99", "latency_ms_max", "qps_achieved", "rejected", "timed_out", "mean_batch_size",
+                 "peak_memory_bytes")
+
+
+def diagnose_loadtest(results: Sequence[dict], offered_qps: float | None = None) -> list[Finding]:
+    """Findings for an online load test: one dict per row with LOADTEST_KEYS and the rate that
+    was offered (`offered_qps` in the row, else the argument)."""
+    rows = []
+    for result in results:
+        missing = [key for key in LOADTEST_KEYS if key not in result]
+        qps = result.get("offered_qps", offered_qps)
+        if missing or qps is None:
+            raise ValueError(f"a load-test row lacks {', '.join(missing) or 'offered_qps'}")
+        rows.append({**result, "offered_qps": float(qps)})
+    checks = (_batches_never_fill, _queue_grows, _rejections, _timeouts, _online_tail)
+    return [finding for check in checks if (finding := check(rows)) is not None]
+
+
+def _at(row: dict) -> str:
+    return f"max batch size {row['max_batch_size']} at {row['offered_qps']:,.1f} qps offered"
+
+
+def _batches_never_fill(rows: list[dict]) -> Finding | None:
+    hit = [r for r in rows if r["mean_batch_size"] < BATCH_FILL_SHARE * r["max_batch_size"]]
+    if not hit:
+        return None
+    worst = min(hit, key=lambda r: r["mean_batch_size"] / r["max_batch_size"])
+    return Finding(
+        "batches-never-fill",
+        "; ".join(f"{_at(r)}: batches average {r['mean_batch_size']:,.1f} rows "
+                  f"({r['mean_batch_size'] / r['max_batch_size']:.0%} full)" for r in hit),
+        "the arrival rate is below the size trigger, so batches leave on the wait timeout: shorten the batch wait, "
+        f"or a max batch size near {math.ceil(worst['mean_batch_size'])} (what fills at "
+        f"{worst['offered_qps']:,.1f} qps); a larger one only adds waiting")
+
+
+def _queue_grows(rows: list[dict]) -> Finding | None:
+    hit = [r for r in rows if r["qps_achieved"] < ACHIEVED_QPS_SHARE * r["offered_qps"]]
+    if not hit:
+        return None
+    full = all(r["mean_batch_size"] >= 0.9 * r["max_batch_size"] for r in hit)
+    return Finding(
+        "queue-grows",
+        "; ".join(f"{_at(r)}: {r['qps_achieved']:,.1f} qps achieved ({r['qps_achieved'] / r['offered_qps']:.0%}), "
+                  f"p99 {r['latency_ms_p99']:,.0f} ms" for r in hit),
+        "the device serves less than is offered, so the queue grows without bound: "
+        + ("batches are full, so a larger max batch size if memory allows, else " if full else "")
+        + "another replica, or admit less (rate limit)")
+
+
+def _rejections(rows: list[dict]) -> Finding | None:
+    hit = [r for r in rows if r["rejected"] > 0]
+    if not hit:
+        return None
+    return Finding(
+        "rejections",
+        "; ".join(f"{_at(r)}: {r['rejected']:,} of {r['requests']:,} requests rejected "
+                  f"({r['rejected'] / max(r['requests'], 1):.1%})" for r in hit),
+        "the queue was full: the offered rate is above capacity; add capacity (a replica, a larger max batch size "
+        "if batches are full); a longer queue only trades rejections for latency")
+
+
+def _timeouts(rows: list[dict]) -> Finding | None:
+    hit = [r for r in rows if r["timed_out"] > 0]
+    if not hit:
+        return None
+    return Finding(
+        "timeouts",
+        "; ".join(f"{_at(r)}: {r['timed_out']:,} of {r['requests']:,} requests timed out, p99 "
+                  f"{r['latency_ms_p99']:,.0f} ms, max {r['latency_ms_max']:,.0f} ms" for r in hit),
+        "requests waited past their timeout: capacity is below the offered rate, or the batch wait plus one "
+        "batch's compute exceeds the timeout; a smaller max batch size shortens each batch")
+
+
+def _online_tail(rows: list[dict]) -> Finding | None:
+    hit = [r for r in rows if r["latency_ms_p50"] > 0 and r["latency_ms_p99"] > TAIL_RATIO * r["latency_ms_p50"]]
+    if not hit:
+        return None
+    return Finding(
+        "latency-tail",
+        "; ".join(f"{_at(r)}: p99 {r['latency_ms_p99']:,.0f} ms = {r['latency_ms_p99'] / r['latency_ms_p50']:.1f}× "
+                  f"p50 {r['latency_ms_p50']:,.0f} ms" for r in hit),
+        "long rows or queueing: cap long rows with --max-length; if the queue grows too (queue-grows), add capacity")
