@@ -207,7 +207,9 @@ def largest_accepted(upper: int, accept: Callable[[int], bool]) -> int:
     return low
 
 
-CORRECTION_AIM = 0.97  # a corrected size aims at this share of the budget: within 3% of the most that fits
+CORRECTION_AIM = 0.82  # a corrected or fitted size aims at this share of the budget: just under CLEAR_SHARE, so
+# that it passes in one round (3 rounds near the budget cost more probe time than the last 15% of rows gain:
+# throughput is flat beyond the sweep's knee, README "Choosing batch settings")
 
 
 def corrected_rows(rows: int, peak_bytes: float, base_bytes: float, available_bytes: float) -> int:
@@ -220,10 +222,11 @@ def corrected_rows(rows: int, peak_bytes: float, base_bytes: float, available_by
     return max(0, math.floor((available_bytes * CORRECTION_AIM - base_bytes) / per_row))
 
 
-VERIFIED_LENGTH_FRACTIONS = (1.0, 0.5, 0.25)  # buckets run at full size: the longest, and those nearest these
-# shares of max_length (the fitting grid's lengths); the rest are covered by a verified bucket or interpolated
-INTERPOLATION_AIM = 0.90  # an interpolated bucket aims at this share of the budget by the fit from the verified
-# (full-size) measurements: between verified lengths that fit is within a few %, and the OOM split stays behind it
+VERIFIED_LENGTH_FRACTIONS = (1.0, 0.5, 0.25, 0.0)  # buckets run at full size: the longest, those nearest half and
+# a quarter of it, and the shortest; every other bucket lies between two of them
+INTERPOLATION_AIM = CORRECTION_AIM  # a bucket between verified ones aims where a verified size does, by the fit
+# through the full-size measurements (between verified lengths it is within a few %; on the CPU a re-measured peak
+# moves by more than that, README "How batch sizes are chosen"; the OOM split stays behind it)
 
 
 def verified_lengths(lengths: Sequence[int]) -> list[int]:
@@ -240,12 +243,14 @@ def plan_buckets(model: MemoryModel, available_bytes: int, safety: float, length
     """Formula rows per bucket, capped by the user's limits and never more for a longer bucket;
     then checked on the device without running every bucket at full size:
 
-    - the longest bucket and those nearest half and a quarter of it run at their planned size
-      (`verify_rows`), unless a bucket already verified has at least as many rows and is at
-      least as long: memory grows with rows and length, so that one covers it;
-    - every other bucket is covered the same way, or else gets the rows that a fit through all
-      full-size measurements (with `fit_measurements`, the small fitting grid) puts at
-      INTERPOLATION_AIM of the budget.
+    - the longest bucket, those nearest half and a quarter of it and the shortest run at full
+      size (`verify_rows`), longest first, each at the size that a fit through the full-size
+      measurements so far (with `fit_measurements`, the small fitting grid) puts at
+      CORRECTION_AIM of the budget, if that is below the formula's — so after the first, most
+      pass in one round — unless a verified bucket at least as long with at least as many rows
+      covers it (memory grows with rows and with length);
+    - every other bucket lies between two verified ones: covered the same way, or given the rows
+      that fit puts at INTERPOLATION_AIM, between the longer and the shorter verified rows.
     """
     planned: dict[int, tuple[int, int]] = {}  # length → (formula rows, planned rows)
     for length in sorted(lengths):
@@ -259,39 +264,47 @@ def plan_buckets(model: MemoryModel, available_bytes: int, safety: float, length
     verified: dict[int, tuple[int, float]] = {}  # length → (rows that passed, their peak)
     large: list[PeakMeasurement] = []
 
-    def covering(length: int, rows: int) -> int | None:
-        return next((other for other, (ok, _) in verified.items() if other >= length and ok >= rows), None)
+    def covering(length: int) -> tuple[int, int | None]:
+        """The most rows of a verified bucket at least as long, and its length."""
+        return max(((ok, other) for other, (ok, _) in verified.items() if other >= length), default=(0, None))
+
+    def current_fit() -> MemoryModel | None:
+        try:
+            return fit_memory_model([*fit_measurements, *large]) if large else None
+        except ValueError:  # degenerate measurements: the small-batch fit it is
+            return None
 
     for length in verified_lengths(lengths):
-        if covering(length, planned[length][1]) is None:
-            rows, peak, tried = verify_rows(planned[length][1], length, model.base_bytes, available_bytes, measure,
-                                            rounds)
-            verified[length] = (rows, peak)
-            large += [PeakMeasurement(r, length, p) for r, p in tried.items() if math.isfinite(p) and p > 0]
-    try:
-        refit = fit_memory_model([*fit_measurements, *large])
-    except ValueError:  # too few or degenerate measurements: the small-batch fit it is
-        refit = model
+        rows = planned[length][1]
+        fit = current_fit()
+        if fit is not None:
+            rows = min(rows, max(1, fit.rows_within(available_bytes * CORRECTION_AIM, 1.0, length)))
+        cover_rows, _ = covering(length)
+        if rows <= cover_rows:
+            continue
+        ok, peak, tried = verify_rows(rows, length, model.base_bytes, available_bytes, measure, rounds)
+        verified[length] = (max(ok, cover_rows), peak if ok >= cover_rows else 0.0)
+        large += [PeakMeasurement(r, length, p) for r, p in tried.items() if math.isfinite(p) and p > 0]
+    refit = current_fit() or model
 
     buckets = []
     for length in sorted(lengths):
         formula_rows, rows = planned[length]
         predicted = model.peak_bytes(max(rows, 1), length)
         if length in verified:
-            rows, peak = verified[length]
-            buckets.append(BucketPlan(length, formula_rows, planned[length][1], rows, predicted, peak))
+            ok, peak = verified[length]
+            buckets.append(BucketPlan(length, formula_rows, rows, ok, predicted, peak))
             continue
-        cover = covering(length, rows)
-        if cover is not None:
+        cover_rows, cover = covering(length)
+        if rows <= cover_rows:
             buckets.append(BucketPlan(length, formula_rows, rows, rows, predicted, 0.0, f"covered by {cover}"))
             continue
-        longer_ok = max((ok for other, (ok, _) in verified.items() if other >= length), default=1)
+        shorter = min(ok for other, (ok, _) in verified.items() if other < length)  # the shortest is verified
         fitted = refit.rows_within(available_bytes * INTERPOLATION_AIM, 1.0, length)
-        rows = max(longer_ok, min(rows, fitted))
-        buckets.append(BucketPlan(length, formula_rows, planned[length][1], rows, refit.peak_bytes(rows, length), 0.0,
-                                  "interpolated"))
-    for shorter, longer in zip(buckets, buckets[1:]):  # never more rows for a longer bucket
-        longer.probed_rows = min(longer.probed_rows, max(shorter.probed_rows, 1))
+        ok = max(cover_rows, min(rows, shorter, fitted))
+        buckets.append(BucketPlan(length, formula_rows, rows, ok, refit.peak_bytes(ok, length), 0.0, "interpolated"))
+    for shorter_bucket, longer_bucket in zip(buckets, buckets[1:]):  # never more rows for a longer bucket
+        longer_bucket.probed_rows = min(longer_bucket.probed_rows, max(shorter_bucket.probed_rows, 1))
     return buckets
 
 
@@ -330,39 +343,45 @@ def verify_rows(planned: int, length: int, base_bytes: float, available_bytes: i
 # ── the probe: runs on the real device (imports torch) ───────────────────────────────────
 
 
-def probe_memory_plan(job, model, device, available_bytes: int, safety: float, max_length: int,
-                      max_batch_rows: int, max_batch_tokens: int | None) -> MemoryPlan:
-    """Fit the memory model from small forward passes of `model`, then verify every bucket."""
-    import time
-
+def forward_peak_bytes(job, model, device, rows: int, length: int) -> float:
+    """Peak bytes of one forward pass of `rows` × `length`; infinite if it ran out of memory.
+    Every row has a padded position, as real batches do, so attention takes the same (masked)
+    kernel."""
     import torch
 
-    from pipeline.device import dtype_name, is_out_of_memory, measure_peak_bytes
+    from pipeline.device import is_out_of_memory, measure_peak_bytes, release_cached_memory
+
+    vocab_size = getattr(model.config, "vocab_size", 1000)
+    input_ids = torch.randint(0, vocab_size, (rows, length), device=device)  # ids do not change memory
+    attention_mask = torch.ones((rows, length), dtype=torch.long, device=device)
+    if length > 1:
+        attention_mask[:, -1] = 0
+
+    def forward() -> None:
+        with torch.inference_mode():
+            job.forward(model, input_ids, attention_mask)
+
+    try:
+        return measure_peak_bytes(forward, device)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+    release_cached_memory(device)
+    return math.inf
+
+
+def probe_memory_plan(job, model, device, available_bytes: int, safety: float, max_length: int,
+                      max_batch_rows: int, max_batch_tokens: int | None) -> MemoryPlan:
+    """Fit the memory model from small forward passes of `model`, then check the buckets
+    (`plan_buckets`)."""
+    import time
+
+    from pipeline.device import dtype_name
 
     started = time.perf_counter()
 
-    vocab_size = getattr(model.config, "vocab_size", 1000)
-
     def measure(rows: int, length: int) -> float:
-        """Peak bytes of one forward pass; infinite if it ran out of memory. Every row has a
-        padded position, as real batches do, so attention takes the same (masked) kernel."""
-        input_ids = torch.randint(0, vocab_size, (rows, length), device=device)  # ids do not change memory
-        attention_mask = torch.ones((rows, length), dtype=torch.long, device=device)
-        if length > 1:
-            attention_mask[:, -1] = 0
-
-        def forward() -> None:
-            with torch.inference_mode():
-                job.forward(model, input_ids, attention_mask)
-
-        try:
-            return measure_peak_bytes(forward, device)
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return math.inf
+        return forward_peak_bytes(job, model, device, rows, length)
 
     measure(1, min(8, max_length))  # the first call pays one-off allocations (thread pools, kernels)
     fit_lengths = sorted({max(1, int(max_length * f)) for f in FIT_LENGTH_FRACTIONS})

@@ -94,7 +94,8 @@ def test_a_row_that_cannot_run_alone_gets_an_error_and_the_run_goes_on(tmp_path,
 
 
 def test_the_probe_shrinks_batches_that_run_out_of_memory_on_the_device(oom_job, tiny_encoder_path):
-    """A device that fails above 5 rows: the probe's binary search lands on 5 for every bucket."""
+    """A device that fails above 8 rows: the probe's search lands on 8 for every bucket it runs,
+    and the buckets between them get no more rows than the shorter verified one."""
     from pipeline.memory import probe_memory_plan
 
     job = oom_job(max_rows=5)
@@ -103,8 +104,10 @@ def test_the_probe_shrinks_batches_that_run_out_of_memory_on_the_device(oom_job,
         probe_memory_plan(job, model, torch.device("cpu"), 2**30, 1.5, 128, 512, None)
     job.max_rows = 8  # the fitting grid (2 and 8 rows) fits; bigger batches do not
     plan = probe_memory_plan(job, model, torch.device("cpu"), 2**30, 1.5, 128, 512, None)
+    measured = [b for b in plan.buckets if b.check == "measured"]
+    assert [b.length for b in measured] == [16, 32, 64, 128] and [b.probed_rows for b in measured] == [8] * 4
     assert [b.probed_rows for b in plan.buckets] == [8] * len(plan.buckets)
-    assert plan.buckets[0].planned_rows > 8  # the formula asked for more; later buckets start from 8
+    assert plan.buckets[0].planned_rows > 8  # the formula asked for more
 
 
 class NonFiniteForSomeRows(EmbedJob):

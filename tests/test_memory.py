@@ -112,7 +112,7 @@ def test_plan_buckets_shrinks_where_the_device_says_no():
     assert by_length[64].probed_rows == by_length[64].planned_rows  # formula was right
     assert by_length[256].probed_rows < by_length[256].planned_rows  # shrunk
     most = largest_accepted(by_length[256].planned_rows, lambda rows: measure(rows, 256) <= GIB)
-    assert 0.95 * most <= by_length[256].probed_rows <= most  # within a few % of the most that fits, never over
+    assert 0.8 * most <= by_length[256].probed_rows <= most  # near the most that fits (CORRECTION_AIM), never over
     assert by_length[256].measured_peak_bytes <= GIB
 
 
@@ -126,8 +126,8 @@ def test_a_size_near_the_budget_needs_three_rounds_and_a_failing_round_ends_the_
 
     [bucket] = plan_buckets(MODEL, GIB, 1.5, [64], max_batch_rows=40, max_batch_tokens=None, measure=measure)
     assert calls[:2] == [40, 40] and 40 not in calls[2:]  # no third round once one is over
-    # next the size 1.5 GiB at 40 rows predicts at 97% of the budget, clearly within: one round
-    assert calls[2:] == [corrected_rows(40, 1.5 * GIB, MIB, GIB)] == [bucket.probed_rows] == [25]
+    # next the size 1.5 GiB at 40 rows predicts at 82% of the budget, clearly within: one round
+    assert calls[2:] == [corrected_rows(40, 1.5 * GIB, MIB, GIB)] == [bucket.probed_rows] == [21]
 
 
 def test_a_corrected_size_that_still_exceeds_falls_back_to_the_binary_search():
@@ -138,7 +138,7 @@ def test_a_corrected_size_that_still_exceeds_falls_back_to_the_binary_search():
         return 1.5 * GIB if rows == 40 else (0.1 * GIB if rows <= 10 else 2 * GIB)
 
     [bucket] = plan_buckets(MODEL, GIB, 1.5, [64], max_batch_rows=40, max_batch_tokens=None, measure=measure)
-    assert bucket.probed_rows == 10 and calls[:2] == [40, 25] and max(calls[2:]) < 25
+    assert bucket.probed_rows == 10 and calls[:2] == [40, 21] and max(calls[2:]) < 21
 
 
 def test_a_size_clearly_within_the_budget_passes_in_one_round_and_one_near_it_in_three():
@@ -232,13 +232,13 @@ def test_memory_bound_buckets_between_the_verified_ones_are_interpolated_within_
     small = [PeakMeasurement(r, n, MODEL.peak_bytes(r, n)) for r in (2, 8) for n in (64, 128, 256)]
     buckets = plan_buckets(MODEL, GIB, 1.0, lengths, max_batch_rows=100_000, max_batch_tokens=None,
                            measure=measure, fit_measurements=small)
-    assert set(measured_lengths) == {256, 128, 64}
+    assert set(measured_lengths) == {256, 128, 64, 32}
     by_check = {b.length: b.check for b in buckets}
-    assert [n for n, check in by_check.items() if check == "measured"] == [64, 128, 256]
-    assert all(by_check[n] == "interpolated" for n in (32, 96, 160, 192, 224))
+    assert [n for n, check in by_check.items() if check == "measured"] == [32, 64, 128, 256]
+    assert all(by_check[n] == "interpolated" for n in (96, 160, 192, 224))
     for bucket in buckets:
         assert device_peak(bucket.probed_rows, bucket.length) <= GIB
         # and not timid: verified ones near CORRECTION_AIM, interpolated ones near INTERPOLATION_AIM
-        assert device_peak(bucket.probed_rows, bucket.length) >= 0.85 * GIB, bucket
+        assert device_peak(bucket.probed_rows, bucket.length) >= 0.75 * GIB, bucket
     rows = [b.probed_rows for b in buckets]
     assert rows == sorted(rows, reverse=True)
