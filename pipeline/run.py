@@ -15,6 +15,7 @@ the device busy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -132,7 +133,7 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     are left out on purpose: they must not change results."""
     return {"job": config.job, "model": model_content_hash(choice.path), "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "prompt": choice.prompt, "id_column": config.id_column,
-            "text_column": config.text_column}
+            "text_column": config.text_column, **choice.job_options}
 
 
 # ── the shard runner: shards in, committed outputs and a summary out ───────────────────
@@ -165,7 +166,8 @@ class ShardRunner:
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
-        writer = WindowWriter(sink, manifest, shards, self._columns_of, times)
+        count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
+        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
         try:

@@ -134,6 +134,7 @@ class ShardSink:
 # ── windows to output rows ───────────────────────────────────────────────────────────────
 
 ColumnsOf = Callable[[dict, np.ndarray, int], dict]  # (outputs, valid, rows) → the job's Arrow columns
+CountFlagged = Callable[[pa.Table], tuple[int, dict]]  # output rows → (rows flagged, flag label → rows)
 
 
 def output_table(block: RowBlock, window: Window, start: int, columns_of: ColumnsOf) -> pa.Table:
@@ -153,9 +154,11 @@ class WindowWriter:
     whole: its temporary file is deleted and nothing of it is committed."""
 
     def __init__(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], columns_of: ColumnsOf,
-                 times: StageTimes):
+                 times: StageTimes, count_flagged: CountFlagged | None = None):
         self.sink, self.manifest, self.shards = sink, manifest, shards
         self.columns_of = columns_of
+        self.count_flagged = count_flagged
+        self.flagged: dict[int, list] = {}  # shard index → [rows flagged, {label: rows}]
         self.times = times
         self.failures: dict[int, str] = {}  # shard index → why it failed
         self.counts: dict[int, np.ndarray] = {}  # shard index → rows, error rows, truncated rows written
@@ -173,7 +176,10 @@ class WindowWriter:
             if block.shard_index in self.failures:
                 continue
             shard = self.shards[block.shard_index]
-            self.sink.write(block.shard_index, shard, output_table(block, window, positions.start, self.columns_of))
+            table = output_table(block, window, positions.start, self.columns_of)
+            self.sink.write(block.shard_index, shard, table)
+            if self.count_flagged is not None:
+                self._add_flagged(block.shard_index, *self.count_flagged(table))
             if block.is_last_of_shard:
                 try:
                     self.sink.commit(block.shard_index)
@@ -189,6 +195,12 @@ class WindowWriter:
             counts += (block.num_rows, (~valid).sum(), (window.encoded.truncated[positions] & valid).sum())
         self.times.write += time.perf_counter() - started
 
+    def _add_flagged(self, shard_index: int, rows: int, by_label: dict) -> None:
+        counts = self.flagged.setdefault(shard_index, [0, dict.fromkeys(by_label, 0)])
+        counts[0] += rows
+        for label, hits in by_label.items():
+            counts[1][label] += hits
+
     def finish(self, summary: RunSummary) -> None:
         """Drop shards left open (a failure, --fail-fast, an interrupt), mark failed shards
         failed, and put rows, errors, truncations and duplicate ids into `summary`."""
@@ -199,6 +211,11 @@ class WindowWriter:
             summary.failed_shards.append({"shard": shard.url, "error": reason})
         written = sum((c for i, c in self.counts.items() if i in self.sink.committed), np.zeros(3, np.int64))
         summary.rows, summary.error_rows, summary.truncated_rows = (int(n) for n in written)
+        if self.count_flagged is not None:
+            committed = [self.flagged[i] for i in self.sink.committed if i in self.flagged]
+            summary.flagged_rows = sum(rows for rows, _ in committed)
+            summary.flagged_by_label = {label: sum(by_label[label] for _, by_label in committed)
+                                        for label in (committed[0][1] if committed else {})}
         summary.duplicate_ids, summary.duplicate_id_examples = self.ids.duplicates(self.sink.fs,
                                                                                    self.sink.committed.values())
 
