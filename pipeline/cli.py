@@ -289,6 +289,10 @@ def cli() -> None:
 @_option("--output", env="OUTPUT", help="Output directory (local or fsspec URL): one Parquet file per shard.")
 @_apply(MODEL_OPTIONS)
 @_apply(INPUT_OPTIONS)
+@_option("--keep-columns", env="KEEP_COLUMNS", type=NameList(), default=None,
+         help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
+@_option("--split", env="SPLIT", default=None,
+         help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
 @_apply(BATCH_OPTIONS)
 @_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
          help="Size batches by the memory plan (cached, or probed on the device first).")
@@ -326,7 +330,7 @@ def cli() -> None:
 @_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
          help="Also write the run summary to this JSON file.")
 @_apply(LOG_OPTIONS)
-def run(inputs, output, model, storage_option, no_plan_cache, thresholds, **settings) -> None:
+def run(inputs, output, model, storage_option, no_plan_cache, thresholds, keep_columns, **settings) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
     if not inputs:
         _fail("no input; set --input (or `input` in the --config file)")
@@ -335,7 +339,8 @@ def run(inputs, output, model, storage_option, no_plan_cache, thresholds, **sett
     try:
         config = RunConfig(input=tuple(inputs), output=output, model=_model_or_default(model),
                            storage_options=_parse_storage_options(storage_option),
-                           thresholds=_parse_thresholds(thresholds), use_plan_cache=not no_plan_cache, **settings)
+                           thresholds=_parse_thresholds(thresholds), keep_columns=keep_columns or (),
+                           use_plan_cache=not no_plan_cache, **settings)
         if config.engine == "ray":
             if config.num_shards > 1:
                 raise UsageError("--engine ray hands out the shards itself; drop --num-shards")

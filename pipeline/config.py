@@ -30,6 +30,8 @@ class RunConfig:
     prompt_name: str | None = None  # a prompt of the model folder by name; default: its default_prompt_name
     id_column: str = "id"
     text_column: str = "text"
+    keep_columns: tuple[str, ...] = ()  # input columns copied to the output unchanged, after `id`
+    split: str | None = None  # the split of a `datasets` DatasetDict folder given as --input
     thresholds: dict = field(default_factory=dict)  # moderate: label → score at or above which it flags
     default_threshold: float = 0.5  # moderate: the threshold of flag labels not in `thresholds`
     flag_labels: tuple[str, ...] | None = None  # moderate: labels that can flag; None = all (sigmoid models)

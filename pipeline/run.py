@@ -68,7 +68,8 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, engine) -> RunSummary:
     claim the output, let `engine(config, choice, todo, sink, manifest, summary, started)` run
     the pending shards, then record this worker's summary."""
     started = time.perf_counter()
-    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot)
+    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot,
+                         config.keep_columns, config.split)
     if slot.count > 1:
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.storage_options)
@@ -133,7 +134,8 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     are left out on purpose: they must not change results."""
     return {"job": config.job, "model": model_content_hash(choice.path), "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "prompt": choice.prompt, "id_column": config.id_column,
-            "text_column": config.text_column, **choice.job_options}
+            "text_column": config.text_column, **choice.job_options,
+            **({"keep_columns": list(config.keep_columns)} if config.keep_columns else {})}
 
 
 # ── the shard runner: shards in, committed outputs and a summary out ───────────────────
@@ -155,6 +157,7 @@ class ShardRunner:
         self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
                                     loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
+        check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names)
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             started: float) -> None:
@@ -173,7 +176,7 @@ class ShardRunner:
         try:
             with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
                 blocks = timed(read_blocks(shards, config.id_column, config.text_column, config.window_rows,
-                                           config.storage_options), times, "read")
+                                           config.storage_options, config.keep_columns), times, "read")
                 windows = tokenize_windows(pool, group_into_windows(blocks, config.window_rows), times)
                 feeder = DeviceFeeder(device)
                 work = batches_of(windows, config, self.limits, loaded.tokenizer.pad_token_id, feeder, times)
@@ -219,6 +222,14 @@ class ShardRunner:
             return job.to_columns(model, outputs, valid)
         # no row of this window could run
         return {f.name: pa.nulls(rows, f.type) for f in job.output_schema(model)}
+
+
+def check_kept_columns(keep_columns, job_columns: list[str]) -> None:
+    """Kept input columns must not take a name the output already has."""
+    taken = [name for name in keep_columns if name in ("id", *job_columns, "truncated", "error")]
+    if taken:
+        raise UsageError(f"--keep-columns {', '.join(taken)}: the output already has a column of that name "
+                         f"(id, {', '.join(job_columns)}, truncated, error); rename it in the input")
 
 
 def finite_rows(outputs: dict[str, np.ndarray]) -> np.ndarray:

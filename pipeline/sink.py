@@ -138,11 +138,12 @@ CountFlagged = Callable[[pa.Table], tuple[int, dict]]  # output rows → (rows f
 
 
 def output_table(block: RowBlock, window: Window, start: int, columns_of: ColumnsOf) -> pa.Table:
-    """The output rows of one block: id, the job's columns, truncated, error — in input order."""
+    """The output rows of one block: id, the kept input columns, the job's columns, truncated,
+    error — in input order."""
     positions = slice(start, start + block.num_rows)
     valid = window.valid[positions]
     columns = columns_of({k: v[positions] for k, v in window.outputs.items()}, valid, block.num_rows)
-    columns = {"id": block.ids, **columns,
+    columns = {"id": block.ids, **block.kept, **columns,
                "truncated": pa.array(window.encoded.truncated[positions] & valid, pa.bool_()),
                "error": pa.array(window.encoded.errors[positions], pa.string())}
     return pa.table(columns)
@@ -222,7 +223,14 @@ class WindowWriter:
 
 # ── the run manifest: what is done, what failed, under which settings ─────────────────────
 
-MANIFEST_DIR = "_lengthwise"
+MANIFEST_DIR = ".lengthwise"  # hidden: readers of the output folder (datasets, pyarrow, Spark) skip it
+LEGACY_MANIFEST_DIR = "_lengthwise"  # where outputs made before the rename keep theirs
+
+
+def manifest_root(fs: fsspec.AbstractFileSystem, output_dir: str) -> str:
+    """The output's manifest folder: the legacy one if an earlier run recorded there, so it resumes."""
+    legacy = f"{output_dir}/{LEGACY_MANIFEST_DIR}"
+    return legacy if fs.exists(f"{legacy}/run.json") else f"{output_dir}/{MANIFEST_DIR}"
 
 
 def pending(shard_stems: list[str], done_stems: set[str]) -> list[str]:
@@ -237,7 +245,7 @@ def fingerprint_differences(recorded: dict, current: dict) -> list[str]:
 
 
 class RunManifest:
-    """`OUTPUT/_lengthwise/`: run.json (resolved config and the fingerprint of everything that
+    """`OUTPUT/.lengthwise/`: run.json (resolved config and the fingerprint of everything that
     changes outputs), shards/<stem>.json (one marker per finished or failed shard, written
     after the shard's output is committed), the lock of each running worker (`lock` for a
     single worker, `lock-worker-I-of-N` for worker I of N: host and pid) and workers/I-of-N.json
@@ -245,7 +253,7 @@ class RunManifest:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str):
         self.fs = fs
-        self.root = f"{output_dir}/{MANIFEST_DIR}"
+        self.root = manifest_root(fs, output_dir)
         self.fs.makedirs(f"{self.root}/shards", exist_ok=True)
 
     def _write_json(self, path: str, data: dict) -> None:
@@ -391,7 +399,7 @@ def run_status(output: str, storage_options: dict) -> dict:
     """Shards done, failed and pending for the run recorded in `output`, overall and per
     worker, without a model: reads the manifest and the input listing (footers)."""
     sink_fs, output_dir = fsspec.core.url_to_fs(output, **storage_options)
-    if not sink_fs.exists(f"{output_dir.rstrip('/')}/{MANIFEST_DIR}/run.json"):
+    if not sink_fs.exists(f"{manifest_root(sink_fs, output_dir.rstrip('/'))}/run.json"):
         raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
     manifest = RunManifest(sink_fs, output_dir.rstrip("/"))
     recorded = manifest.read_run()
@@ -399,7 +407,7 @@ def run_status(output: str, storage_options: dict) -> dict:
     config = recorded["config"]
     recorded_options = {k: v for k, v in config.get("storage_options", {}).items() if v != "<redacted>"}
     shards = list_shards(config["input"], config["id_column"], config["text_column"],
-                         {**recorded_options, **storage_options})
+                         {**recorded_options, **storage_options}, split=config.get("split"))
     by_stem = {shard.stem: shard for shard in shards}
     status_of = {stem: markers.get(stem, {}).get("status", "pending") for stem in by_stem}
     locks = manifest.read_locks()

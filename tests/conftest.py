@@ -112,7 +112,7 @@ def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, di
     files = sorted(output.glob("*.parquet"))
     assert [f.stem for f in files] == [f"part-{i:05d}" for i in range(len(sizes))]
     assert [pq.read_metadata(f).num_rows for f in files] == sizes
-    assert not list(output.glob(".*")), "a temporary file was left behind"
+    assert not list(output.glob(".*.tmp")), "a temporary file was left behind"
     return pa.concat_tables(pq.read_table(f) for f in files), json.loads(summary.to_json())
 
 

@@ -133,7 +133,7 @@ def test_a_softmax_model_flags_only_its_flag_labels(tmp_path, rows, tiny_classif
 
 def test_other_thresholds_are_refused_on_the_same_output_unless_overwrite(tmp_path, rows, tiny_multilabel_path):
     first, _ = moderate(tmp_path, rows, model=tiny_multilabel_path, thresholds={"toxic": 0.2})
-    recorded = json.loads((tmp_path / "out" / "_lengthwise" / "run.json").read_text())
+    recorded = json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())
     assert recorded["fingerprint"]["thresholds"] == {"toxic": 0.2, "insult": 0.5, "threat": 0.5}
     _, resumed = moderate(tmp_path, rows, model=tiny_multilabel_path, thresholds={"toxic": 0.2})
     assert resumed["shards_done_before"] == 2 and resumed["rows"] == 0
