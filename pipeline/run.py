@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -53,8 +54,19 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
     Raises UsageError on bad settings (nothing written). A shard that fails is recorded in
     the summary and the manifest and the others go on; the caller decides the exit code.
     """
+    refuse_while_a_worker_starts()
     slot = resolve_worker_slot(config.num_shards, config.shard_index, environ)
     return run_claimed(config, slot, run_here)
+
+
+def refuse_while_a_worker_starts() -> None:
+    """A spawned tokenizer worker re-runs the main script while it starts; if that script
+    calls lengthwise without a main guard, stop here (before any lock, model or output is
+    touched) with what to do, instead of starting a run inside the worker."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError("lengthwise was called while a tokenizer worker process was starting: the script that "
+                           "calls it has no `if __name__ == \"__main__\":` guard, so each worker runs it again. "
+                           "Put the call under that guard, or set tokenize_workers=0")
 
 
 def run_here(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,
