@@ -51,7 +51,7 @@ def targets(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return target, known
 
 
-@torch.inference_mode()
+@torch.no_grad()  # plain tensors: the head trains on them
 def pooled_features(model, tokenizer, texts: list[str], max_length: int, batch_rows: int = 128) -> torch.Tensor:
     """The BERT pooler output the classifier head reads, longest rows first."""
     order = np.argsort([-len(t) for t in texts], kind="stable")

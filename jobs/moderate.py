@@ -32,7 +32,7 @@ def resolve_thresholds(labels: tuple[str, ...], sigmoid: bool, thresholds: dict[
                        default_threshold: float, flag_labels: tuple[str, ...] | None) -> dict[str, float]:
     """Flag label → threshold, in the model's label order: what decides `flagged`.
 
-    `flag_labels` None means every label of a sigmoid model; a softmax model's labels share one
+    No `flag_labels` means every label of a sigmoid model; a softmax model's labels share one
     distribution (one of them is usually `normal`), so it must name them."""
     known = f"the model's labels: {', '.join(labels)}"
     for flag, names in (("--threshold", thresholds), ("--flag-labels", flag_labels or ())):
@@ -42,7 +42,7 @@ def resolve_thresholds(labels: tuple[str, ...], sigmoid: bool, thresholds: dict[
     for name, value in {**thresholds, "--default-threshold": default_threshold}.items():
         if not 0.0 <= value <= 1.0:
             raise UsageError(f"threshold {name}={value} is outside 0…1 (scores are probabilities)")
-    if flag_labels is None and not sigmoid:
+    if not flag_labels and not sigmoid:
         raise UsageError(f"a single-label (softmax) model needs --flag-labels: which labels count as flagged, "
                          f"e.g. all but the harmless one; {known}")
     flagging = set(flag_labels or labels)

@@ -53,7 +53,7 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
                 raise click.BadParameter(f"{path}: [thresholds] must be a table of label = score",
                                          ctx=ctx, param=param)
             if "threshold" in known:
-                defaults["thresholds"] = [f"{label}={score}" for label, score in value.items()]
+                defaults["threshold"] = [f"{label}={score}" for label, score in value.items()]
             continue
         if name not in known:
             if name in other_commands:  # e.g. `output` of a run's file, read by `sweep --config`
@@ -174,8 +174,9 @@ class NameList(click.ParamType):
     name = "NAME,NAME,…"
 
     def convert(self, value, param, ctx):
-        names = tuple(value) if isinstance(value, (list, tuple)) else tuple(
-            part.strip() for part in str(value).split(",") if part.strip())
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        names = tuple(part.strip() for part in str(value).split(",") if part.strip())
         if not names:
             self.fail(f"{value!r} names nothing; give comma-separated names", param, ctx)
         return names
@@ -289,7 +290,7 @@ def cli() -> None:
 @_option("--output", env="OUTPUT", help="Output directory (local or fsspec URL): one Parquet file per shard.")
 @_apply(MODEL_OPTIONS)
 @_apply(INPUT_OPTIONS)
-@_option("--keep-columns", env="KEEP_COLUMNS", type=NameList(), default=None,
+@_option("--keep-columns", env="KEEP_COLUMNS", type=NameList(), default=_default("keep_columns"),
          help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
 @_option("--split", env="SPLIT", default=None,
          help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
@@ -298,7 +299,7 @@ def cli() -> None:
          help="Size batches by the memory plan (cached, or probed on the device first).")
 @_option("--window-rows", env="WINDOW_ROWS", type=click.IntRange(1), default=_default("window_rows"),
          show_default=True, help="Rows sorted and packed together; bounds the rows in flight.")
-@_option("--threshold", "thresholds", env="THRESHOLD", multiple=True,
+@_option("--threshold", env="THRESHOLD", multiple=True,
          help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
               "--config file a [thresholds] table.")
 @_option("--default-threshold", env="DEFAULT_THRESHOLD", type=click.FloatRange(0, 1),
@@ -330,38 +331,50 @@ def cli() -> None:
 @_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
          help="Also write the run summary to this JSON file.")
 @_apply(LOG_OPTIONS)
-def run(inputs, output, model, storage_option, no_plan_cache, thresholds, keep_columns, **settings) -> None:
+def run(**options) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
-    if not inputs:
-        _fail("no input; set --input (or `input` in the --config file)")
-    if not output:
-        _fail("no output directory; set --output (or `output` in the --config file)")
     try:
-        config = RunConfig(input=tuple(inputs), output=output, model=_model_or_default(model),
-                           storage_options=_parse_storage_options(storage_option),
-                           thresholds=_parse_thresholds(thresholds), keep_columns=keep_columns or (),
-                           use_plan_cache=not no_plan_cache, **settings)
-        if config.engine == "ray":
-            if config.num_shards > 1:
-                raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
-            from pipeline.ray_engine import run_on_ray
-
-            summary = run_on_ray(config)
-        else:
-            from pipeline.run import run_job
-
-            summary = run_job(config)
+        config = run_config(**options)
+        summary = execute_run(config)
     except UsageError as error:
         _fail(str(error))
     click.echo(summary.to_text())
     if config.summary_json:
-        Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.summary_json).write_text(summary.to_json() + "\n")
         click.echo(f"summary json    {config.summary_json}")
     if summary.failed_shards:
         click.echo(f"error: {len(summary.failed_shards)} shard(s) failed (listed above); the others are committed. "
                    "Rerun the same command to retry them.", err=True)
         sys.exit(EXIT_SHARDS_FAILED)
+
+
+def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, keep_columns,
+               **settings) -> RunConfig:
+    """The RunConfig of `run`'s parsed options (the CLI's and `pipeline.api.run`'s)."""
+    if not inputs:
+        raise UsageError("no input; set --input (or `input` in the --config file)")
+    if not output:
+        raise UsageError("no output directory; set --output (or `output` in the --config file)")
+    return RunConfig(input=tuple(inputs), output=output, model=_model_or_default(model),
+                     storage_options=_parse_storage_options(storage_option), thresholds=_parse_thresholds(threshold),
+                     keep_columns=keep_columns, use_plan_cache=not no_plan_cache, **settings)
+
+
+def execute_run(config: RunConfig):
+    """Run `config` on its engine and write --summary-json; the RunSummary."""
+    if config.engine == "ray":
+        if config.num_shards > 1:
+            raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
+        from pipeline.ray_engine import run_on_ray
+
+        summary = run_on_ray(config)
+    else:
+        from pipeline.run import run_job
+
+        summary = run_job(config)
+    if config.summary_json:
+        Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.summary_json).write_text(summary.to_json() + "\n")
+    return summary
 
 
 def _model_or_default(model: str | None) -> str | None:

@@ -225,7 +225,8 @@ class TokenizerPool:
             if broken or dead or late:
                 self.close()
                 what = f"did not start in {timeout_s:.0f}s" if late else \
-                    f"exited while starting (exit code {dead[0] if dead else 'unknown'})"
+                    f"exited while starting (exit code {dead[0] if dead else 'unknown'}, " \
+                    f"after {time.monotonic() - started:.1f}s)"
                 raise WorkerStartError(
                     f"a tokenizer worker process {what}. Workers are started with spawn, which runs the main script "
                     f"again in each of them: a script that calls lengthwise must do so under "
