@@ -76,8 +76,8 @@ def accuracy(logits: torch.Tensor, target: np.ndarray, known: np.ndarray) -> dic
         rows = known[:, column] == 1
         truth, guess = target[rows, column], predicted[rows, column]
         true_positive = float((truth * guess).sum())
-        precision = true_positive / max(guess.sum(), 1)
-        recall = true_positive / max(truth.sum(), 1)
+        precision = true_positive / max(float(guess.sum()), 1.0)
+        recall = true_positive / max(float(truth.sum()), 1.0)
         report[label] = {"rows": int(rows.sum()), "accuracy": round(float((truth == guess).mean()), 3),
                          "precision": round(precision, 3), "recall": round(recall, 3),
                          "f1": round(2 * precision * recall / max(precision + recall, 1e-9), 3)}
@@ -125,7 +125,7 @@ def main() -> None:
         shutil.copy(Path(base) / name, out / name)
     report.update(base=base, train_rows=train.num_rows, test_rows=test.num_rows, max_length=args.max_length,
                   steps=args.steps, features_s=round(features_s, 1), train_s=round(train_s, 1),
-                  final_loss=round(float(loss), 4), torch_threads=torch.get_num_threads())
+                  final_loss=round(float(loss.detach()), 4), torch_threads=torch.get_num_threads())
     print(json.dumps(report, indent=2))
     results = Path(__file__).parent / "results" / "tweet_moderation_head.json"
     results.write_text(json.dumps(report, indent=2) + "\n")

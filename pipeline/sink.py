@@ -11,6 +11,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -31,9 +32,17 @@ from pipeline.windows import Window
 log = logging.getLogger(__name__)
 
 
-def temporary_stem(name: str) -> str:
-    """The shard stem of a temporary output name `.STEM.parquet.ATTEMPT.tmp`."""
-    return name[1:name.rindex(".parquet.")]
+def temporary_stem(relative: str) -> str:
+    """The shard stem of a temporary output `[DIR/].NAME.parquet.ATTEMPT.tmp` (path below the output)."""
+    folder, _, name = relative.rpartition("/")
+    return f"{folder}/" * bool(folder) + name[1:name.rindex(".parquet.")]
+
+
+def output_paths(output_dir: str, stem: str) -> tuple[str, str]:
+    """The final and a new temporary path of a shard's output; a stem `dt=X/part-0` (an input's
+    path below its root) mirrors its folders under the output."""
+    folder, _, name = f"{output_dir}/{stem}".rpartition("/")
+    return f"{folder}/{name}.parquet", f"{folder}/.{name}.parquet.{uuid.uuid4().hex[:12]}.tmp"
 
 
 class ShardWriter:
@@ -42,14 +51,14 @@ class ShardWriter:
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str, shard: Shard):
         self.fs = fs
         self.shard = shard
-        self.final_path = f"{output_dir}/{shard.stem}.parquet"
-        self.temp_path = f"{output_dir}/.{shard.stem}.parquet.{uuid.uuid4().hex[:12]}.tmp"
+        self.final_path, self.temp_path = output_paths(output_dir, shard.stem)
         self.rows_written = 0
         self._file = None
         self._writer = None
 
     def write(self, table: pa.Table) -> None:
         if self._writer is None:
+            self.fs.makedirs(self.temp_path.rpartition("/")[0], exist_ok=True)  # a partition's folder
             self._file = self.fs.open(self.temp_path, "wb")
             self._writer = pq.ParquetWriter(self._file, table.schema, compression="zstd")
         self._writer.write_table(table)
@@ -77,6 +86,9 @@ class ShardWriter:
                 self._writer = None
                 if self.fs.exists(self.temp_path):
                     self.fs.rm(self.temp_path)
+
+
+TEMPORARY_NAME = re.compile(r"\..+\.parquet\.[0-9a-f]{12}\.tmp")
 
 
 class ShardSink:
@@ -112,8 +124,9 @@ class ShardSink:
         """Delete temporary outputs a killed attempt left behind for these shards (call under
         the lock of the worker that owns them: another worker's live files are never touched)."""
         mine = set(stems)
-        stale = [path for path in self.fs.glob(f"{self.output_dir}/.*.parquet.*.tmp")
-                 if temporary_stem(path.rsplit("/", 1)[-1]) in mine]
+        temporaries = [path[len(self.output_dir) + 1:] for path in self.fs.find(self.output_dir)
+                       if TEMPORARY_NAME.fullmatch(path.rsplit("/", 1)[-1])]
+        stale = [f"{self.output_dir}/{path}" for path in temporaries if temporary_stem(path) in mine]
         for path in stale:
             self.fs.rm(path)
         return len(stale)
@@ -121,7 +134,7 @@ class ShardSink:
     def remove_outputs(self, stems: list[str]) -> None:
         """Delete these shards' committed outputs (for --overwrite: nothing old stays visible)."""
         for stem in stems:
-            path = f"{self.output_dir}/{stem}.parquet"
+            path = output_paths(self.output_dir, stem)[0]
             if self.fs.exists(path):
                 self.fs.rm(path)
 
@@ -259,6 +272,7 @@ class RunManifest:
     def _write_json(self, path: str, data: dict) -> None:
         def write() -> None:
             temp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+            self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)  # shards/dt=X/ for a partitioned input
             with self.fs.open(temp, "w") as f:
                 f.write(json.dumps(data, indent=2, default=str) + "\n")
             self.fs.mv(temp, path)
@@ -295,7 +309,7 @@ class RunManifest:
 
     def shard_markers(self) -> dict[str, dict]:
         markers = {}
-        for path in self.fs.glob(f"{self.root}/shards/*.json"):
+        for path in [p for p in self.fs.find(f"{self.root}/shards") if p.endswith(".json")]:
             marker = self._read_json(path)
             if marker is not None:
                 markers[marker["shard"]] = marker

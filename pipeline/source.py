@@ -52,24 +52,29 @@ class RowBlock:
         return len(self.ids)
 
 
-def _expand(pattern: str, storage_options: dict, split: str | None = None) -> list[str]:
-    """URLs of the Parquet files a directory, glob or file names (or the Arrow files of a
-    `datasets` folder), with their protocol kept."""
+def _expand(pattern: str, storage_options: dict, split: str | None = None) -> dict[str, str]:
+    """URL → path relative to the input's root, for the Parquet files a directory, glob or file
+    names (or the Arrow files of a `datasets` folder), URLs with their protocol kept. The root
+    is the directory, a glob's folder before its first wildcard, or a file's own folder."""
     return retry_transient(lambda: _expand_once(pattern, storage_options, split), f"listing {pattern}",
                            log=log.warning)
 
 
-def _expand_once(pattern: str, storage_options: dict, split: str | None) -> list[str]:
+def _expand_once(pattern: str, storage_options: dict, split: str | None) -> dict[str, str]:
     try:
         fs, path = fsspec.core.url_to_fs(pattern, **storage_options)
+        root = path.rstrip("/")
         if any(ch in path for ch in GLOB_CHARACTERS):
+            root = path[:min(path.index(ch) for ch in GLOB_CHARACTERS if ch in path)].rsplit("/", 1)[0]
             paths = [p for p in fs.glob(path) if not fs.isdir(p)]
         elif fs.isdir(path) and (fs.exists(f"{path}/state.json") or fs.exists(f"{path}/dataset_dict.json")):
-            paths = _saved_dataset_files(fs, path.rstrip("/"), pattern, split)
+            paths = _saved_dataset_files(fs, root, pattern, split)
+            root = paths[0].rsplit("/", 1)[0] if paths else root
         elif fs.isdir(path):
             paths = [p for p in fs.find(path) if p.endswith(".parquet")
-                     and not any(part.startswith(("_", ".")) for part in p[len(path.rstrip("/")):].split("/"))]
+                     and not any(part.startswith(("_", ".")) for part in p[len(root):].split("/"))]
         elif fs.exists(path):
+            root = root.rsplit("/", 1)[0]
             paths = [path]
         else:
             raise UsageError(f"input {pattern!r} does not exist; check --input")
@@ -79,7 +84,12 @@ def _expand_once(pattern: str, storage_options: dict, split: str | None) -> list
         raise UsageError(f"cannot list input {pattern!r}: {error}; check --input and --storage-option") from error
     if split is not None and not any(p.endswith(ARROW_SUFFIX) for p in paths):
         raise UsageError(f"--split {split} is for a `datasets` DatasetDict folder; {pattern!r} is not one")
-    return sorted(fs.unstrip_protocol(p) for p in paths)
+    return {fs.unstrip_protocol(p): relative_name(p, root) for p in sorted(paths)}
+
+
+def relative_name(path: str, root: str) -> str:
+    """`path` below `root` (`dt=2026-11-29/part-00000.parquet`), else its file name."""
+    return path[len(root) + 1:] if root and path.startswith(root + "/") else path.rsplit("/", 1)[-1]
 
 
 ARROW_SUFFIX = ".arrow"
@@ -101,12 +111,17 @@ def _saved_dataset_files(fs, path: str, pattern: str, split: str | None) -> list
         return [f"{path}/{item['filename']}" for item in json.load(f)["_data_files"]]
 
 
-def _stem(url: str) -> str:
-    name = url.rstrip("/").rsplit("/", 1)[-1]
+def output_stem(relative: str) -> str:
+    """The output's name under --output: the input's path below its root, without the suffix."""
     for suffix in (".parquet", ARROW_SUFFIX):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
+        if relative.endswith(suffix):
+            return relative[: -len(suffix)]
+    return relative
+
+
+def partition_values(stem: str) -> dict[str, str]:
+    """Hive partition values of a shard's folders: `dt=2026-11-29/part-0` → {"dt": "2026-11-29"}."""
+    return dict(part.split("=", 1) for part in stem.split("/")[:-1] if "=" in part)
 
 
 
@@ -172,25 +187,27 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
     `keep_columns`, it is a usage error naming the flag to change.
     """
     storage_options = storage_options or {}
-    urls: list[str] = []
+    relative: dict[str, str] = {}  # url → its path below its input's root
     for pattern in inputs:
         found = _expand(pattern, storage_options, split)
         if not found:
             raise UsageError(f"input {pattern!r} matches no Parquet files; check --input")
-        urls.extend(u for u in found if u not in urls)
-    stems: dict[str, str] = {}
+        relative.update((url, name) for url, name in found.items() if url not in relative)
+    urls = list(relative)
+    stem_of: dict[str, str] = {}
+    url_of: dict[str, str] = {}
     for url in urls:
-        stem = _stem(url)
-        if stem in ("", ".", ".."):
+        stem = output_stem(relative[url])
+        if any(part in ("", ".", "..") for part in stem.split("/")):
             raise UsageError(f"input {url} has no usable file name for its output; rename it")
-        if stem in stems:
-            raise UsageError(f"shards {stems[stem]} and {url} would both write {stem}.parquet; "
+        if stem in url_of:
+            raise UsageError(f"shards {url_of[stem]} and {url} would both write {stem}.parquet; "
                              "give --input files with distinct names")
-        stems[stem] = url
+        stem_of[url], url_of[stem] = stem, url
     mine = slot_of(urls, slot)
     if not mine:
         return []
-    shards = [_inspect_shard(url, _stem(url), id_column, text_column, storage_options, keep_columns)
+    shards = [_inspect_shard(url, stem_of[url], id_column, text_column, storage_options, keep_columns)
               for url in mine]
     problems = [shard.problem for shard in shards if shard.problem]
     if len(problems) == len(shards):
@@ -215,10 +232,12 @@ def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storag
     except (pa.ArrowInvalid, OSError) as error:
         kind = "an Arrow stream" if url.endswith(ARROW_SUFFIX) else "Parquet"
         return Shard(url, stem, 0, f"cannot read {url} as {kind} ({error}); check --input")
-    missing = [column for column in keep_columns if column not in schema.names]
+    missing = [column for column in keep_columns if column not in schema.names
+               and column not in partition_values(stem)]
     if missing:
         raise UsageError(f"shard {url} has no column {', '.join(map(repr, missing))} to keep (its columns: "
-                         f"{', '.join(schema.names)}); check --keep-columns")
+                         f"{', '.join(schema.names)}{''.join(f', {k} (partition)' for k in partition_values(stem))}"
+                         "); check --keep-columns")
     for column, flag in ((id_column, "--id-column"), (text_column, "--text-column")):
         if column not in schema.names:
             return Shard(url, stem, num_rows, f"shard {url} has no column {column!r} (columns: "
@@ -260,12 +279,15 @@ def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str
                 storage_options: dict, keep_columns: Sequence[str] = ()) -> Iterator[RowBlock]:
     first_row = 0
     pending = None
-    columns = list(dict.fromkeys([id_column, text_column, *keep_columns]))
+    partition = partition_values(shard.stem)  # a kept partition key comes from the path, as hive readers do
+    columns = list(dict.fromkeys([id_column, text_column, *(c for c in keep_columns if c not in partition)]))
     for record_batch in _record_batches(shard.url, columns, block_rows, storage_options):
         if pending is not None:
             yield pending
+        kept = {name: pa.array([partition[name]] * record_batch.num_rows, pa.string()) if name in partition
+                else record_batch.column(name) for name in keep_columns}
         pending = RowBlock(shard_index, first_row, record_batch.column(id_column), record_batch.column(text_column),
-                           False, kept={name: record_batch.column(name) for name in keep_columns})
+                           False, kept=kept)
         first_row += record_batch.num_rows
     if first_row != shard.num_rows:
         raise ShardError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")

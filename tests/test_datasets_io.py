@@ -105,3 +105,16 @@ def test_the_output_folder_loads_with_datasets_as_exactly_the_input_rows(tmp_pat
     assert loaded["train"]["id"] == labelled["id"].to_pylist()
     assert loaded["train"]["label"] == labelled["label"].to_pylist()
     assert pq.read_table(tmp_path / "out")["id"].to_pylist() == labelled["id"].to_pylist()  # pyarrow too
+
+
+def test_an_output_recorded_in_the_old_manifest_folder_resumes_from_it(tmp_path, labelled, tiny_encoder_path):
+    write_shards(tmp_path / "in", labelled, [45, 45])
+    first = run_cli("--input", tmp_path / "in", "--output", tmp_path / "out", "--model", tiny_encoder_path)
+    assert first.exit_code == 0, first.output
+    (tmp_path / "out" / ".lengthwise").rename(tmp_path / "out" / "_lengthwise")  # as written before the rename
+    (tmp_path / "out" / "_lengthwise" / "shards" / "part-00001.json").unlink()
+    again = run_cli("--input", tmp_path / "in", "--output", tmp_path / "out", "--model", tiny_encoder_path)
+    assert again.exit_code == 0, again.output
+    assert "resumed         1 of 2 shards were already done" in again.output
+    assert not (tmp_path / "out" / ".lengthwise").exists()
+    assert json.loads((tmp_path / "out" / "_lengthwise" / "shards" / "part-00001.json").read_text())["status"] == "done"
