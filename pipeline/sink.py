@@ -88,7 +88,7 @@ class ShardWriter:
                     self.fs.rm(self.temp_path)
 
 
-TEMPORARY_NAME = re.compile(r"\..+\.parquet\.[0-9a-f]{12}\.tmp")
+TEMPORARY_NAME = re.compile(r"\..+\.parquet\..+\.tmp")  # .NAME.parquet.ATTEMPT.tmp
 
 
 class ShardSink:
