@@ -75,7 +75,7 @@ def test_full_run_on_s3(bucket, endpoint, tiny_encoder_path, sample_table):
     assert sorted(outputs) == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     ids = [row["id"] for shard in outputs.values() for row in shard]
     assert ids == sample_table["id"].to_pylist()[:120]
-    assert not fs.glob(f"{name}/out/.*")
+    assert not fs.glob(f"{name}/out/.*.tmp")
     markers = fs.glob(f"{name}/out/.lengthwise/shards/*.json")
     assert len(markers) == 3
     run_json = json.loads(fs.cat(f"{name}/out/.lengthwise/run.json"))
