@@ -7,8 +7,6 @@ is flagged when any label is hit. A row with an error is neither flagged nor cle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc

@@ -67,7 +67,6 @@ def test_bad_options_raise_usage_errors_not_exits(tmp_path, shards, tiny_multila
 
 
 SCRIPT = """
-import sys
 from pipeline.api import run
 
 {body}

@@ -18,11 +18,10 @@ def partitioned(tmp_path, sample_table) -> tuple:
     """Three days × part-00000 (and a second part on the last day), 20 rows each."""
     root = tmp_path / "posts"
     tables = []
-    for day_index, day in enumerate(DAYS):
+    for day in DAYS:
         for part in range(1 + (day == DAYS[-1])):
-            start = 20 * (len(tables))
-            table = sample_table.select(["id", "text"]).slice(start, 20)
-            table = table.append_column("lang", pa.array(["en", "de"][(start // 20) % 2:][:1] * 20))
+            table = sample_table.select(["id", "text"]).slice(20 * len(tables), 20)
+            table = table.append_column("lang", pa.array([("en", "de")[len(tables) % 2]] * 20))
             (root / f"dt={day}").mkdir(parents=True, exist_ok=True)
             pq.write_table(table, root / f"dt={day}" / f"part-{part:05d}.parquet")
             tables.append((f"dt={day}/part-{part:05d}", day, table))
