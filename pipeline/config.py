@@ -34,7 +34,7 @@ def usable_cores() -> int:
 class RunConfig:
     input: tuple[str, ...]  # directories, globs or files; local paths or fsspec URLs
     output: str  # directory (local or URL) that receives one Parquet file per input shard
-    job: str = "embed"  # what to compute: embed | classify
+    job: str = "embed"  # what to compute: embed | classify | moderate
     model: str | None = None  # Hugging Face model folder; None = packaged all-MiniLM-L6-v2
     max_length: int | None = None  # tokens per row, longer texts truncated (and flagged); None = the model
     # folder's sentence-transformers max_seq_length, else 256
@@ -42,6 +42,11 @@ class RunConfig:
     prompt_name: str | None = None  # a prompt of the model folder by name; default: its default_prompt_name
     id_column: str = "id"
     text_column: str = "text"
+    keep_columns: tuple[str, ...] = ()  # input columns copied to the output unchanged, after `id`
+    split: str | None = None  # the split of a `datasets` DatasetDict folder given as --input
+    thresholds: dict = field(default_factory=dict)  # moderate: label → score at or above which it flags
+    default_threshold: float = 0.5  # moderate: the threshold of flag labels not in `thresholds`
+    flag_labels: tuple[str, ...] | None = None  # moderate: labels that can flag; None = all (sigmoid models)
     max_batch_tokens: int | None = None  # padded tokens per batch (rows × padded length); None = auto: the
     # sweep's recommendation, else the device's default (DEVICE_BATCH_LIMITS)
     max_batch_rows: int | None = None  # rows per batch, whatever their length; None = auto, as tokens

@@ -12,13 +12,13 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from jobs.base import attention_implementation
-from jobs.registry import get_job
+from jobs.registry import get_job, job_options
 from jobs.sentence_transformers_folder import DEFAULT_MAX_LENGTH, read_text_settings, resolve_prompt
 from pipeline.device import (DTYPES, device_name, dtype_name, keep_freed_host_memory, native_bf16_feature,
                              resolve_device, resolve_dtype)
@@ -55,11 +55,13 @@ class ModelChoice:
     lowercase: bool
     dtype_reason: str = ""  # why this dtype, for the log and the summary
     attention: str | None = None  # attention implementation: sdpa, eager; None = the model code's own
+    job_options: dict = field(default_factory=dict)  # the job's own output-changing settings (thresholds)
 
 
 def choose_model(settings) -> ModelChoice:
     """`settings`: a RunConfig or SweepConfig (model, device, dtype, max_length, prompt, prompt_name)."""
     path = resolve_model_path(settings.model)
+    options = job_options(settings, path)
     text = read_text_settings(path)
     device = resolve_device(settings.device)
     max_length = settings.max_length or text.max_seq_length or DEFAULT_MAX_LENGTH
@@ -77,7 +79,7 @@ def choose_model(settings) -> ModelChoice:
     log.info(f"dtype {reason}")
     return ModelChoice(path=path, device=device, dtype=dtype, max_length=max_length,
                        prompt=resolve_prompt(text, settings.prompt, settings.prompt_name), lowercase=text.lowercase,
-                       dtype_reason=reason, attention=attention)
+                       dtype_reason=reason, attention=attention, job_options=options)
 
 
 # ── bf16 on the CPU: only where it is native, measured faster, and agrees with fp32 ────
@@ -171,8 +173,8 @@ def load_model(settings, choice: ModelChoice | None = None) -> LoadedModel:
     tokenizer = load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
                                     choice.lowercase)
     model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
-                     allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code,
-                     attention=choice.attention)
+                     **choice.job_options, allow_pickle=settings.allow_pickle,
+                     trust_remote_code=settings.trust_remote_code, attention=choice.attention)
     check_max_length(model, choice.max_length)
     keep_freed_host_memory(choice.device)
     return LoadedModel(choice, job, model, tokenizer)

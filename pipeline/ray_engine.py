@@ -209,6 +209,10 @@ def merge_summary(total: RunSummary, part: dict) -> None:
                  "oom_splits"):
         setattr(total, name, getattr(total, name) + part[name])
     total.failed_shards.extend(part["failed_shards"])
+    if part["flagged_rows"] is not None:  # job moderate
+        total.flagged_rows = (total.flagged_rows or 0) + part["flagged_rows"]
+        for label, rows in part["flagged_by_label"].items():
+            total.flagged_by_label[label] = total.flagged_by_label.get(label, 0) + rows
     total.duplicate_id_examples.extend(part["duplicate_id_examples"][:5 - len(total.duplicate_id_examples)])
     for name, seconds in part["stage_s"].items():
         total.stage_s[name] = round(total.stage_s.get(name, 0.0) + seconds, 3)

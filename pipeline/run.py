@@ -15,7 +15,9 @@ the device busy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -52,8 +54,19 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
     Raises UsageError on bad settings (nothing written). A shard that fails is recorded in
     the summary and the manifest and the others go on; the caller decides the exit code.
     """
+    refuse_while_a_worker_starts()
     slot = resolve_worker_slot(config.num_shards, config.shard_index, environ)
     return run_claimed(config, slot, run_here)
+
+
+def refuse_while_a_worker_starts() -> None:
+    """A spawned tokenizer worker re-runs the main script while it starts; if that script
+    calls lengthwise without a main guard, stop here (before any lock, model or output is
+    touched) with what to do, instead of starting a run inside the worker."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError("lengthwise was called while a tokenizer worker process was starting: the script that "
+                           "calls it has no `if __name__ == \"__main__\":` guard, so each worker runs it again. "
+                           "Put the call under that guard, or set tokenize_workers=0")
 
 
 def run_here(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,
@@ -67,7 +80,8 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, engine) -> RunSummary:
     claim the output, let `engine(config, choice, todo, sink, manifest, summary, started)` run
     the pending shards, then record this worker's summary."""
     started = time.perf_counter()
-    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot)
+    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot,
+                         config.keep_columns, config.split)
     if slot.count > 1:
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.storage_options)
@@ -132,8 +146,8 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     are left out on purpose: they must not change results."""
     return {"job": config.job, "model": model_content_hash(choice.path), "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
-            "id_column": config.id_column,
-            "text_column": config.text_column}
+            "id_column": config.id_column, "text_column": config.text_column, **choice.job_options,
+            **({"keep_columns": list(config.keep_columns)} if config.keep_columns else {})}
 
 
 # ── the shard runner: shards in, committed outputs and a summary out ───────────────────
@@ -154,6 +168,7 @@ class ShardRunner:
         self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
                                     loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
+        check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names)
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             started: float) -> None:
@@ -166,14 +181,15 @@ class ShardRunner:
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
         summary.settings, summary.sweep_reference = diagnosis_settings(config, model), self.sweep_reference
-        writer = WindowWriter(sink, manifest, shards, self._columns_of, times)
+        count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
+        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged)
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
         try:
             with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
                 blocks = timed(read_blocks(shards, config.id_column, config.text_column, config.window_rows,
-                                           config.storage_options), times, "read")
+                                           config.storage_options, config.keep_columns), times, "read")
                 windows = tokenize_windows(pool, group_into_windows(blocks, config.window_rows), times)
                 feeder = DeviceFeeder(device)
                 work = batches_of(windows, config, self.limits, loaded.tokenizer.pad_token_id, feeder, times)
@@ -230,6 +246,14 @@ def diagnosis_settings(config: RunConfig, model: torch.nn.Module) -> dict:
             "window_rows": config.window_rows, "tokenize_workers": config.tokenize_workers, "cores": usable_cores(),
             "safety": config.safety, "max_batch_tokens": config.max_batch_tokens,
             "max_batch_rows": config.max_batch_rows}
+
+
+def check_kept_columns(keep_columns, job_columns: list[str]) -> None:
+    """Kept input columns must not take a name the output already has."""
+    taken = [name for name in keep_columns if name in ("id", *job_columns, "truncated", "error")]
+    if taken:
+        raise UsageError(f"--keep-columns {', '.join(taken)}: the output already has a column of that name "
+                         f"(id, {', '.join(job_columns)}, truncated, error); rename it in the input")
 
 
 def finite_rows(outputs: dict[str, np.ndarray]) -> np.ndarray:

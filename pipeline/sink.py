@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import queue
+import re
 import socket
 import threading
 import time
@@ -33,9 +34,17 @@ from pipeline.windows import Window
 log = logging.getLogger(__name__)
 
 
-def temporary_stem(name: str) -> str:
-    """The shard stem of a temporary output name `.STEM.parquet.ATTEMPT.tmp`."""
-    return name[1:name.rindex(".parquet.")]
+def temporary_stem(relative: str) -> str:
+    """The shard stem of a temporary output `[DIR/].NAME.parquet.ATTEMPT.tmp` (path below the output)."""
+    folder, _, name = relative.rpartition("/")
+    return f"{folder}/" * bool(folder) + name[1:name.rindex(".parquet.")]
+
+
+def output_paths(output_dir: str, stem: str) -> tuple[str, str]:
+    """The final and a new temporary path of a shard's output; a stem `dt=X/part-0` (an input's
+    path below its root) mirrors its folders under the output."""
+    folder, _, name = f"{output_dir}/{stem}".rpartition("/")
+    return f"{folder}/{name}.parquet", f"{folder}/.{name}.parquet.{uuid.uuid4().hex[:12]}.tmp"
 
 
 class ShardWriter:
@@ -44,14 +53,14 @@ class ShardWriter:
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str, shard: Shard):
         self.fs = fs
         self.shard = shard
-        self.final_path = f"{output_dir}/{shard.stem}.parquet"
-        self.temp_path = f"{output_dir}/.{shard.stem}.parquet.{uuid.uuid4().hex[:12]}.tmp"
+        self.final_path, self.temp_path = output_paths(output_dir, shard.stem)
         self.rows_written = 0
         self._file = None
         self._writer = None
 
     def write(self, table: pa.Table) -> None:
         if self._writer is None:
+            self.fs.makedirs(self.temp_path.rpartition("/")[0], exist_ok=True)  # a partition's folder
             self._file = self.fs.open(self.temp_path, "wb")
             self._writer = pq.ParquetWriter(self._file, table.schema, compression="zstd")
         self._writer.write_table(table)
@@ -79,6 +88,9 @@ class ShardWriter:
                 self._writer = None
                 if self.fs.exists(self.temp_path):
                     self.fs.rm(self.temp_path)
+
+
+TEMPORARY_NAME = re.compile(r"\..+\.parquet\..+\.tmp")  # .NAME.parquet.ATTEMPT.tmp
 
 
 class ShardSink:
@@ -114,8 +126,9 @@ class ShardSink:
         """Delete temporary outputs a killed attempt left behind for these shards (call under
         the lock of the worker that owns them: another worker's live files are never touched)."""
         mine = set(stems)
-        stale = [path for path in self.fs.glob(f"{self.output_dir}/.*.parquet.*.tmp")
-                 if temporary_stem(path.rsplit("/", 1)[-1]) in mine]
+        temporaries = [path[len(self.output_dir) + 1:] for path in self.fs.find(self.output_dir)
+                       if TEMPORARY_NAME.fullmatch(path.rsplit("/", 1)[-1])]
+        stale = [f"{self.output_dir}/{path}" for path in temporaries if temporary_stem(path) in mine]
         for path in stale:
             self.fs.rm(path)
         return len(stale)
@@ -123,7 +136,7 @@ class ShardSink:
     def remove_outputs(self, stems: list[str]) -> None:
         """Delete these shards' committed outputs (for --overwrite: nothing old stays visible)."""
         for stem in stems:
-            path = f"{self.output_dir}/{stem}.parquet"
+            path = output_paths(self.output_dir, stem)[0]
             if self.fs.exists(path):
                 self.fs.rm(path)
 
@@ -136,14 +149,16 @@ class ShardSink:
 # ── windows to output rows ───────────────────────────────────────────────────────────────
 
 ColumnsOf = Callable[[dict, np.ndarray, int], dict]  # (outputs, valid, rows) → the job's Arrow columns
+CountFlagged = Callable[[pa.Table], tuple[int, dict]]  # output rows → (rows flagged, flag label → rows)
 
 
 def output_table(block: RowBlock, window: Window, start: int, columns_of: ColumnsOf) -> pa.Table:
-    """The output rows of one block: id, the job's columns, truncated, error — in input order."""
+    """The output rows of one block: id, the kept input columns, the job's columns, truncated,
+    error — in input order."""
     positions = slice(start, start + block.num_rows)
     valid = window.valid[positions]
     columns = columns_of({k: v[positions] for k, v in window.outputs.items()}, valid, block.num_rows)
-    columns = {"id": block.ids, **columns,
+    columns = {"id": block.ids, **block.kept, **columns,
                "truncated": pa.array(window.encoded.truncated[positions] & valid, pa.bool_()),
                "error": pa.array(window.encoded.errors[positions], pa.string())}
     return pa.table(columns)
@@ -155,9 +170,11 @@ class WindowWriter:
     whole: its temporary file is deleted and nothing of it is committed."""
 
     def __init__(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], columns_of: ColumnsOf,
-                 times: StageTimes):
+                 times: StageTimes, count_flagged: CountFlagged | None = None):
         self.sink, self.manifest, self.shards = sink, manifest, shards
         self.columns_of = columns_of
+        self.count_flagged = count_flagged
+        self.flagged: dict[int, list] = {}  # shard index → [rows flagged, {label: rows}]
         self.times = times
         self.failures: dict[int, str] = {}  # shard index → why it failed
         self.counts: dict[int, np.ndarray] = {}  # shard index → rows, error rows, truncated rows written
@@ -176,7 +193,10 @@ class WindowWriter:
             if block.shard_index in self.failures:
                 continue
             shard = self.shards[block.shard_index]
-            self.sink.write(block.shard_index, shard, output_table(block, window, positions.start, self.columns_of))
+            table = output_table(block, window, positions.start, self.columns_of)
+            self.sink.write(block.shard_index, shard, table)
+            if self.count_flagged is not None:
+                self._add_flagged(block.shard_index, *self.count_flagged(table))
             if block.is_last_of_shard:
                 try:
                     self.sink.commit(block.shard_index)
@@ -193,6 +213,12 @@ class WindowWriter:
             self.row_stats.add(window.encoded.full_lengths[positions][valid], window.encoded.errors[positions])
         self.times.write += time.perf_counter() - started
 
+    def _add_flagged(self, shard_index: int, rows: int, by_label: dict) -> None:
+        counts = self.flagged.setdefault(shard_index, [0, dict.fromkeys(by_label, 0)])
+        counts[0] += rows
+        for label, hits in by_label.items():
+            counts[1][label] += hits
+
     def finish(self, summary: RunSummary) -> None:
         """Drop shards left open (a failure, --fail-fast, an interrupt), mark failed shards
         failed, and put rows, errors, truncations and duplicate ids into `summary`."""
@@ -203,6 +229,11 @@ class WindowWriter:
             summary.failed_shards.append({"shard": shard.url, "error": reason})
         written = sum((c for i, c in self.counts.items() if i in self.sink.committed), np.zeros(3, np.int64))
         summary.rows, summary.error_rows, summary.truncated_rows = (int(n) for n in written)
+        if self.count_flagged is not None:
+            committed = [self.flagged[i] for i in self.sink.committed if i in self.flagged]
+            summary.flagged_rows = sum(rows for rows, _ in committed)
+            summary.flagged_by_label = {label: sum(by_label[label] for _, by_label in committed)
+                                        for label in (committed[0][1] if committed else {})}
         summary.duplicate_ids, summary.duplicate_id_examples = self.ids.duplicates(self.sink.fs,
                                                                                    self.sink.committed.values())
         summary.token_lengths, summary.error_reasons = self.row_stats.token_lengths(), self.row_stats.top_reasons()
@@ -253,7 +284,14 @@ class BackgroundWriter:
 
 # ── the run manifest: what is done, what failed, under which settings ─────────────────────
 
-MANIFEST_DIR = "_lengthwise"
+MANIFEST_DIR = ".lengthwise"  # hidden: readers of the output folder (datasets, pyarrow, Spark) skip it
+LEGACY_MANIFEST_DIR = "_lengthwise"  # where outputs made before the rename keep theirs
+
+
+def manifest_root(fs: fsspec.AbstractFileSystem, output_dir: str) -> str:
+    """The output's manifest folder: the legacy one if an earlier run recorded there, so it resumes."""
+    legacy = f"{output_dir}/{LEGACY_MANIFEST_DIR}"
+    return legacy if fs.exists(f"{legacy}/run.json") else f"{output_dir}/{MANIFEST_DIR}"
 
 
 def pending(shard_stems: list[str], done_stems: set[str]) -> list[str]:
@@ -268,7 +306,7 @@ def fingerprint_differences(recorded: dict, current: dict) -> list[str]:
 
 
 class RunManifest:
-    """`OUTPUT/_lengthwise/`: run.json (resolved config and the fingerprint of everything that
+    """`OUTPUT/.lengthwise/`: run.json (resolved config and the fingerprint of everything that
     changes outputs), shards/<stem>.json (one marker per finished or failed shard, written
     after the shard's output is committed), the lock of each running worker (`lock` for a
     single worker, `lock-worker-I-of-N` for worker I of N: host and pid) and workers/I-of-N.json
@@ -276,12 +314,13 @@ class RunManifest:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str):
         self.fs = fs
-        self.root = f"{output_dir}/{MANIFEST_DIR}"
+        self.root = manifest_root(fs, output_dir)
         self.fs.makedirs(f"{self.root}/shards", exist_ok=True)
 
     def _write_json(self, path: str, data: dict) -> None:
         def write() -> None:
             temp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+            self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)  # shards/dt=X/ for a partitioned input
             with self.fs.open(temp, "w") as f:
                 f.write(json.dumps(data, indent=2, default=str) + "\n")
             self.fs.mv(temp, path)
@@ -318,7 +357,7 @@ class RunManifest:
 
     def shard_markers(self) -> dict[str, dict]:
         markers = {}
-        for path in self.fs.glob(f"{self.root}/shards/*.json"):
+        for path in [p for p in self.fs.find(f"{self.root}/shards") if p.endswith(".json")]:
             marker = self._read_json(path)
             if marker is not None:
                 markers[marker["shard"]] = marker
@@ -422,7 +461,7 @@ def run_status(output: str, storage_options: dict) -> dict:
     """Shards done, failed and pending for the run recorded in `output`, overall and per
     worker, without a model: reads the manifest and the input listing (footers)."""
     sink_fs, output_dir = fsspec.core.url_to_fs(output, **storage_options)
-    if not sink_fs.exists(f"{output_dir.rstrip('/')}/{MANIFEST_DIR}/run.json"):
+    if not sink_fs.exists(f"{manifest_root(sink_fs, output_dir.rstrip('/'))}/run.json"):
         raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
     manifest = RunManifest(sink_fs, output_dir.rstrip("/"))
     recorded = manifest.read_run()
@@ -430,7 +469,7 @@ def run_status(output: str, storage_options: dict) -> dict:
     config = recorded["config"]
     recorded_options = {k: v for k, v in config.get("storage_options", {}).items() if v != "<redacted>"}
     shards = list_shards(config["input"], config["id_column"], config["text_column"],
-                         {**recorded_options, **storage_options})
+                         {**recorded_options, **storage_options}, split=config.get("split"))
     by_stem = {shard.stem: shard for shard in shards}
     status_of = {stem: markers.get(stem, {}).get("status", "pending") for stem in by_stem}
     locks = manifest.read_locks()

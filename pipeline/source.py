@@ -1,15 +1,18 @@
-"""Finding Parquet shards (local paths or any fsspec URL) and streaming their rows.
+"""Finding input shards (local paths or any fsspec URL) and streaming their rows.
 
-A shard is read in record batches with only the id and text columns projected, so
+A shard is a Parquet file, or an Arrow stream file of a Hugging Face `Dataset.save_to_disk`
+folder. It is read in record batches with only the id, text and kept columns projected, so
 memory follows the batch size, never the shard or dataset size.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import fsspec
 import pyarrow as pa
@@ -42,26 +45,36 @@ class RowBlock:
     texts: pa.Array
     is_last_of_shard: bool
     failure: str | None = None  # set on a row-less block: this shard broke here, drop all of it
+    kept: dict[str, pa.Array] = field(default_factory=dict)  # --keep-columns, copied to the output as they are
 
     @property
     def num_rows(self) -> int:
         return len(self.ids)
 
 
-def _expand(pattern: str, storage_options: dict) -> list[str]:
-    """URLs of the Parquet files a directory, glob or file names, with their protocol kept."""
-    return retry_transient(lambda: _expand_once(pattern, storage_options), f"listing {pattern}", log=log.warning)
+def _expand(pattern: str, storage_options: dict, split: str | None = None) -> dict[str, str]:
+    """URL → path relative to the input's root, for the Parquet files a directory, glob or file
+    names (or the Arrow files of a `datasets` folder), URLs with their protocol kept. The root
+    is the directory, a glob's folder before its first wildcard, or a file's own folder."""
+    return retry_transient(lambda: _expand_once(pattern, storage_options, split), f"listing {pattern}",
+                           log=log.warning)
 
 
-def _expand_once(pattern: str, storage_options: dict) -> list[str]:
+def _expand_once(pattern: str, storage_options: dict, split: str | None) -> dict[str, str]:
     try:
         fs, path = fsspec.core.url_to_fs(pattern, **storage_options)
+        root = path.rstrip("/")
         if any(ch in path for ch in GLOB_CHARACTERS):
+            root = path[:min(path.index(ch) for ch in GLOB_CHARACTERS if ch in path)].rsplit("/", 1)[0]
             paths = [p for p in fs.glob(path) if not fs.isdir(p)]
+        elif fs.isdir(path) and (fs.exists(f"{path}/state.json") or fs.exists(f"{path}/dataset_dict.json")):
+            paths = _saved_dataset_files(fs, root, pattern, split)
+            root = paths[0].rsplit("/", 1)[0] if paths else root
         elif fs.isdir(path):
             paths = [p for p in fs.find(path) if p.endswith(".parquet")
-                     and not any(part.startswith(("_", ".")) for part in p[len(path.rstrip("/")):].split("/"))]
+                     and not any(part.startswith(("_", ".")) for part in p[len(root):].split("/"))]
         elif fs.exists(path):
+            root = root.rsplit("/", 1)[0]
             paths = [path]
         else:
             raise UsageError(f"input {pattern!r} does not exist; check --input")
@@ -69,12 +82,46 @@ def _expand_once(pattern: str, storage_options: dict) -> list[str]:
         if is_transient(error):
             raise
         raise UsageError(f"cannot list input {pattern!r}: {error}; check --input and --storage-option") from error
-    return sorted(fs.unstrip_protocol(p) for p in paths)
+    if split is not None and not any(p.endswith(ARROW_SUFFIX) for p in paths):
+        raise UsageError(f"--split {split} is for a `datasets` DatasetDict folder; {pattern!r} is not one")
+    return {fs.unstrip_protocol(p): relative_name(p, root) for p in sorted(paths)}
 
 
-def _stem(url: str) -> str:
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    return name[: -len(".parquet")] if name.endswith(".parquet") else name
+def relative_name(path: str, root: str) -> str:
+    """`path` below `root` (`dt=2026-11-29/part-00000.parquet`), else its file name."""
+    return path[len(root) + 1:] if root and path.startswith(root + "/") else path.rsplit("/", 1)[-1]
+
+
+ARROW_SUFFIX = ".arrow"
+
+
+def _saved_dataset_files(fs, path: str, pattern: str, split: str | None) -> list[str]:
+    """The Arrow files of a `Dataset.save_to_disk` folder (state.json lists them), or of one
+    split of a `DatasetDict.save_to_disk` folder (dataset_dict.json lists the splits)."""
+    if fs.exists(f"{path}/dataset_dict.json"):
+        with fs.open(f"{path}/dataset_dict.json", "r") as f:
+            splits = json.load(f)["splits"]
+        if split not in splits:
+            raise UsageError(f"{pattern!r} is a DatasetDict with splits {', '.join(splits)}; "
+                             f"{'choose one with --split' if split is None else f'--split {split} is not one of them'}")
+        path, split = f"{path}/{split}", None
+    if split is not None:
+        raise UsageError(f"{pattern!r} is a single Dataset, not a DatasetDict; drop --split {split}")
+    with fs.open(f"{path}/state.json", "r") as f:
+        return [f"{path}/{item['filename']}" for item in json.load(f)["_data_files"]]
+
+
+def output_stem(relative: str) -> str:
+    """The output's name under --output: the input's path below its root, without the suffix."""
+    for suffix in (".parquet", ARROW_SUFFIX):
+        if relative.endswith(suffix):
+            return relative[: -len(suffix)]
+    return relative
+
+
+def partition_values(stem: str) -> dict[str, str]:
+    """Hive partition values of a shard's folders: `dt=2026-11-29/part-0` → {"dt": "2026-11-29"}."""
+    return dict(part.split("=", 1) for part in stem.split("/")[:-1] if "=" in part)
 
 
 
@@ -129,35 +176,39 @@ def slot_of(urls: Sequence[str], slot: WorkerSlot) -> list[str]:
 
 
 def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
-                storage_options: dict | None = None, slot: WorkerSlot = WorkerSlot()) -> list[Shard]:
+                storage_options: dict | None = None, slot: WorkerSlot = WorkerSlot(),
+                keep_columns: Sequence[str] = (), split: str | None = None) -> list[Shard]:
     """Every shard named by `inputs` that `slot` takes, in order, with its row count from the
-    Parquet footer.
+    Parquet footer (an Arrow file's batches are counted).
 
     Reads only the footers of the slot's shards. A shard that is not Parquet, lacks a column or has a text column of
     the wrong type gets a `problem` and fails alone. When every shard has one, or nothing
-    matches, or two shards would write the same output file, it is a usage error naming the
-    flag to change.
+    matches, or two shards would write the same output file, or a shard lacks a column of
+    `keep_columns`, it is a usage error naming the flag to change.
     """
     storage_options = storage_options or {}
-    urls: list[str] = []
+    relative: dict[str, str] = {}  # url → its path below its input's root
     for pattern in inputs:
-        found = _expand(pattern, storage_options)
+        found = _expand(pattern, storage_options, split)
         if not found:
             raise UsageError(f"input {pattern!r} matches no Parquet files; check --input")
-        urls.extend(u for u in found if u not in urls)
-    stems: dict[str, str] = {}
+        relative.update((url, name) for url, name in found.items() if url not in relative)
+    urls = list(relative)
+    stem_of: dict[str, str] = {}
+    url_of: dict[str, str] = {}
     for url in urls:
-        stem = _stem(url)
-        if stem in ("", ".", ".."):
+        stem = output_stem(relative[url])
+        if any(part in ("", ".", "..") for part in stem.split("/")):
             raise UsageError(f"input {url} has no usable file name for its output; rename it")
-        if stem in stems:
-            raise UsageError(f"shards {stems[stem]} and {url} would both write {stem}.parquet; "
+        if stem in url_of:
+            raise UsageError(f"shards {url_of[stem]} and {url} would both write {stem}.parquet; "
                              "give --input files with distinct names")
-        stems[stem] = url
+        stem_of[url], url_of[stem] = stem, url
     mine = slot_of(urls, slot)
     if not mine:
         return []
-    shards = [_inspect_shard(url, _stem(url), id_column, text_column, storage_options) for url in mine]
+    shards = [_inspect_shard(url, stem_of[url], id_column, text_column, storage_options, keep_columns)
+              for url in mine]
     problems = [shard.problem for shard in shards if shard.problem]
     if len(problems) == len(shards):
         more = f" (and {len(problems) - 1} more shards fail)" if len(problems) > 1 else ""
@@ -165,17 +216,28 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
     return shards
 
 
-def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storage_options: dict) -> Shard:
+def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storage_options: dict,
+                   keep_columns: Sequence[str] = ()) -> Shard:
     """The shard with its footer's row count, or with the problem that stops it being read."""
-    def read_footer():
+    def read_footer() -> tuple[pa.Schema, int]:
         with fsspec.open(url, "rb", **storage_options) as f:
-            return pq.ParquetFile(f).metadata
+            if url.endswith(ARROW_SUFFIX):  # an IPC stream has no footer: count its batches
+                stream = pa.ipc.open_stream(f)
+                return stream.schema, sum(batch.num_rows for batch in stream)
+            metadata = pq.ParquetFile(f).metadata
+            return metadata.schema.to_arrow_schema(), metadata.num_rows
 
     try:
-        metadata = retry_transient(read_footer, f"reading the footer of {url}", log=log.warning)
-        schema, num_rows = metadata.schema.to_arrow_schema(), metadata.num_rows
+        schema, num_rows = retry_transient(read_footer, f"reading the footer of {url}", log=log.warning)
     except (pa.ArrowInvalid, OSError) as error:
-        return Shard(url, stem, 0, f"cannot read {url} as Parquet ({error}); check --input")
+        kind = "an Arrow stream" if url.endswith(ARROW_SUFFIX) else "Parquet"
+        return Shard(url, stem, 0, f"cannot read {url} as {kind} ({error}); check --input")
+    missing = [column for column in keep_columns if column not in schema.names
+               and column not in partition_values(stem)]
+    if missing:
+        raise UsageError(f"shard {url} has no column {', '.join(map(repr, missing))} to keep (its columns: "
+                         f"{', '.join(schema.names)}{''.join(f', {k} (partition)' for k in partition_values(stem))}"
+                         "); check --keep-columns")
     for column, flag in ((id_column, "--id-column"), (text_column, "--text-column")):
         if column not in schema.names:
             return Shard(url, stem, num_rows, f"shard {url} has no column {column!r} (columns: "
@@ -192,7 +254,7 @@ class ShardError(Exception):
 
 
 def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block_rows: int,
-                storage_options: dict | None = None) -> Iterator[RowBlock]:
+                storage_options: dict | None = None, keep_columns: Sequence[str] = ()) -> Iterator[RowBlock]:
     """Stream every shard's rows in order as RowBlocks of at most `block_rows` rows.
 
     A shard with a `problem`, or one that breaks while being read, ends with a row-less
@@ -204,7 +266,8 @@ def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block
         try:
             if shard.problem:
                 raise ShardError(shard.problem)
-            yield from _read_shard(shard_index, shard, id_column, text_column, block_rows, storage_options)
+            yield from _read_shard(shard_index, shard, id_column, text_column, block_rows, storage_options,
+                                   keep_columns)
         except (ShardError, pa.ArrowException, OSError, EOFError) as error:
             reason = str(error) if isinstance(error, ShardError) else \
                 f"reading {shard.url} failed: {type(error).__name__}: {error}"
@@ -213,18 +276,22 @@ def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block
 
 
 def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str, block_rows: int,
-                storage_options: dict) -> Iterator[RowBlock]:
+                storage_options: dict, keep_columns: Sequence[str] = ()) -> Iterator[RowBlock]:
     first_row = 0
     pending = None
-    for record_batch in _record_batches(shard.url, [id_column, text_column], block_rows, storage_options):
+    partition = partition_values(shard.stem)  # a kept partition key comes from the path, as hive readers do
+    columns = list(dict.fromkeys([id_column, text_column, *(c for c in keep_columns if c not in partition)]))
+    for record_batch in _record_batches(shard.url, columns, block_rows, storage_options):
         if pending is not None:
             yield pending
+        kept = {name: pa.array([partition[name]] * record_batch.num_rows, pa.string()) if name in partition
+                else record_batch.column(name) for name in keep_columns}
         pending = RowBlock(shard_index, first_row, record_batch.column(id_column), record_batch.column(text_column),
-                           False)
+                           False, kept=kept)
         first_row += record_batch.num_rows
     if first_row != shard.num_rows:
         raise ShardError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")
-    yield RowBlock(pending.shard_index, pending.first_row, pending.ids, pending.texts, True)
+    yield dataclasses.replace(pending, is_last_of_shard=True)
 
 
 def _record_batches(url: str, columns: list[str], block_rows: int, storage_options: dict,
@@ -237,8 +304,8 @@ def _record_batches(url: str, columns: list[str], block_rows: int, storage_optio
         skip = handed_on
         try:
             with fsspec.open(url, "rb", **storage_options) as f:
-                parquet = pq.ParquetFile(f)
-                for record_batch in parquet.iter_batches(batch_size=block_rows, columns=columns):
+                schema, batches = _open_batches(f, url, columns, block_rows)
+                for record_batch in batches:
                     if skip >= record_batch.num_rows:
                         skip -= record_batch.num_rows
                         continue
@@ -246,8 +313,7 @@ def _record_batches(url: str, columns: list[str], block_rows: int, storage_optio
                     handed_on += record_batch.num_rows
                     yield record_batch
                 if handed_on == 0:
-                    schema = pa.schema([parquet.schema_arrow.field(name) for name in columns])
-                    yield pa.RecordBatch.from_pylist([], schema=schema)
+                    yield pa.RecordBatch.from_pylist([], schema=pa.schema([schema.field(name) for name in columns]))
             return
         except Exception as error:
             if attempt == attempts or not is_transient(error):
@@ -256,3 +322,20 @@ def _record_batches(url: str, columns: list[str], block_rows: int, storage_optio
             log.warning(f"reading {url}: {type(error).__name__}: {error}; reopening after row {handed_on:,} "
                  f"(retry {attempt}/{attempts - 1} in {delay:.1f}s)")
             sleep(delay)
+
+
+def _open_batches(f, url: str, columns: list[str], block_rows: int) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """The file's schema and its record batches of `columns`, at most `block_rows` rows each:
+    Parquet, or an Arrow IPC stream (a `datasets` folder's files)."""
+    if not url.endswith(ARROW_SUFFIX):
+        parquet = pq.ParquetFile(f)
+        return parquet.schema_arrow, parquet.iter_batches(batch_size=block_rows, columns=columns)
+    stream = pa.ipc.open_stream(f)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for batch in stream:
+            batch = batch.select(columns)
+            for start in range(0, batch.num_rows, block_rows):
+                yield batch.slice(start, block_rows)
+
+    return stream.schema, batches()

@@ -54,6 +54,8 @@ class RunSummary:
     failed_shards: list = field(default_factory=list)  # [{"shard", "error"}]: nothing of them committed
     duplicate_ids: int = 0  # rows whose id an earlier row of this run already had (both kept)
     duplicate_id_examples: list = field(default_factory=list)
+    flagged_rows: int | None = None  # job moderate: rows flagged (None for other jobs)
+    flagged_by_label: dict = field(default_factory=dict)  # job moderate: flag label → rows it flagged
     batches: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
@@ -100,6 +102,9 @@ class RunSummary:
                                                     f"{self.lowered_batch_rows}" if self.oom_splits else ""),
             f"output          {self.output}",
         ]
+        if self.flagged_rows is not None:
+            labels = ", ".join(f"{label} {rows:,}" for label, rows in self.flagged_by_label.items())
+            lines.insert(1, f"flagged         {self.flagged_rows:,} of {self.rows:,} rows ({labels})")
         if self.shards_done_before:
             lines.append(f"resumed         {self.shards_done_before} of {self.shards} shards were already done")
         if self.duplicate_ids:

@@ -8,10 +8,14 @@ per-token Python objects. A text that cannot be tokenized becomes a row error.
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -125,6 +129,22 @@ def _init_worker(spec: TokenizerSpec, in_worker: bool = True) -> None:
     _worker_spec = spec
 
 
+def write_spec_file(spec: TokenizerSpec) -> str:
+    """The spec in a temporary file, for the workers to read. Spawn hands a new process its
+    arguments through a pipe while the parent itself still holds the pipe's read end, so a
+    worker that dies before reading a large argument (a tokenizer is ~1 MB) blocks the parent
+    forever; a path is small enough to never block."""
+    descriptor, path = tempfile.mkstemp(prefix="lengthwise-tokenizer-", suffix=".json")
+    with os.fdopen(descriptor, "w") as f:
+        json.dump(dataclasses.asdict(spec), f)
+    return path
+
+
+def _init_worker_from_file(spec_path: str) -> None:
+    with open(spec_path) as f:
+        _init_worker(TokenizerSpec(**json.load(f)))
+
+
 def _exit_with_parent() -> None:
     """A worker whose parent died (even by SIGKILL) exits instead of waiting forever."""
     multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
@@ -166,6 +186,17 @@ def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
     )
 
 
+START_TIMEOUT_S = 120.0  # a worker imports numpy and tokenizers and rebuilds the tokenizer: seconds
+
+
+class WorkerStartError(RuntimeError):
+    """A tokenizer worker could not start; the message says what to change."""
+
+
+def _worker_ready() -> bool:
+    return _worker_tokenizer is not None
+
+
 class TokenizerPool:
     """A pool of tokenizer processes (spawned, never forked); workers=0 tokenizes in-process.
 
@@ -174,15 +205,43 @@ class TokenizerPool:
     the waiting `result` with BrokenProcessPool instead of hanging the run.
     """
 
-    def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int = CHUNK_ROWS):
+    def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int = CHUNK_ROWS,
+                 start_timeout_s: float = START_TIMEOUT_S):
         self.spec = spec
         self.chunk_rows = chunk_rows
         self._executor = None
+        self._spec_file = None
         if workers > 0:
+            self._spec_file = write_spec_file(spec)
             self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_init_worker, initargs=(spec,))
+                                                 initializer=_init_worker_from_file, initargs=(self._spec_file,))
+            self._wait_for_workers(workers, start_timeout_s)
         else:
             _init_worker(spec, in_worker=False)
+
+    def _wait_for_workers(self, workers: int, timeout_s: float) -> None:
+        """Start the workers now and see them come up. One that exits while starting would
+        otherwise leave the pool waiting forever (Python's pool does not notice a worker that
+        dies before it runs), and the usual cause is a script without a main guard."""
+        started = time.monotonic()
+        ready = [self._executor.submit(_worker_ready) for _ in range(workers)]
+        while True:
+            done, waiting = concurrent.futures.wait(ready, timeout=0.2)
+            broken = any(future.exception() is not None for future in done)  # BrokenProcessPool
+            if not waiting and not broken:
+                return
+            dead = [p.exitcode for p in list((self._executor._processes or {}).values()) if p.exitcode is not None]
+            late = time.monotonic() - started > timeout_s
+            if broken or dead or late:
+                self.close()
+                what = f"did not start in {timeout_s:.0f}s" if late else \
+                    f"exited while starting (exit code {dead[0] if dead else 'unknown'}, " \
+                    f"after {time.monotonic() - started:.1f}s)"
+                raise WorkerStartError(
+                    f"a tokenizer worker process {what}. Workers are started with spawn, which runs the main script "
+                    f"again in each of them: a script that calls lengthwise must do so under "
+                    f"`if __name__ == \"__main__\":` (its error is above); or set tokenize_workers=0 "
+                    f"(--tokenize-workers 0) to tokenize in this process")
 
     def submit(self, texts: list) -> list:
         chunks = [texts[i:i + self.chunk_rows] for i in range(0, len(texts), self.chunk_rows)]
@@ -195,6 +254,9 @@ class TokenizerPool:
 
     def close(self) -> None:
         """Stop the workers now; a waiting `result` then fails rather than blocks."""
+        if self._spec_file is not None:
+            os.unlink(self._spec_file)
+            self._spec_file = None
         if self._executor is None:
             return
         executor, self._executor = self._executor, None

@@ -31,6 +31,7 @@ def group_into_windows(blocks: Iterable[RowBlock], window_rows: int) -> Iterator
             end = start + take
             window.append(dataclasses.replace(block, first_row=block.first_row + start,
                                               ids=block.ids.slice(start, take), texts=block.texts.slice(start, take),
+                                              kept={name: values.slice(start, take) for name, values in block.kept.items()},
                                               is_last_of_shard=block.is_last_of_shard and end == block.num_rows))
             filled += take
             start = end

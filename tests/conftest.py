@@ -67,6 +67,14 @@ def tiny_classifier_path(tmp_path_factory, minilm_path) -> str:
                       label2id={"ok": 0, "spam": 1, "abuse": 2})
 
 
+@pytest.fixture(scope="session")
+def tiny_multilabel_path(tmp_path_factory, minilm_path) -> str:
+    """A multi-label (sigmoid) classifier, as moderation models usually are."""
+    return _tiny_bert(tmp_path_factory.mktemp("tiny-multilabel"), minilm_path, "BertForSequenceClassification",
+                      num_labels=3, problem_type="multi_label_classification",
+                      id2label={0: "toxic", 1: "insult", 2: "threat"}, label2id={"toxic": 0, "insult": 1, "threat": 2})
+
+
 def write_shards(directory: Path, table: pa.Table, sizes: list[int], prefix: str = "part") -> list[Path]:
     """Split `table` into consecutive shards of the given sizes; returns their paths."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -104,7 +112,7 @@ def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, di
     files = sorted(output.glob("*.parquet"))
     assert [f.stem for f in files] == [f"part-{i:05d}" for i in range(len(sizes))]
     assert [pq.read_metadata(f).num_rows for f in files] == sizes
-    assert not list(output.glob(".*")), "a temporary file was left behind"
+    assert not list(output.glob(".*.tmp")), "a temporary file was left behind"
     return pa.concat_tables(pq.read_table(f) for f in files), json.loads(summary.to_json())
 
 

@@ -87,7 +87,7 @@ def test_two_concurrent_workers_equal_a_local_run_and_status_counts_each(tmp_pat
         assert worker.returncode == 0, stderr
     assert "worker 1 of 2 (index from JOB_COMPLETION_INDEX): 3 shard(s)" in stderr
     assert sorted(p.name for p in output.glob("*.parquet")) == [f"part-{i:05d}.parquet" for i in range(6)]
-    assert not list(output.glob(".*")) and not list((output / "_lengthwise").glob("lock*"))
+    assert not list(output.glob(".*.tmp")) and not list((output / ".lengthwise").glob("lock*"))
     assert_equal_outputs(read_outputs(output), expected)
 
     report = json.loads(CliRunner().invoke(cli, ["status", "--output", str(output), "--json"]).output)
@@ -95,9 +95,9 @@ def test_two_concurrent_workers_equal_a_local_run_and_status_counts_each(tmp_pat
     assert [(w["index"], w["shards"], w["done"], w["running"]) for w in report["workers"]] == [
         (0, 3, 3, False), (1, 3, 3, False)]
     assert all(w["last_rows_per_s"] > 0 for w in report["workers"] if w["rows_done"])
-    summaries = sorted(p.name for p in (output / "_lengthwise" / "workers").glob("*.json"))
+    summaries = sorted(p.name for p in (output / ".lengthwise" / "workers").glob("*.json"))
     assert summaries == ["0-of-2.json", "1-of-2.json"]
-    assert "shard_index" not in json.loads((output / "_lengthwise" / "run.json").read_text())["config"]
+    assert "shard_index" not in json.loads((output / ".lengthwise" / "run.json").read_text())["config"]
 
 
 def test_a_worker_index_given_twice_is_refused_and_status_shows_it_running(tmp_path, rows_with_bad_ones,
@@ -107,7 +107,7 @@ def test_a_worker_index_given_twice_is_refused_and_status_shows_it_running(tmp_p
     first = subprocess.run(worker_command(tmp_path / "in", output, tiny_encoder_path, 2, 1), capture_output=True,
                            text=True, timeout=300)
     assert first.returncode == 0, first.stderr
-    lock = output / "_lengthwise" / "lock-worker-1-of-2"
+    lock = output / ".lengthwise" / "lock-worker-1-of-2"
     with subprocess.Popen(["sleep", "60"]) as sleeper:  # a live process holding worker 1's lock
         try:
             lock.write_text(json.dumps({"host": os.uname().nodename, "pid": sleeper.pid, "since": "earlier",

@@ -60,14 +60,14 @@ def test_sigterm_stops_cleanly_with_143_and_a_rerun_finishes(tmp_path, clean_run
     inputs, expected = clean_run
     process = subprocess.Popen(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    markers = tmp_path / "out" / "_lengthwise" / "shards"
+    markers = tmp_path / "out" / ".lengthwise" / "shards"
     assert wait_for(lambda: markers.exists() and any(markers.iterdir()), 120), "no shard was committed"
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 143, stderr
     assert "interrupted by SIGTERM" in stderr
     assert not list((tmp_path / "out").glob(".*.tmp")), "a temporary file survived"
-    assert not (tmp_path / "out" / "_lengthwise" / "lock").exists()
+    assert not (tmp_path / "out" / ".lengthwise" / "lock").exists()
     done_before = len(list(markers.iterdir()))
     rerun = subprocess.run(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"),
                            capture_output=True, text=True, timeout=300)

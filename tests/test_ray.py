@@ -82,14 +82,14 @@ def test_two_ray_actors_give_the_outputs_of_a_local_run(tmp_path, ray_cluster, r
                                               "--summary-json", str(tmp_path / "s.json")))
     assert result.exit_code == 0, result.output
     assert_equal_outputs(read_outputs(tmp_path / "out"), expected)
-    assert not list((tmp_path / "out").glob(".*"))
+    assert not list((tmp_path / "out").glob(".*.tmp"))
     summary = json.loads((tmp_path / "s.json").read_text())
     assert (summary["rows"], summary["error_rows"], summary["shards"]) == (200, 4, 6)
     assert len(summary["workers"]) == 2 and sum(w["shards"] for w in summary["workers"]) == 6
     assert sum(w["rows"] for w in summary["workers"]) == 200 and all(w["rows_per_s"] > 0 for w in summary["workers"])
     assert len({w["pid"] for w in summary["workers"]}) == 2 and os.getpid() not in {w["pid"] for w in
                                                                                      summary["workers"]}
-    markers = [json.loads(p.read_text()) for p in (tmp_path / "out" / "_lengthwise" / "shards").glob("*.json")]
+    markers = [json.loads(p.read_text()) for p in (tmp_path / "out" / ".lengthwise" / "shards").glob("*.json")]
     assert sorted(m["status"] for m in markers) == ["done"] * 6
     status = json.loads(CliRunner().invoke(cli, ["status", "--output", str(tmp_path / "out"), "--json"]).output)
     assert (status["done"], status["pending"], status["rows_done"]) == (6, 0, 200)
@@ -153,9 +153,9 @@ def test_an_actor_killed_mid_shard_loses_nothing(tmp_path, ray_cluster, longer_r
     shard = died.split(" died running ")[1].split(";")[0].rsplit("/", 1)[-1]
     output = tmp_path / "out"
     assert sorted(p.name for p in output.glob("*.parquet")) == [f"part-{i:05d}.parquet" for i in range(6)]
-    assert not list(output.glob(".*")), "a temporary file is visible"
+    assert not list(output.glob(".*.tmp")), "a temporary file is visible"
     assert_equal_outputs(read_outputs(output), expected)
-    marker = json.loads((output / "_lengthwise" / "shards" / shard.replace(".parquet", ".json")).read_text())
+    marker = json.loads((output / ".lengthwise" / "shards" / shard.replace(".parquet", ".json")).read_text())
     assert marker["status"] == "done" and marker["pid"] != victim  # committed once, by the second attempt
 
 
@@ -169,14 +169,14 @@ def test_a_killed_driver_is_resumed_by_a_rerun(tmp_path, ray_cluster, longer_row
     driver.wait_for("part-00002.parquet")  # the third shard handed out: the run is under way
     driver.process.send_signal(signal.SIGKILL)
     driver.finish()
-    markers = tmp_path / "out" / "_lengthwise" / "shards"
+    markers = tmp_path / "out" / ".lengthwise" / "shards"
     done_before = len(list(markers.glob("*.json"))) if markers.exists() else 0
     assert done_before < 6, "the driver finished before it was killed"
     rerun = Driver(args)
     assert rerun.finish() == 0, "".join(rerun.lines)
     assert done_before == 0 or any(f"{done_before} of 6 shards already done" in line for line in rerun.lines)
     assert_equal_outputs(read_outputs(tmp_path / "out"), expected)
-    assert not list((tmp_path / "out").glob(".*"))
+    assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
 @pytest.mark.slow
@@ -191,4 +191,4 @@ def test_sigterm_to_the_driver_stops_the_actors_and_exits_143(tmp_path, ray_clus
     while time.monotonic() < deadline and Path(f"/proc/{actor}").exists():
         time.sleep(0.2)
     assert not Path(f"/proc/{actor}").exists() or "zombie" in Path(f"/proc/{actor}/status").read_text().lower()
-    assert not (tmp_path / "out" / "_lengthwise" / "lock").exists()
+    assert not (tmp_path / "out" / ".lengthwise" / "lock").exists()

@@ -49,7 +49,7 @@ def test_rerun_skips_done_shards_and_redoes_a_missing_one(tmp_path, three_shards
     clean = read_outputs(tmp_path / "out")
     assert first.rows == 90 and first.shards_done_before == 0
     (tmp_path / "out" / "part-00001.parquet").unlink()
-    (tmp_path / "out" / "_lengthwise" / "shards" / "part-00001.json").unlink()
+    (tmp_path / "out" / ".lengthwise" / "shards" / "part-00001.json").unlink()
     second = run_job(config_for(tmp_path, tiny_encoder_path, max_batch_tokens=512, max_batch_rows=3))
     assert second.shards_done_before == 2 and second.rows == 30
     again = read_outputs(tmp_path / "out")
@@ -66,7 +66,7 @@ def test_rerun_under_other_settings_is_refused_unless_overwrite(tmp_path, three_
         run_job(shorter)
     redone = run_job(dataclasses.replace(shorter, overwrite=True))
     assert redone.shards_done_before == 0 and redone.rows == 90
-    run_json = json.loads((tmp_path / "out" / "_lengthwise" / "run.json").read_text())
+    run_json = json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())
     assert run_json["fingerprint"]["max_length"] == 32
 
 
@@ -119,14 +119,14 @@ def test_bad_shards_fail_alone_and_the_others_are_committed(tmp_path, sample_tab
                                       "--model", tiny_encoder_path, "--no-progress", "--tokenize-workers", "0"])
     assert result.exit_code == 1, result.output
     assert sorted(read_outputs(tmp_path / "out")) == ["a-good", "g-good"]
-    markers = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "out" / "_lengthwise" / "shards").glob("*")}
+    markers = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "out" / ".lengthwise" / "shards").glob("*")}
     assert {stem: m["status"] for stem, m in markers.items()} == {
         "a-good": "done", "b-not-parquet": "failed", "c-no-text": "failed", "d-int-text": "failed",
         "e-truncated": "failed", "f-corrupt-page": "failed", "g-good": "done"}
     assert "has no column 'text'" in markers["c-no-text"]["error"]
     assert "is int64, not a string" in markers["d-int-text"]["error"]
     assert "FAILED" in result.output and "5 shard(s) failed" in result.output
-    assert not list((tmp_path / "out").glob(".*"))
+    assert not list((tmp_path / "out").glob(".*.tmp"))
 
     # a rerun retries the failed shards only (and they fail again)
     again = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
@@ -154,7 +154,7 @@ def test_fail_fast_stops_at_the_first_failed_shard(tmp_path, sample_table, tiny_
 
 def test_a_second_run_on_the_same_output_is_refused_and_a_stale_lock_taken_over(tmp_path, three_shards,
                                                                                  tiny_encoder_path):
-    lock = tmp_path / "out" / "_lengthwise" / "lock"
+    lock = tmp_path / "out" / ".lengthwise" / "lock"
     lock.parent.mkdir(parents=True)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -234,7 +234,7 @@ def test_dtype_auto_resumes_with_the_dtype_the_output_was_made_with(tmp_path, th
     run_job(config_for(tmp_path, tiny_encoder_path, dtype="bfloat16", input=(str(three_shards / "part-00000.parquet"),)))
     resumed = run_job(config_for(tmp_path, tiny_encoder_path, dtype="auto"))  # the other two shards, resumed
     assert resumed.dtype == "bfloat16" and resumed.shards_done_before == 1 and resumed.rows == 60
-    run_json = json.loads((tmp_path / "out" / "_lengthwise" / "run.json").read_text())
+    run_json = json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())
     assert run_json["fingerprint"]["dtype"] == "bfloat16"
     with pytest.raises(UsageError, match=r"dtype: 'bfloat16' → 'float32'"):
         run_job(config_for(tmp_path, tiny_encoder_path, dtype="float32"))

@@ -75,10 +75,10 @@ def test_full_run_on_s3(bucket, endpoint, tiny_encoder_path, sample_table):
     assert sorted(outputs) == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     ids = [row["id"] for shard in outputs.values() for row in shard]
     assert ids == sample_table["id"].to_pylist()[:120]
-    assert not fs.glob(f"{name}/out/.*")
-    markers = fs.glob(f"{name}/out/_lengthwise/shards/*.json")
+    assert not fs.glob(f"{name}/out/.*.tmp")
+    markers = fs.glob(f"{name}/out/.lengthwise/shards/*.json")
     assert len(markers) == 3
-    run_json = json.loads(fs.cat(f"{name}/out/_lengthwise/run.json"))
+    run_json = json.loads(fs.cat(f"{name}/out/.lengthwise/run.json"))
     assert run_json["config"]["storage_options"] == {"endpoint_url": endpoint}
     status = CliRunner().invoke(cli, ["status", "--output", f"s3://{name}/out/", "--storage-option",
                                       f"endpoint_url={endpoint}", "--json"])
@@ -95,7 +95,7 @@ def test_corrupt_shard_on_s3_fails_alone(bucket, endpoint, tiny_encoder_path):
     result = CliRunner().invoke(cli, run_args(endpoint, name, tiny_encoder_path))
     assert result.exit_code == 1
     assert sorted(read_outputs(fs, name)) == ["part-00000.parquet", "part-00002.parquet"]
-    marker = json.loads(fs.cat(f"{name}/out/_lengthwise/shards/part-00001.json"))
+    marker = json.loads(fs.cat(f"{name}/out/.lengthwise/shards/part-00001.json"))
     assert marker["status"] == "failed" and "cannot read" in marker["error"]
 
 
@@ -113,7 +113,7 @@ def test_kill_and_resume_on_s3(bucket, endpoint, tiny_encoder_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         fs.invalidate_cache()
-        if fs.glob(f"{name}/out/_lengthwise/shards/*.json"):
+        if fs.glob(f"{name}/out/.lengthwise/shards/*.json"):
             break
         time.sleep(0.1)
     process.send_signal(signal.SIGKILL)

@@ -119,11 +119,14 @@ def test_a_corrupt_shard_is_not_retried_and_fails_alone(tmp_path):
     assert "reading" in blocks[-1].failure and blocks[-1].shard_index == 1
 
 
-def test_output_names_come_only_from_the_file_name_of_a_shard(tmp_path):
-    from pipeline.source import _stem
+def test_output_names_come_only_from_the_path_below_the_input_root(tmp_path):
+    from pipeline.source import output_stem, partition_values, relative_name
 
-    assert _stem("s3://bucket/in/../../etc/x.parquet") == "x"
-    assert _stem("memory://in/sub/part-1.parquet") == "part-1"
+    assert output_stem(relative_name("bucket/in/dt=2026-11-29/part-1.parquet", "bucket/in")) == "dt=2026-11-29/part-1"
+    assert output_stem(relative_name("bucket/elsewhere/x.parquet", "bucket/in")) == "x"  # not below: its file name
+    assert output_stem(relative_name("bucket/in/data-00000-of-00002.arrow", "bucket/in")) == "data-00000-of-00002"
+    assert partition_values("dt=2026-11-29/lang=de/part-1") == {"dt": "2026-11-29", "lang": "de"}
+    assert partition_values("part-1") == {} and partition_values("batch/part-1") == {}
     pq.write_table(TABLE, tmp_path / "...parquet")  # its stem would be "..": refused, nothing written
     with pytest.raises(UsageError, match="no usable file name"):
         list_shards([str(tmp_path / "...parquet")], "id", "text")

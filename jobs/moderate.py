@@ -1,0 +1,119 @@
+"""Moderation: a sequence classifier's per-label scores, and a threshold per label that flags a row.
+
+Scores are `classify`'s (sigmoid for a multi-label or one-logit model, softmax otherwise). A
+label is hit when it is one of the flag labels and its score is at least its threshold; a row
+is flagged when any label is hit. A row with an error is neither flagged nor clean: null.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from transformers import AutoConfig
+
+from jobs.classify import ClassifyJob, uses_sigmoid
+from pipeline.config import RunConfig
+from pipeline.errors import UsageError
+
+
+def model_labels(config) -> tuple[str, ...]:
+    """The model's label names in logit order, which must be distinct (they name the score fields)."""
+    labels = tuple(str(config.id2label[i]) for i in range(config.num_labels))
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"the model's labels are not distinct ({', '.join(labels)}); fix id2label in its config.json")
+    return labels
+
+
+def resolve_thresholds(labels: tuple[str, ...], sigmoid: bool, thresholds: dict[str, float],
+                       default_threshold: float, flag_labels: tuple[str, ...] | None) -> dict[str, float]:
+    """Flag label → threshold, in the model's label order: what decides `flagged`.
+
+    No `flag_labels` means every label of a sigmoid model; a softmax model's labels share one
+    distribution (one of them is usually `normal`), so it must name them."""
+    known = f"the model's labels: {', '.join(labels)}"
+    for flag, names in (("--threshold", thresholds), ("--flag-labels", flag_labels or ())):
+        unknown = [name for name in names if name not in labels]
+        if unknown:
+            raise UsageError(f"{flag} names {', '.join(map(repr, unknown))}, not a label of this model; {known}")
+    for name, value in {**thresholds, "--default-threshold": default_threshold}.items():
+        if not 0.0 <= value <= 1.0:
+            raise UsageError(f"threshold {name}={value} is outside 0…1 (scores are probabilities)")
+    if not flag_labels and not sigmoid:
+        raise UsageError(f"a single-label (softmax) model needs --flag-labels: which labels count as flagged, "
+                         f"e.g. all but the harmless one; {known}")
+    flagging = set(flag_labels or labels)
+    ignored = [name for name in thresholds if name not in flagging]
+    if ignored:
+        raise UsageError(f"--threshold {', '.join(ignored)}: not among --flag-labels ({', '.join(flag_labels)}); "
+                         "add it there or drop its threshold")
+    return {name: float(thresholds.get(name, default_threshold)) for name in labels if name in flagging}
+
+
+def flag_hits(scores: np.ndarray, labels: tuple[str, ...], thresholds: dict[str, float]) -> np.ndarray:
+    """(rows, labels) bool: label hit = flag label with score ≥ its threshold."""
+    cut = np.array([thresholds.get(name, np.inf) for name in labels], dtype=np.float64)
+    return scores.astype(np.float64) >= cut
+
+
+class Moderator(torch.nn.Module):
+    """A sequence classifier with its labels and the run's thresholds (a job is shared by runs;
+    the loaded model is this run's)."""
+
+    def __init__(self, classifier: torch.nn.Module, thresholds: dict[str, float]):
+        super().__init__()
+        self.classifier = classifier
+        self.config = classifier.config  # what the memory plan and length checks read
+        self.labels = model_labels(classifier.config)
+        self.thresholds = thresholds
+        self.takes_prepared_mask = getattr(classifier, "takes_prepared_mask", False)  # see jobs.base.model_attention_mask
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        return self.classifier(input_ids=input_ids, attention_mask=attention_mask)
+
+
+class ModerateJob(ClassifyJob):
+    name = "moderate"
+
+    def options(self, settings, model_path: str) -> dict:
+        """The resolved thresholds, checked against the model's labels before anything runs
+        (they change the output, so they join its fingerprint). A sweep has none: it
+        measures speed, and flags with the default threshold."""
+        if getattr(settings, "thresholds", None) is None:
+            return {}
+        try:
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=settings.trust_remote_code)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot read the model config in {model_path}: {error}") from error
+        return {"thresholds": resolve_thresholds(model_labels(config), uses_sigmoid(config), settings.thresholds,
+                                                 settings.default_threshold, settings.flag_labels)}
+
+    def load(self, model_path, device, dtype, prompt_tokens: int = 0, thresholds: dict | None = None, **loading):
+        classifier = super().load(model_path, device, dtype, **loading)
+        labels = model_labels(classifier.config)
+        return Moderator(classifier, thresholds or {name: RunConfig.default_threshold for name in labels}).eval()
+
+    def output_schema(self, model):
+        return pa.schema([("flagged", pa.bool_()), ("flagged_labels", pa.list_(pa.string())),
+                          ("scores", pa.struct([(name, pa.float32()) for name in model.labels]))])
+
+    def to_columns(self, model, outputs, valid):
+        scores = outputs["scores"].astype(np.float32)
+        hits = flag_hits(scores, model.labels, model.thresholds) & valid[:, None]
+        null = pa.array(~valid)
+        rows, hit_labels = np.nonzero(hits)  # row-major: each row's labels in label order
+        offsets = np.concatenate([[0], np.cumsum(hits.sum(axis=1))]).astype(np.int32)
+        names = pa.array(np.array(model.labels, dtype=object)[hit_labels] if len(hit_labels) else [], pa.string())
+        return {
+            "flagged": pa.array(hits.any(axis=1), pa.bool_(), mask=~valid),
+            "flagged_labels": pa.ListArray.from_arrays(pa.array(offsets), names, mask=null),
+            "scores": pa.StructArray.from_arrays([pa.array(scores[:, i]) for i in range(len(model.labels))],
+                                                 names=list(model.labels), mask=null),
+        }
+
+    def count_flagged(self, model, table: pa.Table) -> tuple[int, dict[str, int]]:
+        """Rows flagged in one written block, and per flag label the rows it hit."""
+        hit = pc.value_counts(pc.list_flatten(table["flagged_labels"])).to_pylist()
+        by_label = {item["values"]: item["counts"] for item in hit}
+        return int(pc.sum(table["flagged"]).as_py() or 0), {name: by_label.get(name, 0) for name in model.thresholds}
