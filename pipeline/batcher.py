@@ -261,6 +261,9 @@ class DynamicBatcher:
         if config.max_batch_size < 1 or config.max_queue < 1 or config.max_queue_tokens < 1 or (
                 config.max_batch_tokens is not None and config.max_batch_tokens < 1):
             raise ValueError("max_batch_size, max_batch_tokens, max_queue and max_queue_tokens must be positive")
+        if config.max_length is not None and config.max_length != loaded.choice.max_length:
+            raise ValueError(f"max_length {config.max_length} differs from the loaded model's "
+                             f"{loaded.choice.max_length}; load the model with the same settings")
         self.loaded, self.config, self.limits = loaded, config, limits
         device = loaded.choice.device
         self.rules = BatchRules(config.max_batch_size, config.max_batch_tokens, config.batch_timeout_ms / 1000,
