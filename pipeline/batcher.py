@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -137,14 +137,22 @@ class RequestQueue:
         heads = [bucket[0] for bucket in self._buckets.values()]
         return min(heads, key=lambda r: (r.arrived, r.sequence)) if heads else None
 
+    def full(self, rules: BatchRules) -> str | None:
+        """Which size trigger holds: `size` (max_batch_size requests wait), `tokens`
+        (max_batch_tokens padded tokens wait), or None."""
+        if self.requests >= rules.max_batch_size:
+            return "size"
+        if rules.max_batch_tokens is not None and self.padded_tokens >= rules.max_batch_tokens:
+            return "tokens"
+        return None
+
     def due_in(self, now: float, rules: BatchRules) -> float | None:
-        """Seconds until a batch must run: 0 when max_batch_size requests or max_batch_tokens
-        padded tokens wait, else when the oldest request has waited batch_timeout; None when empty."""
+        """Seconds until a batch must run: 0 when a size trigger holds (`full`), else when the
+        oldest request has waited batch_timeout; None when empty."""
         oldest = self.oldest()
         if oldest is None:
             return None
-        if self.requests >= rules.max_batch_size or (
-                rules.max_batch_tokens is not None and self.padded_tokens >= rules.max_batch_tokens):
+        if self.full(rules):
             return 0.0
         return max(0.0, oldest.arrived + rules.batch_timeout_s - now)
 
@@ -208,6 +216,7 @@ class BatcherStats:
     queue_depth: int = 0  # requests waiting now (tokenizing or queued)
     queued_tokens: int = 0  # padded tokens queued now
     max_queue_depth: int = 0
+    triggers: Counter = field(default_factory=Counter)  # batches formed per trigger: size, tokens, timeout, close
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     wait_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))  # per computed request: submit → forward
     compute_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))  # per batch: the device's time
@@ -427,6 +436,8 @@ class DynamicBatcher:
                 return None
             wait = self._queue.due_in(loop.time(), self.rules)
             if wait is not None and (wait <= 0 or self._closing):
+                trigger = self._queue.full(self.rules) or ("timeout" if wait <= 0 else "close")
+                self.stats.triggers[trigger] += 1
                 batch = self._queue.take_batch(self.rules)
                 self._note_depth()
                 return batch

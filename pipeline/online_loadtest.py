@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 VARIABLES = {"max-batch-size": "max_batch_size", "batch-timeout-ms": "batch_timeout_ms",
              "max-batch-tokens": "max_batch_tokens"}
-BATCHES_NEVER_FILL = 0.5  # mean batch below this share of max_batch_size
+BATCHES_NEVER_FILL = 0.5  # most batches formed by the timeout, their mean below this share of max_batch_size
+TOKEN_CAPPED = 0.5  # most batches formed by the token trigger
 OVER_CAPACITY = 0.95  # served below this share of the offered rate
 TAIL_RATIO = 3.0  # p99 above this multiple of p50
 
@@ -63,6 +64,9 @@ class OnlineLevelResult:
     timed_out: int
     mean_batch_size: float
     batches: int
+    batches_by_size: int  # formed because max_batch_size requests waited
+    batches_by_tokens: int  # because max_batch_tokens padded tokens waited
+    batches_by_timeout: int  # because the oldest request had waited batch_timeout_ms
     oom_splits: int
     max_queue_depth: int
     queue_depth_at_end: int  # waiting when the last measured arrival came
@@ -107,19 +111,25 @@ def level_status(rejected: int, timed_out: int, oom_splits: int) -> str:
 def diagnose(result: OnlineLevelResult) -> list[str]:
     """One line per known pattern this level shows."""
     lines = []
-    window_s = result.batch_timeout_ms / 1000
-    per_window = result.qps_target * window_s
-    if result.batches and result.mean_batch_size < BATCHES_NEVER_FILL * result.max_batch_size \
-            and per_window < result.max_batch_size:
-        lines.append(f"batches never fill: at {result.qps_target:g} requests/s a {result.batch_timeout_ms:g} ms window "
-                     f"gathers ~{per_window:.1f} requests (mean batch {result.mean_batch_size:.1f} of "
-                     f"{result.max_batch_size}); the timeout is doing the work, so each request waits up to the window "
-                     "- lower --batch-timeout-ms for latency, or expect this at this rate")
+    formed = result.batches_by_size + result.batches_by_tokens + result.batches_by_timeout
+    per_window = result.qps_offered * result.batch_timeout_ms / 1000
+    if formed and result.batches_by_timeout > BATCHES_NEVER_FILL * formed \
+            and result.mean_batch_size < BATCHES_NEVER_FILL * result.max_batch_size:
+        lines.append(f"batches never fill: {result.batches_by_timeout} of {formed} batches were sent by the "
+                     f"{result.batch_timeout_ms:g} ms timeout (mean batch {result.mean_batch_size:.1f} of "
+                     f"{result.max_batch_size}; at {result.qps_offered:.1f} requests/s a window gathers "
+                     f"~{per_window:.1f}); the rate is below the size trigger and every request waits up to the window "
+                     "- lower --batch-timeout-ms for latency")
+    if formed and result.batches_by_tokens > TOKEN_CAPPED * formed:
+        lines.append(f"batches are capped by tokens: {result.batches_by_tokens} of {formed} batches were sent because "
+                     f"{result.max_batch_tokens} padded tokens waited (mean batch {result.mean_batch_size:.1f} of "
+                     f"{result.max_batch_size}); raising --max-batch-size alone changes nothing, raise "
+                     "--max-batch-tokens (within the memory plan) for larger batches")
     if result.rejected or result.timed_out or result.qps_achieved < OVER_CAPACITY * result.qps_offered:
         lines.append(f"over capacity: {result.qps_achieved:.1f} of {result.qps_offered:.1f} requests/s served, queue "
                      f"{result.queue_depth_at_end} deep at the last arrival (peak {result.max_queue_depth}), "
-                     f"{result.rejected} rejected, {result.timed_out} timed out; rejections are expected here - "
-                     "lower the rate, add devices, or allow larger batches")
+                     f"{result.rejected} rejected, {result.timed_out} timed out; rejections and timeouts are expected "
+                     "here - lower the rate, add devices, or allow larger batches")
     if result.latency_ms_p50 > 0 and result.latency_ms_p99 > TAIL_RATIO * result.latency_ms_p50:
         lines.append(f"p99 {result.latency_ms_p99:,.0f} ms is {result.latency_ms_p99 / result.latency_ms_p50:.1f}x "
                      f"p50: long rows or long waits (queue wait p99 {result.wait_ms_p99:,.0f} ms, batch compute p99 "
@@ -223,7 +233,8 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
         latency_ms_max=round(latency["max"], 2),
         qps_achieved=round(len(outcome.latencies_s) / outcome.total_s, 2) if outcome.total_s else 0.0,
         rejected=rejected, timed_out=outcome.timed_out, mean_batch_size=round(stats.mean_batch_size, 3),
-        batches=stats.batches, oom_splits=stats.oom_splits, max_queue_depth=stats.max_queue_depth,
+        batches=stats.batches, batches_by_size=stats.triggers["size"], batches_by_tokens=stats.triggers["tokens"],
+        batches_by_timeout=stats.triggers["timeout"], oom_splits=stats.oom_splits, max_queue_depth=stats.max_queue_depth,
         queue_depth_at_end=outcome.queue_depth_at_end, wait_ms_p50=round(wait["p50"], 2),
         wait_ms_p99=round(wait["p99"], 2), compute_ms_p50=round(compute["p50"], 2),
         compute_ms_p99=round(compute["p99"], 2), peak_memory_bytes=int(peak))

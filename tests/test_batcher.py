@@ -109,7 +109,7 @@ def test_a_lone_request_returns_within_the_window_plus_one_forward(minilm):
 
     latency, answer, stats = asyncio.run(serve())
     assert answer["error"] is None and len(answer["embedding"]) == 384
-    assert list(stats.batch_sizes) == [1, 1]
+    assert list(stats.batch_sizes) == [1, 1] and stats.triggers == {"timeout": 2}
     assert window_s <= latency < window_s + stats.compute_s[-1] + 0.15  # 0.15 s: this shared machine's jitter
 
 
@@ -122,7 +122,7 @@ def test_a_burst_of_max_batch_size_runs_as_one_batch_without_waiting_for_the_win
 
     seconds, answers, stats = asyncio.run(serve())
     assert seconds < 5 and [a["id"] for a in answers] == list(range(8))
-    assert list(stats.batch_sizes) == [8]
+    assert list(stats.batch_sizes) == [8] and stats.triggers == {"size": 1}
 
 
 def test_max_queue_plus_k_submits_get_exactly_k_queue_full_at_once(minilm):
@@ -238,6 +238,7 @@ def test_close_answers_every_queued_request_or_fails_it(minilm):
 
     closed_in, outcomes, stats = asyncio.run(serve(drain=True))
     assert closed_in < 5 and all(o["error"] is None for o in outcomes) and stats.rows_computed == 5
+    assert set(stats.triggers) == {"close"}  # drained at once, not by the 30 s window
     _, outcomes, stats = asyncio.run(serve(drain=False))
     assert all(isinstance(o, BatcherClosed) for o in outcomes) and stats.rows_computed == 0
 

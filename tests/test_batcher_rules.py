@@ -63,11 +63,11 @@ def test_triggers_size_tokens_and_the_oldest_requests_window():
     assert queue.due_in(10.2, rules) == 0.0  # the window has passed
     queue.push(request(1, 8, arrived=10.01))
     queue.push(request(2, 8, arrived=10.02))
-    assert queue.due_in(10.02, rules) == 0.0  # three requests: full
+    assert queue.due_in(10.02, rules) == 0.0 and queue.full(rules) == "size"  # three requests: full
     tokens = RequestQueue()
     tokens.push(request(0, 64, arrived=10.0))
     tokens.push(request(1, 40, arrived=10.0))
-    assert tokens.due_in(10.0, rules) == 0.0  # 104 padded tokens ≥ 100
+    assert tokens.due_in(10.0, rules) == 0.0 and tokens.full(rules) == "tokens"  # 104 padded tokens ≥ 100
 
 
 def test_removing_a_request_keeps_the_counts_and_the_others_order():

@@ -25,13 +25,14 @@ MIB = 2**20
 
 def level(value: int, qps_achieved: float = 40.0, p50: float = 30.0, p99: float = 60.0, rejected: int = 0,
           timed_out: int = 0, mean_batch: float = 4.0, batch_size: int = 8, timeout_ms: float = 20.0,
-          qps: float = 40.0, depth: int = 2) -> OnlineLevelResult:
+          qps: float = 40.0, depth: int = 2, by: tuple[int, int, int] = (50, 0, 50)) -> OnlineLevelResult:
     return OnlineLevelResult(
         level=value, status=level_status(rejected, timed_out, 0), max_batch_size=batch_size,
         batch_timeout_ms=timeout_ms, max_batch_tokens=2048, qps_target=qps, concurrency=64, requests=400,
         qps_offered=qps, total_s=10.2, latency_ms_avg=p50 * 1.1, latency_ms_p50=p50, latency_ms_p95=p99 * 0.9,
         latency_ms_p99=p99, latency_ms_max=p99 * 1.2, qps_achieved=qps_achieved, rejected=rejected,
-        timed_out=timed_out, mean_batch_size=mean_batch, batches=100, oom_splits=0, max_queue_depth=depth * 2,
+        timed_out=timed_out, mean_batch_size=mean_batch, batches=100, batches_by_size=by[0], batches_by_tokens=by[1],
+        batches_by_timeout=by[2], oom_splits=0, max_queue_depth=depth * 2,
         queue_depth_at_end=depth, wait_ms_p50=p50 / 2, wait_ms_p99=p99 / 2, compute_ms_p50=10.0, compute_ms_p99=20.0,
         peak_memory_bytes=50 * MIB)
 
@@ -50,8 +51,16 @@ def test_a_healthy_level_has_no_diagnosis():
 
 
 def test_batches_that_never_fill_say_the_timeout_does_the_work():
-    lines = diagnose(level(32, batch_size=32, mean_batch=1.3, qps=40, timeout_ms=20))
-    assert len(lines) == 1 and lines[0].startswith("batches never fill: at 40 requests/s a 20 ms window gathers ~0.8")
+    lines = diagnose(level(32, batch_size=32, mean_batch=1.3, qps=40, timeout_ms=20, by=(0, 0, 100)))
+    assert lines == ["batches never fill: 100 of 100 batches were sent by the 20 ms timeout (mean batch 1.3 of 32; "
+                     "at 40.0 requests/s a window gathers ~0.8); the rate is below the size trigger and every request "
+                     "waits up to the window - lower --batch-timeout-ms for latency"]
+    assert diagnose(level(32, batch_size=32, mean_batch=1.3, qps=40, timeout_ms=20, by=(10, 0, 5))) == []
+
+
+def test_batches_capped_by_the_token_budget_say_so():
+    lines = diagnose(level(64, batch_size=64, mean_batch=20.0, qps=400, qps_achieved=398.0, by=(0, 80, 20)))
+    assert len(lines) == 1 and lines[0].startswith("batches are capped by tokens: 80 of 100 batches")
 
 
 def test_over_capacity_and_a_long_tail_are_named():
