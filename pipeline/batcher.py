@@ -301,6 +301,7 @@ class DynamicBatcher:
         from pipeline.model import load_model
         from pipeline.run import BatchLimits
 
+        set_torch_threads(config.torch_threads)
         loaded = load_model(config)
         config = dataclasses.replace(config, max_length=loaded.choice.max_length)
         plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path,
@@ -552,6 +553,17 @@ class DynamicBatcher:
 
     async def __aexit__(self, exc_type, exc, traceback) -> None:
         await self.close(drain=exc_type is None)
+
+
+def set_torch_threads(threads: int | None) -> None:
+    """Fix the forward's intra-op threads (process-wide) before the model is loaded and timed.
+    On a CPU shared with other processes, two threads that meet at every operator's barrier
+    turned a 10 ms single-row forward into ~1 s (load average 8 on 2 cores); one thread kept
+    it at 23-33 ms."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _use_device(device) -> None:

@@ -553,6 +553,9 @@ def _loadtest_default(name: str):
          help="Cap batches by the memory plan (cached, or probed on the device first).")
 @_option("--no-plan-cache", "no_plan_cache", env="NO_PLAN_CACHE", is_flag=True, default=False,
          help="Probe again and do not cache the plan.")
+@_option("--torch-threads", env="BATCHER_TORCH_THREADS", type=click.IntRange(1), default=None,
+         help="Intra-op threads of the forward. Default: torch's (the cores). On a CPU shared with other "
+              "processes 1 can be many times faster: see the README.")
 @_option("--sample-rows", env="LOADTEST_SAMPLE_ROWS", type=click.IntRange(2), default=_loadtest_default("sample_rows"),
          show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")
 @_option("--seed", env="LOADTEST_SEED", type=int, default=_loadtest_default("seed"), show_default=True,

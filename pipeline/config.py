@@ -119,6 +119,7 @@ class BatcherConfig:
     use_plan_cache: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     allow_pickle: bool = False
     trust_remote_code: bool = False
 

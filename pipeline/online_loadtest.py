@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from pipeline.batcher import DynamicBatcher, QueueFull, check_timeouts
+from pipeline.batcher import DynamicBatcher, QueueFull, check_timeouts, set_torch_threads
 from pipeline.config import OnlineLoadtestConfig
 from pipeline.errors import UsageError
 from pipeline.sweep import Measures, Recommendation, percentiles_ms, recommend
@@ -282,6 +282,7 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     from pipeline.tokenize import TokenizerPool
 
     levels_to_run = level_configs(config)
+    set_torch_threads(config.batcher.torch_threads)
     loaded = load_model(config.batcher)
     fixed = dataclasses.replace(config.batcher, max_length=loaded.choice.max_length)
     levels_to_run = [(value, dataclasses.replace(level, max_length=fixed.max_length)) for value, level in levels_to_run]
