@@ -83,7 +83,8 @@ class OnlineLevelResult:
     def problem(self) -> str:
         if self.status == "oom":
             return f"ran out of memory ({self.oom_splits} batch splits)"
-        return f"overloaded: {self.rejected} rejected, {self.timed_out} timed out of {self.requests}"
+        return (f"overloaded: {self.qps_achieved:.1f} of {self.qps_offered:.1f} requests/s served, "
+                f"{self.rejected} rejected, {self.timed_out} timed out of {self.requests}")
 
 
 ONLINE_MEASURES = Measures("qps_achieved", "latency_ms_p99", "peak_memory_bytes", "requests/s", "p99 latency")
@@ -102,10 +103,13 @@ def poisson_arrivals(qps: float, duration_s: float, rng: np.random.Generator) ->
     return offsets[offsets < duration_s]
 
 
-def level_status(rejected: int, timed_out: int, oom_splits: int) -> str:
+def level_status(rejected: int, timed_out: int, oom_splits: int, qps_achieved: float, qps_offered: float) -> str:
+    """oom when a batch ran out of memory; overloaded when requests were rejected or timed out
+    or the answers fell behind the arrivals (the client's concurrency cap then holds them back)."""
     if oom_splits:
         return "oom"
-    return "overloaded" if rejected or timed_out else "ok"
+    behind = qps_achieved < OVER_CAPACITY * qps_offered
+    return "overloaded" if rejected or timed_out or behind else "ok"
 
 
 def diagnose(result: OnlineLevelResult) -> list[str]:
@@ -196,12 +200,13 @@ async def send_arrivals(batcher: DynamicBatcher, texts: Sequence[str], arrivals:
 
 
 def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], config: OnlineLoadtestConfig,
-                         level: int, seed: int) -> OnlineLevelResult:
+                         level: int) -> OnlineLevelResult:
     """Warm-up, measured arrivals and drain for one batcher setting, in a fresh event loop;
-    the peak memory is what the whole level added."""
+    the peak memory is what the whole level added. Every level gets the same arrival times
+    and texts (drawn from `config.seed`): only the setting differs."""
     from pipeline.device import measure_peak_bytes
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(config.seed)
     warmup = poisson_arrivals(config.qps, config.warmup_s, rng)
     measured = poisson_arrivals(config.qps, config.duration_s, rng)
     order = rng.permutation(len(texts))
@@ -222,16 +227,18 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
     wait = percentiles_ms(list(stats.wait_s))
     compute = percentiles_ms(list(stats.compute_s))
     rejected = outcome.rejected
+    qps_offered = round(len(measured) / config.duration_s, 2)
+    qps_achieved = round(len(outcome.latencies_s) / outcome.total_s, 2) if outcome.total_s else 0.0
     return OnlineLevelResult(
-        level=level, status=level_status(rejected, outcome.timed_out, stats.oom_splits),
+        level=level, status=level_status(rejected, outcome.timed_out, stats.oom_splits, qps_achieved, qps_offered),
         max_batch_size=batcher_config.max_batch_size, batch_timeout_ms=batcher_config.batch_timeout_ms,
         max_batch_tokens=batcher_config.max_batch_tokens or 0, qps_target=config.qps,
-        concurrency=config.concurrency, requests=len(measured),
-        qps_offered=round(len(measured) / config.duration_s, 2), total_s=round(outcome.total_s, 3),
+        concurrency=config.concurrency, requests=len(measured), qps_offered=qps_offered,
+        total_s=round(outcome.total_s, 3),
         latency_ms_avg=round(latency["avg"], 2), latency_ms_p50=round(latency["p50"], 2),
         latency_ms_p95=round(latency["p95"], 2), latency_ms_p99=round(latency["p99"], 2),
         latency_ms_max=round(latency["max"], 2),
-        qps_achieved=round(len(outcome.latencies_s) / outcome.total_s, 2) if outcome.total_s else 0.0,
+        qps_achieved=qps_achieved,
         rejected=rejected, timed_out=outcome.timed_out, mean_batch_size=round(stats.mean_batch_size, 3),
         batches=stats.batches, batches_by_size=stats.triggers["size"], batches_by_tokens=stats.triggers["tokens"],
         batches_by_timeout=stats.triggers["timeout"], oom_splits=stats.oom_splits, max_queue_depth=stats.max_queue_depth,
@@ -320,9 +327,8 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     log.info(f"sample: {len(texts):,} texts, token length median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
              f"p99 {lengths['p99']:.0f}, max {lengths['max']}")
     levels, diagnoses = [], {}
-    for index, (value, level_config) in enumerate(levels_to_run):
-        result = measure_online_level(loaded, level_config, BatchLimits(plan), texts, config, value,
-                                      config.seed + index)
+    for value, level_config in levels_to_run:
+        result = measure_online_level(loaded, level_config, BatchLimits(plan), texts, config, value)
         levels.append(result)
         diagnoses[value] = diagnose(result)
         log.info(f"{config.vary} {value}: {result.qps_achieved:,.1f} of {config.qps:g} requests/s, p50 "
