@@ -46,6 +46,14 @@ def test_poisson_arrivals_have_the_rate_and_stay_in_the_window():
     assert np.array_equal(arrivals, poisson_arrivals(200.0, 50.0, np.random.default_rng(1)))
 
 
+def test_the_answer_rate_is_not_lowered_by_the_drains_tail():
+    from pipeline.online_loadtest import PhaseOutcome
+
+    keeping_up = PhaseOutcome([0.5] * 11, [0.5 + i for i in range(11)], 0, 0, total_s=10.9, queue_depth_at_end=0)
+    assert keeping_up.answers_per_s() == 1.0  # 11 answers in 10.9 s of total, but one a second
+    assert PhaseOutcome([0.5], [3.0], 0, 0, 3.0, 0).answers_per_s() == 0.0
+
+
 def test_a_level_whose_answers_fall_behind_the_arrivals_is_overloaded():
     assert level_status(0, 0, 0, 35.5, 61.4) == "overloaded"
     assert level_status(0, 0, 0, 60.0, 61.4) == "ok"
