@@ -77,6 +77,7 @@ class Measures:
     peak_bytes: str
     throughput_unit: str
     latency: str
+    knee_by_p99: bool = False  # among levels near the best throughput: the lowest p99, not the smallest level
 
 
 ROW_MEASURES = Measures("rows_per_s", "row_latency_ms_p99", "peak_device_bytes", "rows/s", "p99 row latency")
@@ -157,13 +158,17 @@ def recommend(levels: Sequence, vary: str, budget_bytes: int, memory_headroom: f
         return Recommendation(vary, None, f"no level met the limits ({why})", excluded=excluded)
     best = max(eligible, key=throughput)
     near_best = [r for r in eligible if throughput(r) >= (1.0 - knee_tolerance) * throughput(best)]
-    chosen = min(near_best, key=lambda r: r.level)
+    if measures.knee_by_p99:
+        chosen = min(near_best, key=lambda r: (p99_ms(r), r.level))
+        pick = "the lowest p99 of those: the same work, answered sooner"
+    else:
+        chosen = min(near_best, key=lambda r: r.level)
+        pick = "the smallest such level (the knee): the same work for less memory and latency"
     if chosen is best:
         how = f"the highest throughput ({throughput(best):,.1f} {unit})"
     else:
         how = (f"{throughput(chosen):,.1f} {unit}, within {knee_tolerance:.0%} of the best ({throughput(best):,.1f} "
-               f"{unit} at {best.level}) and the smallest such level (the knee): the same work for less memory "
-               "and latency")
+               f"{unit} at {best.level}), {pick}")
     limits = f"{measures.latency} {p99_ms(chosen):,.0f} ms"
     if max_p99_ms is not None:
         limits += f" ≤ {max_p99_ms:,.0f} ms"

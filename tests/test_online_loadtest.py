@@ -103,9 +103,17 @@ def test_the_recommendation_skips_overloaded_and_slow_levels_and_counts_requests
     levels = [level(1, qps_achieved=30.0, rejected=40), level(4, qps_achieved=39.5, p99=70),
               level(16, qps_achieved=40.0, p99=200)]
     chosen = recommend(levels, "max-batch-size", 8 * 2**30, 0.1, max_p99_ms=100, measures=ONLINE_MEASURES)
-    assert chosen.level == 4 and "39.5 requests/s" in chosen.reason and "p99 latency 70 ms ≤ 100 ms" in chosen.reason
+    assert chosen.level == 4 and "highest throughput (39.5 requests/s)" in chosen.reason
+    assert "p99 latency 70 ms ≤ 100 ms" in chosen.reason
     assert chosen.excluded[1] == "overloaded: 30.0 of 40.0 requests/s served, 40 rejected, 0 timed out of 400"
     assert chosen.excluded[16] == "p99 latency 200 ms > 100 ms"
+
+
+def test_among_levels_that_keep_up_the_lowest_p99_is_recommended():
+    levels = [level(4, qps_achieved=61.2, p99=408), level(16, qps_achieved=61.2, p99=344),
+              level(64, qps_achieved=60.8, p99=182)]
+    chosen = recommend(levels, "max-batch-size", 8 * 2**30, 0.1, measures=ONLINE_MEASURES)
+    assert chosen.level == 64 and "the lowest p99 of those" in chosen.reason
 
 
 def test_the_comparison_flags_lower_throughput_higher_p99_and_new_overload():
