@@ -355,7 +355,7 @@ def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
     top.plot(x, [getattr(r, measures.throughput) for r in ran], "o-", color="tab:blue", label="throughput")
     top.set_ylabel(measures.throughput_unit, color="tab:blue")
-    top.set_ylim(bottom=0)
+    top.set_ylim(0, max([getattr(r, measures.throughput) for r in ran], default=1) * 1.1 or 1)
     latency = top.twinx()
     latency.plot(x, [getattr(r, measures.p99_ms) for r in ran], "s--", color="tab:red", label=measures.latency)
     latency.set_ylabel(f"{measures.latency} (ms)", color="tab:red")
@@ -373,9 +373,10 @@ def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, 
             axis.axvline(recommended, color="tab:orange", linewidth=2, alpha=0.6)
         top.annotate(f"recommended: {recommended}", (recommended, top.get_ylim()[1] * 0.05), color="tab:orange",
                      ha="left", fontsize=9, xytext=(4, 0), textcoords="offset points")
-    if len(x) > 1 and min(x) > 0 and max(x) / min(x) >= 8:
+    every = sorted(r.level for r in levels)  # levels that did not run ok are marked too
+    if len(every) > 1 and min(every) > 0 and max(every) / min(every) >= 8:
         bottom.set_xscale("log", base=2)
-    bottom.set_xticks(x, [str(v) for v in x])
+    bottom.set_xticks(every, [str(v) for v in every])
     top.set_title(title, fontsize=10)
     top.grid(alpha=0.3)
     bottom.grid(alpha=0.3)
