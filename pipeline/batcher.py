@@ -156,17 +156,19 @@ class RequestQueue:
             return 0.0
         return max(0.0, oldest.arrived + rules.batch_timeout_s - now)
 
-    def take_batch(self, rules: BatchRules) -> list[QueuedRequest]:
+    def take_batch(self, rules: BatchRules, batch: list[QueuedRequest] | None = None) -> list[QueuedRequest]:
         """The next batch: the oldest request's bucket first, then the buckets nearest in padded
         length (shorter first on a tie), each FIFO, while the batch fits its capacity at its
-        padded length. A request that does not fit stays at the head of its bucket."""
-        anchor = self.oldest()
+        padded length. A request that does not fit stays at the head of its bucket. Given a
+        `batch` formed earlier (waiting for the device), tops it up the same way, around its
+        first request's length, with what arrived since."""
+        batch = list(batch or [])
+        anchor = batch[0] if batch else self.oldest()
         if anchor is None:
             return []
-        padded_length = anchor.padded_length
+        padded_length = max([anchor.padded_length] + [request.padded_length for request in batch])
         order = sorted(self._buckets, key=lambda length: (length != anchor.padded_length,
                                                            abs(length - anchor.padded_length), length))
-        batch: list[QueuedRequest] = []
         for length in order:
             bucket = self._buckets[length]
             while bucket:
@@ -421,6 +423,9 @@ class DynamicBatcher:
                     break
                 if running is not None:  # the next batch is formed; it goes to the device once this one is done
                     await running
+                    # topped up with what arrived during that forward, in place of callers that gave up
+                    batch = self._queue.take_batch(self.rules, [r for r in batch if not r.future.done()])
+                    self._note_depth()
                 running = asyncio.create_task(self._run_batch(batch))
             if running is not None:
                 await running

@@ -47,6 +47,17 @@ def test_a_request_that_does_not_fit_keeps_the_head_of_its_bucket():
     assert ids(queue.take_batch(rules)) == [1, 2]  # 2 × 64 = 128
 
 
+def test_a_batch_formed_earlier_is_topped_up_around_its_first_requests_length():
+    queue = queue_of(40, 40)
+    rules = BatchRules(max_batch_size=4, max_batch_tokens=None, batch_timeout_s=0.02)
+    formed = queue.take_batch(rules)  # goes to the device once it is free; meanwhile more arrive
+    for number, length in ((2, 8), (3, 48), (4, 40), (5, 40)):
+        queue.push(request(number, length))
+    assert ids(queue.take_batch(rules, formed)) == [0, 1, 4, 5]  # its own bucket first, FIFO
+    assert ids(queue.take_batch(rules)) == [2, 3]
+    assert queue.take_batch(rules, []) == []
+
+
 def test_batches_never_exceed_the_memory_plans_rows_for_their_padded_length():
     queue = queue_of(*([100] * 10))
     rules = BatchRules(max_batch_size=64, max_batch_tokens=None, batch_timeout_s=0.02,
