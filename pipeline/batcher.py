@@ -220,7 +220,8 @@ class BatcherStats:
     max_queue_depth: int = 0
     triggers: Counter = field(default_factory=Counter)  # batches formed per trigger: size, tokens, timeout, close
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
-    wait_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))  # per computed request: submit → forward
+    # per computed request: submit to the start of its forward
+    wait_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     compute_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))  # per batch: the device's time
 
     def reset(self) -> None:

@@ -612,7 +612,8 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
     Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
     fixed = report.settings
     click.echo(f"{fixed['job']} · {fixed['device']} · {fixed['dtype']} · max length {fixed['max_length']} · "
-               f"{fixed['qps']:g} requests/s Poisson for {fixed['duration_s']:g} s (+{fixed['warmup_s']:g} s warm-up) · "
+               f"{fixed['qps']:g} requests/s Poisson for {fixed['duration_s']:g} s "
+               f"(+{fixed['warmup_s']:g} s warm-up) · "
                f"concurrency {fixed['concurrency']} · " + " · ".join(
                    f"{name} {fixed[name]}" for name in ("max_batch_size", "batch_timeout_ms", "max_batch_tokens",
                                                         "request_timeout_ms", "max_queue") if fixed[name] is not None))

@@ -269,7 +269,8 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
         qps_achieved=qps_achieved,
         rejected=rejected, timed_out=outcome.timed_out, mean_batch_size=round(stats.mean_batch_size, 3),
         batches=stats.batches, batches_by_size=stats.triggers["size"], batches_by_tokens=stats.triggers["tokens"],
-        batches_by_timeout=stats.triggers["timeout"], oom_splits=stats.oom_splits, max_queue_depth=stats.max_queue_depth,
+        batches_by_timeout=stats.triggers["timeout"], oom_splits=stats.oom_splits,
+        max_queue_depth=stats.max_queue_depth,
         queue_depth_at_end=outcome.queue_depth_at_end, wait_ms_p50=round(wait["p50"], 2),
         wait_ms_p99=round(wait["p99"], 2), compute_ms_p50=round(compute["p50"], 2),
         compute_ms_p99=round(compute["p99"], 2), peak_memory_bytes=int(peak))

@@ -150,7 +150,8 @@ def test_the_queue_is_bounded_in_padded_tokens_too(minilm_128, long_texts):
             first = asyncio.create_task(batcher.submit(long_texts[0]))
             second = asyncio.create_task(batcher.submit(long_texts[1]))
             third = asyncio.create_task(batcher.submit(long_texts[2]))
-            with pytest.raises(QueueFull, match=r"256 padded tokens wait, this request adds 128 \(max_queue_tokens 300\)"):
+            too_many = r"256 padded tokens wait, this request adds 128 \(max_queue_tokens 300\)"
+            with pytest.raises(QueueFull, match=too_many):
                 await third
         return first.result(), second.result()  # leaving the block computed the queued two
 

@@ -93,8 +93,9 @@ def test_random_queues_take_every_request_once_in_fifo_order_within_capacity():
     generator = random.Random(0)
     for _ in range(200):
         lengths = [generator.choice([8, 16, 24, 64, 128, 256]) for _ in range(generator.randint(1, 60))]
-        rules = BatchRules(max_batch_size=generator.choice([1, 4, 16]), max_batch_tokens=generator.choice([None, 256, 1024]),
-                           batch_timeout_s=0.02, memory_rows=lambda length: max(1, 2048 // length))
+        rules = BatchRules(max_batch_size=generator.choice([1, 4, 16]),
+                           max_batch_tokens=generator.choice([None, 256, 1024]), batch_timeout_s=0.02,
+                           memory_rows=lambda length: max(1, 2048 // length))
         queue = queue_of(*lengths)
         taken = []
         while len(queue):
