@@ -38,7 +38,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 from pipeline.config import RunConfig  # noqa: E402
-from pipeline.device import dtype_name  # noqa: E402
+from pipeline.device import allocator_config, dtype_name  # noqa: E402
 from pipeline.run import run_job  # noqa: E402
 
 
@@ -54,6 +54,9 @@ def environment(device: torch.device, model_path: str) -> dict:
             "device": str(device), "dtype_auto": dtype_name(loaded.choice.dtype),
             "dtype_reason": loaded.choice.dtype_reason,
             "attention_implementation": getattr(loaded.model.config, "_attn_implementation", None),
+            "prepared_attention_mask": bool(getattr(getattr(loaded.model, "encoder", loaded.model),
+                                                    "takes_prepared_mask", False)),
+            "allocator_config": allocator_config(),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
@@ -103,17 +106,19 @@ def correctness(table: pa.Table, model_path: str, device: torch.device, scratch:
 
 def throughput(inputs: str, rows: int, texts: list, model_path: str, device: torch.device, token_levels: list,
                scratch: Path, budget: int | None) -> dict:
-    """`run` end to end per token budget (and the plan's own choice), then ST.encode, same rows."""
+    """`run` end to end per token budget (and auto: the device's default under the memory plan), then
+    ST.encode, same rows."""
     results = {"rows": rows, "lengthwise": [], "sentence_transformers": []}
     for tokens in token_levels + [None]:
         output = scratch / f"throughput-{tokens}"
         started = time.perf_counter()
         summary = run_job(RunConfig(input=(inputs,), output=str(output), model=model_path, device=str(device),
-                                    max_batch_tokens=tokens, max_batch_rows=16384, memory_budget=budget,
+                                    max_batch_tokens=tokens, max_batch_rows=None if tokens is None else 16384,
+                                    memory_budget=budget,
                                     progress=False))
         wall_s = time.perf_counter() - started
         results["lengthwise"].append({
-            "max_batch_tokens": tokens or "plan", "wall_s": round(wall_s, 2), "rows_per_s": round(rows / wall_s, 1),
+            "max_batch_tokens": tokens or "auto", "wall_s": round(wall_s, 2), "rows_per_s": round(rows / wall_s, 1),
             "tokens_per_s": round(summary.real_tokens / wall_s), "padding_efficiency": round(summary.padding_efficiency, 4),
             "device_busy": round(summary.device_busy_fraction, 3), "batches": summary.batches, "dtype": summary.dtype,
             "stage_s": summary.stage_s, "oom_splits": summary.oom_splits, "rows_written": summary.rows})

@@ -1,7 +1,7 @@
 """How long a fresh memory probe takes, and whether every bucket it measured stayed in budget.
 
 Runs `lengthwise plan --no-plan-cache` (the probe, nothing cached) at several budgets with the
-token budget off (`--max-batch-tokens auto`: batches sized by memory alone, the most expensive
+token budget off (`--max-batch-tokens` 2^30: batches sized by memory alone, the most expensive
 case), and records the wall time, the probe's own seconds and each bucket's measured peak.
 
     .venv/bin/python benchmarks/probe_speed.py --json benchmarks/results/probe_speed_cpu.json
@@ -32,7 +32,7 @@ def main() -> None:
     for budget in args.budgets.split(","):
         started = time.perf_counter()
         completed = subprocess.run([str(BIN / "lengthwise"), "plan", "--no-plan-cache", "--memory-budget", budget,
-                                    "--max-batch-tokens", "auto", "--max-length", args.max_length, "--dtype",
+                                    "--max-batch-tokens", str(2**30), "--max-length", args.max_length, "--dtype",
                                     args.dtype, "--json", "--quiet"], capture_output=True, text=True, check=True)
         wall_s = time.perf_counter() - started
         plan = json.loads(completed.stdout)

@@ -19,6 +19,7 @@ from pipeline.errors import UsageError
 
 class Job(Protocol):
     name: str
+    auto_class: type  # the transformers Auto class its model loads with
 
     def load(self, model_path: str, device: torch.device, dtype: torch.dtype, prompt_tokens: int = 0,
              **loading) -> torch.nn.Module:
@@ -41,10 +42,24 @@ class Job(Protocol):
         """Arrow columns from stacked outputs; rows where `valid` is False are null."""
 
 
+def attention_implementation(auto_class, model_path: str) -> str | None:
+    """The attention kernel a model folder runs under this job: "sdpa" (torch's fused kernels)
+    where the architecture supports it, else "eager"; None for a class transformers does not
+    know (remote code decides for itself). Settled before loading, so the output fingerprint
+    and the plan key can hold it: a model that silently fell back to eager attention would
+    run slower and need other batch sizes."""
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    model_class = auto_class._model_mapping.get(type(config), None)
+    if model_class is None:
+        return None
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
 def load_pretrained(auto_class, model_path: str, device: torch.device, dtype: torch.dtype,
                     may_be_missing: tuple[str, ...] = (), allow_pickle: bool = False,
-                    trust_remote_code: bool = False) -> torch.nn.Module:
-    """from_pretrained, moved to the device, in eval mode; safetensors weights only unless
+                    trust_remote_code: bool = False, attention: str | None = None) -> torch.nn.Module:
+    """from_pretrained with `attention` as its attention implementation (None: the model's
+    default), moved to the device, in eval mode; safetensors weights only unless
     `allow_pickle` (a pickle checkpoint can run code when it is loaded).
 
     Weights the checkpoint lacks would be random, so their outputs meaningless: refused,
@@ -60,14 +75,51 @@ def load_pretrained(auto_class, model_path: str, device: torch.device, dtype: to
     try:
         model, info = auto_class.from_pretrained(model_path, dtype=dtype, use_safetensors=None if allow_pickle
                                                  else True, trust_remote_code=trust_remote_code,
-                                                 output_loading_info=True)
+                                                 output_loading_info=True,
+                                                 **({"attn_implementation": attention} if attention else {}))
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load the model in {model_path}: {error}") from error
     missing = [key for key in info.get("missing_keys", []) if not key.startswith(may_be_missing)]
     if missing:
         raise UsageError(f"{model_path} has no trained weights for {', '.join(sorted(missing)[:4])}"
                          f"{' …' if len(missing) > 4 else ''}; is it the right --model for --job?")
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.takes_prepared_mask = takes_prepared_mask(model)
+    return model
+
+
+def prepared_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The (rows, 1, 1, length) boolean mask SDPA takes, from a (rows, length) 0/1 mask."""
+    return attention_mask.bool()[:, None, None, :]
+
+
+def model_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The mask to give the transformer. Under SDPA, transformers checks `mask.all()` on every
+    forward to see whether it may drop a 2-D mask: a host-device sync per batch, which stalls
+    the host until the GPU has finished all queued work. A prepared 4-D mask is used as it is,
+    without that check, where `takes_prepared_mask` found it gives the same outputs."""
+    return prepared_mask(attention_mask) if getattr(model, "takes_prepared_mask", False) else attention_mask
+
+
+def takes_prepared_mask(model: torch.nn.Module) -> bool:
+    """Whether `model` under SDPA accepts a prepared 4-D mask and gives the same outputs as with
+    the 2-D mask, on a two-row batch with padding (older model code rejects 4-D masks)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    device = next(model.parameters()).device
+    input_ids = torch.full((2, 8), min(1000, model.config.vocab_size - 1), device=device)
+    attention_mask = torch.ones((2, 8), dtype=torch.long, device=device)
+    attention_mask[1, 5:] = 0
+    try:
+        with torch.inference_mode():
+            plain = model(input_ids=input_ids, attention_mask=attention_mask)[0].float()
+            prepared = model(input_ids=input_ids, attention_mask=prepared_mask(attention_mask))[0].float()
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return False
+    kept = attention_mask.bool() if plain.dim() == 3 else torch.ones(plain.shape[0], dtype=torch.bool, device=device)
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
+    return plain.shape == prepared.shape and torch.allclose(plain[kept], prepared[kept], rtol=tolerance,
+                                                            atol=tolerance)
 
 
 def fixed_size_list(values: np.ndarray, valid: np.ndarray) -> pa.FixedSizeListArray:

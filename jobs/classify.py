@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 from transformers import AutoModelForSequenceClassification
 
-from jobs.base import load_pretrained
+from jobs.base import load_pretrained, model_attention_mask
 
 
 MAX_SCORE_CHANGE = 0.01  # another dtype must keep every probability this close to float32's
@@ -22,12 +22,14 @@ def uses_sigmoid(config) -> bool:
 
 class ClassifyJob:
     name = "classify"
+    auto_class = AutoModelForSequenceClassification
 
     def load(self, model_path, device, dtype, prompt_tokens: int = 0, **loading):
         return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype, **loading)
 
     def forward(self, model, input_ids, attention_mask):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        mask = model_attention_mask(model, attention_mask)
+        logits = model(input_ids=input_ids, attention_mask=mask).logits.float()
         scores = logits.sigmoid() if uses_sigmoid(model.config) else logits.softmax(dim=-1)
         return {"scores": scores}
 

@@ -12,13 +12,15 @@ import pyarrow as pa
 import torch
 from transformers import AutoModel
 
-from jobs.base import fixed_size_list, load_pretrained
+from jobs.base import fixed_size_list, load_pretrained, model_attention_mask
 from jobs.sentence_transformers_folder import EmbeddingRecipe, read_embedding_recipe
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, recipe: EmbeddingRecipe,
          prompt_tokens: int = 0) -> torch.Tensor:
-    """(rows, width × modes) sentence vectors from right-padded (rows, length, width) states.
+    """(rows, width × modes) float32 sentence vectors from right-padded (rows, length, width)
+    states, pooled in the states' own dtype (sums as a masked matmul, which accumulates in
+    float32 on the device) so that no float32 copy of all the states is made.
 
     `prompt_tokens` leading positions are left out of the pooling when the recipe excludes
     the prompt (sentence-transformers' `include_prompt: false`)."""
@@ -26,30 +28,37 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, recipe: EmbeddingRe
     if prompt_tokens and not recipe.include_prompt:
         mask = mask.clone()
         mask[:, :prompt_tokens] = 0
-    weights = mask.unsqueeze(-1)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    count = mask.float().sum(dim=1, keepdim=True).clamp(min=1e-9)
     vectors = []
     for mode in recipe.pooling:
         if mode == "cls":  # the first position the mask keeps
-            first = mask.argmax(dim=1)
-            vectors.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
+            vectors.append(hidden[rows, mask.argmax(dim=1)].float())
         elif mode == "max":
-            vectors.append(hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values)
+            vectors.append(hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values.float())
         elif mode in ("mean", "mean_sqrt_len_tokens"):
-            count = weights.sum(dim=1).clamp(min=1e-9)
-            vectors.append((hidden * weights).sum(dim=1) / (count if mode == "mean" else count.sqrt()))
+            summed = torch.bmm(mask.unsqueeze(1), hidden).squeeze(1).float()
+            vectors.append(summed / (count if mode == "mean" else count.sqrt()))
         elif mode == "weightedmean":  # position i (from 1) weighs i
-            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=hidden.dtype)
-            weighted = weights * positions.view(1, -1, 1)
-            vectors.append((hidden * weighted).sum(dim=1) / weighted.sum(dim=1).clamp(min=1e-9))
+            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=torch.float32)
+            weights = mask.float() * positions
+            summed = torch.bmm(weights.to(hidden.dtype).unsqueeze(1), hidden).squeeze(1).float()
+            vectors.append(summed / weights.sum(dim=1, keepdim=True).clamp(min=1e-9))
         elif mode == "lasttoken":  # the last position the mask keeps (the last one if none)
-            from_end = mask.flip(1)
-            kept, offset = from_end.max(dim=1)
+            kept, offset = mask.flip(1).max(dim=1)
             last = torch.where(kept == 0, hidden.shape[1] - 1, hidden.shape[1] - 1 - offset)
-            vectors.append((hidden * weights)[torch.arange(hidden.shape[0], device=hidden.device), last])
+            vectors.append((hidden[rows, last] * mask[rows, last].unsqueeze(-1)).float())
         else:  # read_embedding_recipe admits only the modes above
             raise ValueError(f"unknown pooling mode {mode!r}")
     pooled = torch.cat(vectors, dim=-1)
     return torch.nn.functional.normalize(pooled, p=2, dim=1) if recipe.normalize else pooled
+
+
+class NoPooler(torch.nn.Module):
+    """Stands in for a BERT-style pooler that sentence embeddings never use, so it does not run."""
+
+    def forward(self, hidden_states: torch.Tensor) -> None:
+        return None
 
 
 class SentenceEmbedder(torch.nn.Module):
@@ -67,7 +76,8 @@ class SentenceEmbedder(torch.nn.Module):
         return self.config.hidden_size * len(self.recipe.pooling)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
+        hidden = self.encoder(input_ids=input_ids,
+                              attention_mask=model_attention_mask(self.encoder, attention_mask)).last_hidden_state
         return pool(hidden, attention_mask, self.recipe, self.prompt_tokens)
 
 
@@ -76,12 +86,15 @@ MIN_COSINE = 0.999  # another dtype must keep every row's vector this close to f
 
 class EmbedJob:
     name = "embed"
+    auto_class = AutoModel
 
     def load(self, model_path, device, dtype, prompt_tokens: int = 0, **loading):
         """`prompt_tokens`: how many leading tokens the run's prompt takes (for recipes that
         leave the prompt out of the pooling)."""
         recipe = read_embedding_recipe(model_path)
         encoder = load_pretrained(AutoModel, model_path, device, dtype, may_be_missing=("pooler.",), **loading)
+        if getattr(encoder, "pooler", None) is not None:
+            encoder.pooler = NoPooler()
         return SentenceEmbedder(encoder, recipe, prompt_tokens).eval()
 
     def forward(self, model, input_ids, attention_mask):

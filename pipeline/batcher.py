@@ -491,7 +491,7 @@ class DynamicBatcher:
 
         import torch
 
-        from pipeline.device import collate, forward_splitting_on_oom
+        from pipeline.device import HostCopy, collate, forward_splitting_on_oom
 
         started = time.perf_counter()
         padded_length = batch_padded_length(batch)
@@ -501,11 +501,14 @@ class DynamicBatcher:
         input_ids, attention_mask = collate(token_ids, offsets, np.arange(len(batch)), padded_length,
                                             self.loaded.tokenizer.pad_token_id)
         job, model, device = self.loaded.job, self.loaded.model, self.loaded.choice.device
+
+        def forward(ids, mask):  # inputs left on the host (no room for their copy) move here, under the back-off
+            return job.forward(model, ids.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+
         with torch.inference_mode():
             tensors, copied = self._feeder.send(input_ids, attention_mask)
             input_ids, attention_mask = self._feeder.receive(tensors, copied)
-            result = forward_splitting_on_oom(lambda ids, mask: job.forward(model, ids, mask), input_ids,
-                                              attention_mask, device)
+            result = HostCopy(forward_splitting_on_oom(forward, input_ids, attention_mask, device), device).read()
         if result.splits and self.limits is not None:
             self.limits.lower(padded_length, max(1, result.largest_ok_rows))
         return result, time.perf_counter() - started

@@ -7,7 +7,7 @@ longest first so the most memory-hungry batch of a window runs before the rest.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,9 +57,10 @@ def batch_capacity(padded_length: int, max_batch_tokens: int | None, max_batch_r
 
 
 def plan_batches(lengths: np.ndarray, max_batch_tokens: int | None, max_batch_rows: int,
-                 bounds: np.ndarray, memory_rows: Callable[[int], int] | None = None) -> list[Batch]:
+                 bounds: np.ndarray, memory_rows: Callable[[int], int] | None = None) -> Iterator[Batch]:
     """Pack every row exactly once, longest first, under the padded-token and row limits and
-    the memory plan's rows per padded length.
+    the memory plan's rows per padded length. Lazily: each batch asks `memory_rows` when it is
+    packed, so a limit lowered after an out-of-memory error applies to the rest of the window.
 
     The sort is stable, so equal lengths keep input order and plans are reproducible. A row
     longer than the token budget on its own still gets a batch of one.
@@ -70,14 +71,12 @@ def plan_batches(lengths: np.ndarray, max_batch_tokens: int | None, max_batch_ro
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(-lengths, kind="stable")
     padded = padded_lengths(lengths[order], bounds)
-    batches = []
     start = 0
     while start < len(order):
         padded_length = int(padded[start])
         stop = min(len(order), start + batch_capacity(padded_length, max_batch_tokens, max_batch_rows, memory_rows))
-        batches.append(Batch(rows=order[start:stop], padded_length=padded_length))
+        yield Batch(rows=order[start:stop], padded_length=padded_length)
         start = stop
-    return batches
 
 
 def padding_efficiency(real_tokens: int, padded_tokens: int) -> float:

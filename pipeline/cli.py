@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.config import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig
+from pipeline.config import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig, device_batch_limit
 from pipeline.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -216,14 +216,15 @@ MEMORY_OPTIONS = [
 ]
 
 BATCH_OPTIONS = [
-    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"),
-            default=str(_default("max_batch_tokens")), show_default=True,
+    _option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
+            show_default=True,
             help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this "
-                 "model, device and dtype if there is one, else as many as the memory plan allows."),
-    _option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"),
-            default=str(_default("max_batch_rows")), show_default=True,
+                 f"model, device and dtype if there is one, else {device_batch_limit('cpu', 'max_batch_tokens')} on "
+                 f"CPU and {device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it."),
+    _option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"), default="auto", show_default=True,
             help="Rows per batch, whatever their length, or auto: the sweep's recommendation, else "
-                 f"{_default('max_batch_rows')}."),
+                 f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU and "
+                 f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA."),
     *MEMORY_OPTIONS,
     _option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=_default("safety"), show_default=True,
             help="Headroom factor of the memory formula."),
@@ -398,7 +399,9 @@ def _sweep_default(name: str):
 @_option("--max-batch-tokens", env="SWEEP_MAX_BATCH_TOKENS", type=click.IntRange(1), default=None,
          help="Held fixed while --vary max-batch-rows (default: no token budget).")
 @_option("--max-batch-rows", env="SWEEP_MAX_BATCH_ROWS", type=click.IntRange(1), default=None,
-         help=f"Held fixed while --vary max-batch-tokens (default: {_sweep_default('max_batch_rows')}, as in run).")
+         help="Held fixed while --vary max-batch-tokens (default: the device's, as in run: "
+              f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU, {device_batch_limit('cuda', 'max_batch_rows')} "
+              "on CUDA).")
 @_option("--rows", env="SWEEP_ROWS", type=click.IntRange(1), default=_sweep_default("rows"), show_default=True,
          help="Measured rows per level.")
 @_option("--warmup-rows", env="SWEEP_WARMUP_ROWS", type=click.IntRange(0), default=_sweep_default("warmup_rows"),
@@ -446,7 +449,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
             analysis.check_plot_available()
         config = SweepConfig(input=tuple(inputs), vary=vary, values=values, out=out,
                              model=_model_or_default(model), max_batch_tokens=max_batch_tokens,
-                             max_batch_rows=max_batch_rows or _sweep_default("max_batch_rows"),
+                             max_batch_rows=max_batch_rows,
                              storage_options=_parse_storage_options(storage_option), save_recommendation=not no_save,
                              **settings)
         from pipeline.loadtest import run_sweep

@@ -6,7 +6,19 @@ import os
 from dataclasses import asdict, dataclass, field
 
 
-DEFAULT_MAX_BATCH_ROWS = 512
+# What `auto` batch limits become without a saved sweep recommendation, per device type. The
+# memory plan caps them further. CPU: the sweep's knee on 2 cores (1,024–2,048 tokens within 3%,
+# README "Choosing batch settings"). CUDA: 2,048 tokens starve a large GPU; 32k padded tokens is
+# the order where an encoder's matmuls fill an H100/H200 (TEI's default budget is 16k), and a
+# cap keeps one batch's latency and its out-of-memory back-off bounded. A GPU sweep should try
+# 8k–128k tokens (README).
+DEVICE_BATCH_LIMITS = {"cpu": {"max_batch_tokens": 2048, "max_batch_rows": 512},
+                       "cuda": {"max_batch_tokens": 32768, "max_batch_rows": 4096}}
+
+
+def device_batch_limit(device_type: str, name: str) -> int:
+    """The default `name` (max_batch_tokens, max_batch_rows) on a device type."""
+    return DEVICE_BATCH_LIMITS.get(device_type, DEVICE_BATCH_LIMITS["cpu"])[name]
 
 
 def usable_cores() -> int:
@@ -30,8 +42,9 @@ class RunConfig:
     prompt_name: str | None = None  # a prompt of the model folder by name; default: its default_prompt_name
     id_column: str = "id"
     text_column: str = "text"
-    max_batch_tokens: int | None = 2048  # padded tokens per batch (rows × padded length); None = auto
-    max_batch_rows: int | None = DEFAULT_MAX_BATCH_ROWS  # rows per batch, whatever their length; None = auto
+    max_batch_tokens: int | None = None  # padded tokens per batch (rows × padded length); None = auto: the
+    # sweep's recommendation, else the device's default (DEVICE_BATCH_LIMITS)
+    max_batch_rows: int | None = None  # rows per batch, whatever their length; None = auto, as tokens
     probe: bool = True  # size batches by the memory plan (cached, else probed on the device)
     memory_budget: int | None = None  # bytes batches may use; None = device default
     memory_reserve: float = 0.10  # share of GPU memory kept free when there is no budget
@@ -77,7 +90,7 @@ class SweepConfig:
     id_column: str = "id"
     text_column: str = "text"
     max_batch_tokens: int | None = None  # held fixed when varying rows; None = no token budget
-    max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS  # held fixed when varying tokens
+    max_batch_rows: int | None = None  # held fixed when varying tokens; None = the device's default, as in run
     rows: int = 2000  # measured rows per level
     warmup_rows: int = 200  # run before each level, not counted
     seed: int = 0  # which rows the sample takes

@@ -7,7 +7,9 @@ stream on CUDA) and the memory measurement differ.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
+import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -69,6 +71,11 @@ def native_bf16_feature(cpu_flags: str | None = None) -> str | None:
     return feature if feature and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
+def allocator_config() -> str:
+    """The CUDA caching allocator's configuration this process runs with (see `pipeline/__init__`)."""
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+
+
 def padding_multiple(device: torch.device) -> int:
     """What a batch's padded length is rounded up to. On a GPU, multiples of 8: tensor-core
     friendly shapes, and few distinct shapes for the kernels to settle on. On the CPU aligned
@@ -119,12 +126,19 @@ class DeviceFeeder:
     def send(self, *arrays: np.ndarray) -> tuple[list[torch.Tensor], object]:
         if self.stream is None:
             return [torch.from_numpy(a) for a in arrays], None
-        # the current device is per thread: the prefetch thread must make cuda:N its own too
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            tensors = [torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True) for a in arrays]
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-        return tensors, copied
+        try:
+            # the current device is per thread: the prefetch thread must make cuda:N its own too
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                tensors = [torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True) for a in arrays]
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+            return tensors, copied
+        except BaseException as error:
+            if not is_out_of_memory(error):
+                raise
+        # no room for the inputs now (the forward holds it): hand them on from the host; the device
+        # loop moves them inside its out-of-memory back-off, which halves the batch if need be
+        return [torch.from_numpy(a) for a in arrays], None
 
     def receive(self, tensors: list[torch.Tensor], copied) -> list[torch.Tensor]:
         if copied is not None:
@@ -215,9 +229,10 @@ def _read_proc_status_kib(field_name: str) -> int:
 def measure_peak_bytes(run, device: torch.device) -> float:
     """Peak memory that `run()` adds on `device`, measured so that each call starts afresh.
 
-    CUDA: the caching allocator's peak above what was allocated before (reset per call), or
-    the growth of the device's used memory (cuBLAS/cuDNN workspaces live outside the
-    allocator), whichever is larger.
+    CUDA: the caching allocator's peak above where it stood before (reset per call): the peak
+    reserved above reserved-before (what the device must really hold: fragmentation
+    included), or allocated above allocated-before if larger; plus what grew outside the
+    allocator (cuBLAS/cuDNN workspaces).
     CPU (Linux): the process's peak resident set (VmHWM) above its resident set before the
     call; freed heap memory is first returned to the OS (malloc_trim) and the peak is reset
     through /proc/self/clear_refs, so earlier calls do not hide or inflate this one.
@@ -227,13 +242,16 @@ def measure_peak_bytes(run, device: torch.device) -> float:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+        allocated_before, reserved_before = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         free_before, _ = torch.cuda.mem_get_info(device)
         run()
         torch.cuda.synchronize(device)
         free_after, _ = torch.cuda.mem_get_info(device)
-        outside_allocator = (free_before - free_after) - (torch.cuda.memory_reserved(device) - before)
-        return float(torch.cuda.max_memory_allocated(device) - before + max(0, outside_allocator))
+        reserved_after = torch.cuda.memory_reserved(device)
+        outside_allocator = (free_before - free_after) - (reserved_after - reserved_before)
+        within_allocator = max(torch.cuda.max_memory_allocated(device) - allocated_before,
+                               torch.cuda.max_memory_reserved(device) - reserved_before)
+        return float(within_allocator + max(0, outside_allocator))
     _release_free_heap()
     if not reset_peak_rss():
         raise RuntimeError("measuring CPU peak memory needs Linux's /proc/self/clear_refs; "
@@ -307,11 +325,19 @@ def is_out_of_memory(error: BaseException) -> bool:
                                                 or "out of memory" in str(error).lower())
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """After an out-of-memory error: drop what the failed attempt still references (its
+    traceback's frames hold tensors) and return the allocator's free blocks to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class SplitForward:
     """Outputs of a batch run with out-of-memory back-off."""
 
-    outputs: dict[str, np.ndarray]  # per row, in batch order; zeros where `failed`
+    outputs: dict  # per row, in batch order, zeros where `failed`: device tensors, numpy once read back
     failed: np.ndarray  # bool per row: out of memory even alone
     splits: int  # how many times a batch was halved
     largest_ok_rows: int  # the largest part that ran
@@ -321,16 +347,14 @@ def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: t
                              device: torch.device) -> SplitForward:
     """Run `forward(ids, mask) → {name: tensor}`; on out-of-memory halve the batch and retry
     each half, down to single rows. Every row is computed once; a row that fails alone is
-    reported in `failed` instead of raising."""
+    reported in `failed` instead of raising. Outputs stay on the device (see `HostCopy`)."""
     rows = input_ids.shape[0]
     try:
-        outputs = {k: v.float().cpu().numpy() for k, v in forward(input_ids, attention_mask).items()}
-        return SplitForward(outputs, np.zeros(rows, dtype=bool), 0, rows)
+        return SplitForward(dict(forward(input_ids, attention_mask)), np.zeros(rows, dtype=bool), 0, rows)
     except BaseException as error:
         if not is_out_of_memory(error):
             raise
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_cached_memory(device)
     if rows == 1:
         return SplitForward({}, np.ones(1, dtype=bool), 0, 0)
     half = rows // 2
@@ -340,8 +364,41 @@ def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: t
     outputs = {}
     if shapes is not None:
         for name, values in shapes.items():
-            outputs[name] = np.concatenate([
-                p.outputs[name] if p.outputs else np.zeros((len(p.failed), *values.shape[1:]), values.dtype)
-                for p in parts])
+            outputs[name] = torch.cat([p.outputs[name] if p.outputs else
+                                       values.new_zeros((len(p.failed), *values.shape[1:])) for p in parts])
     return SplitForward(outputs, np.concatenate([p.failed for p in parts]), 1 + sum(p.splits for p in parts),
                         max(p.largest_ok_rows for p in parts))
+
+
+class HostCopy:
+    """A batch's outputs on their way to the host as float32. On CUDA a non-blocking copy into
+    pinned memory, marked by an event, so the host can launch the next batch before it waits
+    for this one; with CUDA events around the forward, `device_seconds` is the time the
+    device spent on it. On the CPU the copy is the outputs themselves."""
+
+    def __init__(self, result: SplitForward, device: torch.device, started=None):
+        self.result = result
+        self.started, self.done = started, None
+        if device.type != "cuda":
+            self.host = {name: values.float() for name, values in result.outputs.items()}
+            return
+        self.host = {}
+        for name, values in result.outputs.items():
+            host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(values.float(), non_blocking=True)
+            self.host[name] = host
+        self.done = torch.cuda.Event(enable_timing=started is not None)
+        self.done.record()
+
+    def read(self) -> SplitForward:
+        """The outputs as numpy arrays on the host, waiting for the copy if it is still running."""
+        if self.done is not None:
+            self.done.synchronize()
+        outputs = {name: values.numpy() for name, values in self.host.items()}
+        return dataclasses.replace(self.result, outputs=outputs)
+
+    def device_seconds(self) -> float | None:
+        """Device time from `started` to the end of the copy (CUDA, after `read`), else None."""
+        if self.started is None or self.done is None:
+            return None
+        return self.started.elapsed_time(self.done) / 1000

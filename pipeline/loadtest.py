@@ -10,6 +10,7 @@ the last batch's outputs are back on the host).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from pipeline.errors import UsageError
 from pipeline.run import BatchLimits, collate_batches, run_on_device
 from pipeline.summary import StageTimes
 from pipeline.source import Shard, read_blocks
-from pipeline.config import SweepConfig
+from pipeline.config import SweepConfig, device_batch_limit
 from pipeline.sweep import (VARIABLES, LevelResult, Recommendation, length_distribution, percentiles_ms, recommend,
                             recommendation_key, sample_positions, save_recommendation)
 from pipeline.tokenize import EncodedRows
@@ -187,6 +188,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         f"{lengths['median']:.0f}, p90 {lengths['p90']:.0f}, p99 {lengths['p99']:.0f}, max {lengths['max']} "
         f"({truncated:.1%} truncated at {max_length})")
     budget = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
+    if config.max_batch_rows is None:
+        config = dataclasses.replace(config, max_batch_rows=device_batch_limit(device.type, "max_batch_rows"))
     fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, max_length, config.prefetch_batches)
     settings = {
         "vary": config.vary, "values": sorted(config.values), "job": config.job, "model": model_path,

@@ -4,10 +4,12 @@ that checks it on the real device.
     batch_rows(L) = floor((available_bytes − base_bytes) / (per_sample_bytes(L) × safety))
     per_sample_bytes(L) = linear_bytes · L + quadratic_bytes · L²     (linear layers; attention)
 
-The coefficients are fitted from a few small forward passes on the device, then every memory
-bucket's planned batch (its longest length × its planned rows) runs three times and is kept only
-if each peak stays within the budget; otherwise the rows shrink by binary search. The top of
-this module is pure (no torch); the probe at the bottom imports torch when it runs.
+The coefficients are fitted from a few small forward passes on the device. Then the longest
+bucket's planned batch, and those of the buckets near half and a quarter of it, run at full size
+and are kept only if their peak stays within the budget (else the rows shrink); the other buckets
+are covered by a verified bucket at least as long with as many rows, or interpolated by a fit
+through the full-size measurements. The top of this module is pure (no torch); the probe at the
+bottom imports torch when it runs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ log = logging.getLogger(__name__)
 
 SAFETY_RANGE = (1.0, 4.0)
 MEMORY_BUCKETS = 8  # lengths probed: max_length/8, 2·max_length/8, …, max_length
-PROBE_ROUNDS = 3  # rounds a size must pass when its peak comes near the budget
+PROBE_ROUNDS = 3  # rounds a size must pass on the CPU when its peak comes near the budget (on CUDA the
+# caching allocator is deterministic for one shape: one round)
 CLEAR_SHARE = 0.85  # a first round peaking at or below this share of the budget passes at once: the
 # rounds guard against run-to-run noise near the limit, which is a few % here, not 15%
 FIT_ROWS = (2, 8)  # batch sizes of the fitting grid
@@ -139,7 +142,8 @@ class BucketPlan:
     planned_rows: int  # formula rows capped by --max-batch-rows and --max-batch-tokens
     probed_rows: int  # what survived the probe (≤ planned_rows); 0: not even one row fits
     predicted_peak_bytes: float
-    measured_peak_bytes: float
+    measured_peak_bytes: float  # 0 where the bucket was not run at full size
+    check: str = "measured"  # or "covered by <length>" (a verified bucket as long, with as many rows), "interpolated"
 
 
 @dataclass
@@ -179,13 +183,14 @@ class MemoryPlan:
         lines = [f"available {format_bytes(self.available_bytes)} · safety {self.safety} · "
                  f"per row: {self.coefficients.linear_bytes:,.0f} B·L + {self.coefficients.quadratic_bytes:,.1f} B·L² "
                  f"+ {format_bytes(self.coefficients.base_bytes)} per batch",
-                 "| length | formula rows | probed rows | predicted peak | measured peak | headroom |",
-                 "|---:|---:|---:|---:|---:|---:|"]
+                 "| length | formula rows | probed rows | predicted peak | measured peak | headroom | check |",
+                 "|---:|---:|---:|---:|---:|---:|---|"]
         for b in self.buckets:
-            headroom = 1 - b.measured_peak_bytes / self.available_bytes
+            measured = b.measured_peak_bytes > 0
+            headroom = f"{1 - b.measured_peak_bytes / self.available_bytes:.0%}" if measured else "—"
             lines.append(f"| {b.length} | {b.formula_rows:,} | {b.probed_rows:,} | "
-                         f"{format_bytes(b.predicted_peak_bytes)} | {format_bytes(b.measured_peak_bytes)} | "
-                         f"{headroom:.0%} |")
+                         f"{format_bytes(b.predicted_peak_bytes)} | "
+                         f"{format_bytes(b.measured_peak_bytes) if measured else '—'} | {headroom} | {b.check} |")
         return "\n".join(lines)
 
 
@@ -215,45 +220,111 @@ def corrected_rows(rows: int, peak_bytes: float, base_bytes: float, available_by
     return max(0, math.floor((available_bytes * CORRECTION_AIM - base_bytes) / per_row))
 
 
+VERIFIED_LENGTH_FRACTIONS = (1.0, 0.5, 0.25)  # buckets run at full size: the longest, and those nearest these
+# shares of max_length (the fitting grid's lengths); the rest are covered by a verified bucket or interpolated
+INTERPOLATION_AIM = 0.90  # an interpolated bucket aims at this share of the budget by the fit from the verified
+# (full-size) measurements: between verified lengths that fit is within a few %, and the OOM split stays behind it
+
+
+def verified_lengths(lengths: Sequence[int]) -> list[int]:
+    """The bucket lengths the probe runs at full size, longest first."""
+    longest = max(lengths)
+    chosen = {min(lengths, key=lambda length: abs(length - fraction * longest)) for fraction in VERIFIED_LENGTH_FRACTIONS}
+    return sorted(chosen, reverse=True)
+
+
 def plan_buckets(model: MemoryModel, available_bytes: int, safety: float, lengths: Sequence[int],
                  max_batch_rows: int, max_batch_tokens: int | None,
-                 measure: Callable[[int, int], float]) -> list[BucketPlan]:
-    """Formula rows per bucket, capped by the user's limits, then verified with `measure(rows,
-    length) → peak bytes`: once when the peak is clearly within the budget (CLEAR_SHARE), else up
-    to PROBE_ROUNDS times. Where a size exceeds the budget, the size its measurement predicts
-    just under the budget is tried next, and a binary search below it only if that fails too."""
-    buckets = []
-    for length in lengths:
+                 measure: Callable[[int, int], float], rounds: int = PROBE_ROUNDS,
+                 fit_measurements: Sequence[PeakMeasurement] = ()) -> list[BucketPlan]:
+    """Formula rows per bucket, capped by the user's limits and never more for a longer bucket;
+    then checked on the device without running every bucket at full size:
+
+    - the longest bucket and those nearest half and a quarter of it run at their planned size
+      (`verify_rows`), unless a bucket already verified has at least as many rows and is at
+      least as long: memory grows with rows and length, so that one covers it;
+    - every other bucket is covered the same way, or else gets the rows that a fit through all
+      full-size measurements (with `fit_measurements`, the small fitting grid) puts at
+      INTERPOLATION_AIM of the budget.
+    """
+    planned: dict[int, tuple[int, int]] = {}  # length → (formula rows, planned rows)
+    for length in sorted(lengths):
         formula_rows = model.rows_within(available_bytes, safety, length)
         token_cap = max_batch_tokens // length if max_batch_tokens else formula_rows
-        planned = max(1, min(formula_rows, max_batch_rows, max(1, token_cap)))
-        if buckets:  # longer buckets never get more rows than shorter ones
-            planned = min(planned, max(1, buckets[-1].probed_rows))
-        peaks: dict[int, float] = {}
+        rows = max(1, min(formula_rows, max_batch_rows, max(1, token_cap)))
+        if planned:
+            rows = min(rows, planned[max(planned)][1])
+        planned[length] = (formula_rows, rows)
 
-        def accept(rows: int) -> bool:
-            """Within the budget: one round clearly within, or PROBE_ROUNDS rounds near it; stops at
-            the first round over it."""
-            peaks[rows] = 0.0
-            for _ in range(PROBE_ROUNDS):
-                peaks[rows] = max(peaks[rows], measure(rows, length))
-                if peaks[rows] > available_bytes:
-                    return False
-                if peaks[rows] <= CLEAR_SHARE * available_bytes:
-                    return True
-            return True
+    verified: dict[int, tuple[int, float]] = {}  # length → (rows that passed, their peak)
+    large: list[PeakMeasurement] = []
 
-        if accept(planned):
-            probed = planned
-        else:  # aim just under the budget from what the failing size measured, then search below if needed
-            guess = min(planned - 1, corrected_rows(planned, peaks[planned], model.base_bytes, available_bytes))
-            if guess < 1:  # out of memory: the measurement says nothing, search all sizes below
-                probed = largest_accepted(planned - 1, accept)
-            else:
-                probed = guess if accept(guess) else largest_accepted(guess - 1, accept)
-        buckets.append(BucketPlan(length, formula_rows, planned, probed,
-                                  model.peak_bytes(max(probed, 1), length), peaks.get(max(probed, 1), 0.0)))
+    def covering(length: int, rows: int) -> int | None:
+        return next((other for other, (ok, _) in verified.items() if other >= length and ok >= rows), None)
+
+    for length in verified_lengths(lengths):
+        if covering(length, planned[length][1]) is None:
+            rows, peak, tried = verify_rows(planned[length][1], length, model.base_bytes, available_bytes, measure,
+                                            rounds)
+            verified[length] = (rows, peak)
+            large += [PeakMeasurement(r, length, p) for r, p in tried.items() if math.isfinite(p) and p > 0]
+    try:
+        refit = fit_memory_model([*fit_measurements, *large])
+    except ValueError:  # too few or degenerate measurements: the small-batch fit it is
+        refit = model
+
+    buckets = []
+    for length in sorted(lengths):
+        formula_rows, rows = planned[length]
+        predicted = model.peak_bytes(max(rows, 1), length)
+        if length in verified:
+            rows, peak = verified[length]
+            buckets.append(BucketPlan(length, formula_rows, planned[length][1], rows, predicted, peak))
+            continue
+        cover = covering(length, rows)
+        if cover is not None:
+            buckets.append(BucketPlan(length, formula_rows, rows, rows, predicted, 0.0, f"covered by {cover}"))
+            continue
+        longer_ok = max((ok for other, (ok, _) in verified.items() if other >= length), default=1)
+        fitted = refit.rows_within(available_bytes * INTERPOLATION_AIM, 1.0, length)
+        rows = max(longer_ok, min(rows, fitted))
+        buckets.append(BucketPlan(length, formula_rows, planned[length][1], rows, refit.peak_bytes(rows, length), 0.0,
+                                  "interpolated"))
+    for shorter, longer in zip(buckets, buckets[1:]):  # never more rows for a longer bucket
+        longer.probed_rows = min(longer.probed_rows, max(shorter.probed_rows, 1))
     return buckets
+
+
+def verify_rows(planned: int, length: int, base_bytes: float, available_bytes: int,
+                measure: Callable[[int, int], float], rounds: int) -> tuple[int, float, dict[int, float]]:
+    """(rows that fit, their peak, every size tried → its peak) for one bucket, measured with
+    `measure(rows, length) → peak bytes`: once when the peak is clearly within the budget
+    (CLEAR_SHARE), else up to `rounds` times. Where a size exceeds the budget, the size its
+    measurement predicts just under the budget is tried next, and a binary search below it
+    only if that fails too."""
+    peaks: dict[int, float] = {}
+
+    def accept(rows: int) -> bool:
+        """Within the budget: one round clearly within, or `rounds` rounds near it; stops at the
+        first round over it."""
+        peaks[rows] = 0.0
+        for _ in range(rounds):
+            peaks[rows] = max(peaks[rows], measure(rows, length))
+            if peaks[rows] > available_bytes:
+                return False
+            if peaks[rows] <= CLEAR_SHARE * available_bytes:
+                return True
+        return True
+
+    if accept(planned):
+        probed = planned
+    else:  # aim just under the budget from what the failing size measured, then search below if needed
+        guess = min(planned - 1, corrected_rows(planned, peaks[planned], base_bytes, available_bytes))
+        if guess < 1:  # out of memory: the measurement says nothing, search all sizes below
+            probed = largest_accepted(planned - 1, accept)
+        else:
+            probed = guess if accept(guess) else largest_accepted(guess - 1, accept)
+    return probed, peaks.get(max(probed, 1), 0.0), peaks
 
 
 # ── the probe: runs on the real device (imports torch) ───────────────────────────────────
@@ -302,7 +373,8 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
                          f"memory on {device}; lower --max-length")
     coefficients = fit_memory_model(measurements)
     buckets = plan_buckets(coefficients, available_bytes, safety, memory_bucket_lengths(max_length),
-                           max_batch_rows, max_batch_tokens, measure)
+                           max_batch_rows, max_batch_tokens, measure, 1 if device.type == "cuda" else PROBE_ROUNDS,
+                           measurements)
     return MemoryPlan(available_bytes, safety, coefficients, buckets, str(device),
                       dtype_name(next(model.parameters()).dtype),
                       round(time.perf_counter() - started, 2))
@@ -327,11 +399,24 @@ def model_memory_fingerprint(model_path: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def plan_cache_key(**settings) -> tuple[dict, str]:
-    """The settings a plan depends on and a short hash of them (the cache file name)."""
-    from pipeline import __version__
+def runtime_versions() -> dict:
+    """The software that decides memory use and speed besides the settings: torch (its kernels),
+    CUDA, transformers (its attention and mask code), lengthwise, and the CUDA allocator's
+    configuration (expandable segments change what is reserved)."""
+    import torch
+    import transformers
 
-    key = {**settings, "lengthwise": __version__}
+    from pipeline import __version__
+    from pipeline.device import allocator_config
+
+    return {"lengthwise": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "allocator": allocator_config()}
+
+
+def plan_cache_key(**settings) -> tuple[dict, str]:
+    """The settings a cached plan, dtype choice or recommendation depends on, with the runtime
+    versions, and a short hash of them (the cache file name)."""
+    key = {**settings, **runtime_versions()}
     return key, hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -378,6 +463,7 @@ def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan |
     key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
                                device=device_name(device), dtype=dtype, max_length=config.max_length,
                                available_bytes=available, safety=config.safety,
+                               attention=getattr(model.config, "_attn_implementation", None),
                                max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
     cache_dir = config.plan_cache or default_plan_cache_dir()
     plan = load_cached_plan(cache_dir, key, name) if config.use_plan_cache else None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from jobs.base import attention_implementation
 from jobs.registry import get_job
 from jobs.sentence_transformers_folder import DEFAULT_MAX_LENGTH, read_text_settings, resolve_prompt
 from pipeline.device import (DTYPES, device_name, dtype_name, keep_freed_host_memory, native_bf16_feature,
@@ -53,6 +54,7 @@ class ModelChoice:
     prompt: str  # put before every row ("" for none)
     lowercase: bool
     dtype_reason: str = ""  # why this dtype, for the log and the summary
+    attention: str | None = None  # attention implementation: sdpa, eager; None = the model code's own
 
 
 def choose_model(settings) -> ModelChoice:
@@ -62,16 +64,20 @@ def choose_model(settings) -> ModelChoice:
     device = resolve_device(settings.device)
     max_length = settings.max_length or text.max_seq_length or DEFAULT_MAX_LENGTH
     dtype = resolve_dtype(settings.dtype, device)
+    attention = attention_implementation(get_job(settings.job).auto_class, path)
+    if attention == "eager":
+        log.warning(f"{path}: this architecture has no SDPA attention in transformers; running eager attention "
+                    "(slower, more memory per row)")
     reason = f"{dtype_name(dtype)}: " + ("--dtype" if settings.dtype != "auto" else f"the default on {device.type}")
     if device.type == "cpu" and settings.dtype == "auto":
-        dtype, reason = choose_cpu_dtype(settings, path, max_length)
+        dtype, reason = choose_cpu_dtype(settings, path, max_length, attention)
     elif device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_feature() is None:
         log.warning(f"--dtype bfloat16 on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}) "
                     "is emulated and runs several times slower than float32; --dtype auto picks float32 here")
     log.info(f"dtype {reason}")
     return ModelChoice(path=path, device=device, dtype=dtype, max_length=max_length,
                        prompt=resolve_prompt(text, settings.prompt, settings.prompt_name), lowercase=text.lowercase,
-                       dtype_reason=reason)
+                       dtype_reason=reason, attention=attention)
 
 
 # ── bf16 on the CPU: only where it is native, measured faster, and agrees with fp32 ────
@@ -92,7 +98,7 @@ def pick_cpu_dtype(feature: str | None, capability: str, speedup: float | None, 
     return "bfloat16", f"bfloat16: {feature}, {speedup:.2f}x faster, {agreement}"
 
 
-def choose_cpu_dtype(settings, path: str, max_length: int) -> tuple[torch.dtype, str]:
+def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None) -> tuple[torch.dtype, str]:
     """`--dtype auto` on the CPU: bfloat16 when the CPU runs it natively and a trial batch is
     at least BF16_MIN_SPEEDUP times faster in it and agrees with float32 (the job's test);
     else float32. The decision is cached per model, job, CPU and torch version."""
@@ -110,7 +116,8 @@ def choose_cpu_dtype(settings, path: str, max_length: int) -> tuple[torch.dtype,
     except (OSError, ValueError, KeyError):
         pass
     job = get_job(settings.job)
-    loading = {"allow_pickle": settings.allow_pickle, "trust_remote_code": settings.trust_remote_code}
+    loading = {"allow_pickle": settings.allow_pickle, "trust_remote_code": settings.trust_remote_code,
+               "attention": attention}
     try:
         speedup, agrees, agreement = bf16_trial(job, path, loading, min(TRIAL_LENGTH, max_length))
     except Exception as error:  # noqa: BLE001 - out of memory, an op bf16 lacks: float32 is always safe
@@ -164,7 +171,8 @@ def load_model(settings, choice: ModelChoice | None = None) -> LoadedModel:
     tokenizer = load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
                                     choice.lowercase)
     model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
-                     allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code)
+                     allow_pickle=settings.allow_pickle, trust_remote_code=settings.trust_remote_code,
+                     attention=choice.attention)
     check_max_length(model, choice.max_length)
     keep_freed_host_memory(choice.device)
     return LoadedModel(choice, job, model, tokenizer)

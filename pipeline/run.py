@@ -29,12 +29,12 @@ from tqdm import tqdm
 
 from pipeline.buckets import bucket_bounds, padding_efficiency, plan_batches
 from pipeline.config import RunConfig
-from pipeline.device import (DTYPES, DeviceFeeder, SplitForward, collate, dtype_name, forward_splitting_on_oom,
-                             padding_multiple, prefetch)
+from pipeline.device import (DTYPES, DeviceFeeder, HostCopy, SplitForward, collate, dtype_name,
+                             forward_splitting_on_oom, padding_multiple, prefetch)
 from pipeline.errors import UsageError
 from pipeline.memory import MemoryPlan, describe_plan, memory_plan_for
 from pipeline.model import LoadedModel, ModelChoice, choose_model, load_model, model_content_hash
-from pipeline.sink import RunManifest, ShardSink, WindowWriter, fingerprint_differences, pending, recorded_config
+from pipeline.sink import BackgroundWriter, RunManifest, ShardSink, WindowWriter, fingerprint_differences, pending, recorded_config
 from pipeline.source import Shard, WorkerSlot, list_shards, read_blocks, resolve_worker_slot
 from pipeline.summary import RunSummary, StageTimes, timed
 from pipeline.sweep import resolve_batch_setting
@@ -131,7 +131,8 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     """Everything that changes the output values. Batch sizes, workers and memory settings
     are left out on purpose: they must not change results."""
     return {"job": config.job, "model": model_content_hash(choice.path), "max_length": choice.max_length,
-            "dtype": dtype_name(choice.dtype), "prompt": choice.prompt, "id_column": config.id_column,
+            "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
+            "id_column": config.id_column,
             "text_column": config.text_column}
 
 
@@ -148,9 +149,6 @@ class ShardRunner:
         self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.path, loaded.choice.device,
                                                                 loaded.model)
         log.info(f"batch setting: {self.batch_setting}")
-        if self.config.max_batch_tokens is None and not self.config.probe:
-            raise UsageError("--max-batch-tokens auto has no sweep recommendation to use and --no-probe turns the "
-                             "memory plan off; drop --no-probe, run `lengthwise sweep`, or give a number")
         self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
                                     loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
@@ -166,6 +164,7 @@ class ShardRunner:
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
         writer = WindowWriter(sink, manifest, shards, self._columns_of, times)
+        background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
         try:
@@ -178,9 +177,10 @@ class ShardRunner:
                 for item, result in run_on_device(work, job, model, device, feeder, self.limits,
                                                   config.prefetch_batches, times):
                     if isinstance(item, WindowDone):
-                        writer.write(item.window)
+                        background.write(item.window)
                         progress.update(item.window.tokenize_errors)
-                        if config.fail_fast and writer.failures:
+                        # a shard that failed to read is seen here; one whose commit failed, up to two windows later
+                        if config.fail_fast and (background.failures or any(b.failure for b in item.window.blocks)):
                             break
                         continue
                     if result.outputs:
@@ -200,7 +200,9 @@ class ShardRunner:
                     elapsed = progress.format_dict["elapsed"]
                     if elapsed:
                         progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)
+            background.close()
         finally:
+            background.close(raise_error=False)  # on an error: the windows already handed on are still written
             progress.close()
             writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
         wall_s = time.perf_counter() - started
@@ -309,20 +311,58 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
     """The one device loop: take each collated batch from the prefetch thread, receive it on
     the device, run the job's forward (halving on out-of-memory, lowering `limits` for the
     rest of the run) and yield it with its outputs on the host. Other items pass through with
-    None, in order."""
+    None, in order, after every batch before them.
+
+    On CUDA one batch stays in flight: batch N+1 is launched before batch N's outputs are read
+    back, so the device never idles while the host stores results, and `times.forward` is
+    device time from CUDA events. On the CPU the forward is synchronous and each batch is
+    yielded at once."""
+    keep_in_flight = device.type == "cuda"
 
     def forward(input_ids, attention_mask):
-        return job.forward(model, input_ids, attention_mask)
+        # inputs still on the host (their copy ran out of memory) move here, under the back-off
+        return job.forward(model, input_ids.to(device, non_blocking=True),
+                           attention_mask.to(device, non_blocking=True))
 
+    def read_back(item: ReadyBatch, copy: HostCopy) -> tuple[ReadyBatch, SplitForward]:
+        result = copy.read()
+        device_seconds = copy.device_seconds()
+        if device_seconds is not None:
+            times.forward += device_seconds
+        return item, result
+
+    in_flight = None
     with torch.inference_mode():
         for item in timed(prefetch(items, prefetch_batches), times, "wait_for_batch"):
             if not isinstance(item, ReadyBatch):
+                if in_flight:
+                    yield read_back(*in_flight)
+                    in_flight = None
                 yield item, None
                 continue
             started = time.perf_counter()
+            started_event = device_timer_start(device)
             input_ids, attention_mask = feeder.receive(item.tensors, item.copied)
             result = forward_splitting_on_oom(forward, input_ids, attention_mask, device)
             if result.splits:
                 limits.lower(item.padded_length, max(1, result.largest_ok_rows))
-            times.forward += time.perf_counter() - started
-            yield item, result
+            launched = (item, HostCopy(result, device, started_event))
+            if started_event is None:
+                times.forward += time.perf_counter() - started
+            if in_flight:
+                yield read_back(*in_flight)
+            in_flight = launched
+            if not keep_in_flight:
+                yield read_back(*in_flight)
+                in_flight = None
+        if in_flight:
+            yield read_back(*in_flight)
+
+
+def device_timer_start(device: torch.device):
+    """A recorded CUDA event to time the device's work from (None on the CPU, timed on the host)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

@@ -11,7 +11,9 @@ import datetime
 import json
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -201,6 +203,49 @@ class WindowWriter:
         summary.rows, summary.error_rows, summary.truncated_rows = (int(n) for n in written)
         summary.duplicate_ids, summary.duplicate_id_examples = self.ids.duplicates(self.sink.fs,
                                                                                    self.sink.committed.values())
+
+
+class BackgroundWriter:
+    """A WindowWriter on its own thread, fed in order through a bounded queue, so that Parquet
+    encoding, object-store uploads, commits and id hashing never hold up the device loop. At
+    most `depth` windows wait; a write error is raised at the next `write` or at `close`."""
+
+    def __init__(self, writer: WindowWriter, depth: int = 2):
+        self.writer = writer
+        self.windows: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._write_queued, name="lengthwise-writer", daemon=True)
+        self.thread.start()
+
+    def _write_queued(self) -> None:
+        while (window := self.windows.get()) is not None:
+            if self.error is None:  # after an error, later windows are dropped: their shards stay undone
+                try:
+                    self.writer.write(window)
+                except BaseException as error:  # raised in the device loop's thread
+                    self.error = error
+
+    @property
+    def failures(self) -> dict[int, str]:
+        """Shards whose failure the writer has seen so far (up to `depth` windows late)."""
+        return self.writer.failures
+
+    def write(self, window: Window) -> None:
+        self._raise_error()
+        self.windows.put(window)
+
+    def close(self, raise_error: bool = True) -> None:
+        """Wait for the queued windows to be written; idempotent."""
+        if self.thread.is_alive():
+            self.windows.put(None)
+            self.thread.join()
+        if raise_error:
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 # ── the run manifest: what is done, what failed, under which settings ─────────────────────

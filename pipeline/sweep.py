@@ -388,9 +388,9 @@ def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, 
 
 def resolve_batch_setting(config, model_path: str, device, model) -> tuple:
     """Replace an `auto` token or row limit by the saved sweep recommendation for this model,
-    device, dtype and max length; without one, tokens stay auto (the memory plan alone) and
-    rows fall back to the default. Returns the config and where each limit came from."""
-    from pipeline.config import DEFAULT_MAX_BATCH_ROWS
+    device, dtype and max length, else by the device's default (`DEVICE_BATCH_LIMITS`).
+    Returns the config and where each limit came from."""
+    from pipeline.config import device_batch_limit
     from pipeline.device import device_name, dtype_name
     from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
 
@@ -407,11 +407,8 @@ def resolve_batch_setting(config, model_path: str, device, model) -> tuple:
         if saved is not None:
             changes[name] = saved["level"]
             notes.append(f"--{vary} {saved['level']} recommended by the sweep of {saved['created']} ({saved['path']})")
-        elif name == "max_batch_tokens":
-            notes.append("--max-batch-tokens auto: no sweep recommendation for this model, device and dtype, "
-                         "so the memory plan alone")
         else:
-            changes[name] = DEFAULT_MAX_BATCH_ROWS
-            notes.append(f"--max-batch-rows auto: no sweep recommendation for this model, device and dtype, "
-                         f"so {DEFAULT_MAX_BATCH_ROWS}")
+            changes[name] = device_batch_limit(device.type, name)
+            notes.append(f"--{vary} {changes[name]} (auto: no sweep recommendation for this model, device and dtype; "
+                         f"the {device.type} default)")
     return dataclasses.replace(config, **changes), "; ".join(notes)

@@ -10,6 +10,23 @@ from pipeline.buckets import (Batch, batch_capacity, bucket_bounds, padded_lengt
                               plan_batches)
 
 
+def list_batches(*args) -> list[Batch]:
+    return list(plan_batches(*args))
+
+
+def test_a_limit_lowered_while_packing_applies_to_the_next_batches():
+    """The device loop lowers the memory rows after an out-of-memory split; the rest of the
+    window must be packed to the lowered limit, not only the next window."""
+    limit = {"rows": 8}
+    batches = plan_batches(np.full(40, 16), None, 512, bucket_bounds(64), lambda length: limit["rows"])
+    first = next(batches)
+    limit["rows"] = 3
+    rest = list(batches)
+    assert len(first.rows) == 8
+    assert [len(b.rows) for b in rest] == [3] * 10 + [2]
+    assert sorted(np.concatenate([first.rows] + [b.rows for b in rest]).tolist()) == list(range(40))
+
+
 def test_importable_without_torch():
     code = "import sys, pipeline.buckets; assert 'torch' not in sys.modules, 'buckets imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -56,7 +73,7 @@ def test_plan_matches_the_slow_packer(seed, max_batch_tokens, max_batch_rows, ma
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, max_length + 1, size=int(rng.integers(0, 300)))
     bounds = bucket_bounds(max_length)
-    plan = plan_batches(lengths, max_batch_tokens, max_batch_rows, bounds)
+    plan = list_batches(lengths, max_batch_tokens, max_batch_rows, bounds)
     expected = slow_plan(lengths.tolist(), max_batch_tokens, max_batch_rows, bounds.tolist())
     assert [(b.rows.tolist(), b.padded_length) for b in plan] == expected
 
@@ -66,7 +83,7 @@ def test_plan_covers_every_row_once_within_budget_longest_first(seed):
     rng = np.random.default_rng(seed)
     lengths = np.concatenate([rng.integers(1, 40, 500), rng.integers(200, 257, 50)])
     bounds = bucket_bounds(256)
-    plan = plan_batches(lengths, 2048, 64, bounds)
+    plan = list_batches(lengths, 2048, 64, bounds)
     planned = np.concatenate([b.rows for b in plan])
     assert sorted(planned.tolist()) == list(range(len(lengths)))
     for batch in plan:
@@ -79,25 +96,25 @@ def test_plan_covers_every_row_once_within_budget_longest_first(seed):
 
 def test_short_rows_travel_in_big_batches_and_long_rows_in_small_ones():
     lengths = np.array([8] * 100 + [256] * 100)
-    plan = plan_batches(lengths, 2048, 512, bucket_bounds(256))
+    plan = list_batches(lengths, 2048, 512, bucket_bounds(256))
     sizes = [(b.padded_length, len(b.rows)) for b in plan]
     # the 13th long batch is topped up with 4 short rows rather than left half empty
     assert sizes == [(256, 8)] * 13 + [(8, 96)]
 
 
 def test_a_row_longer_than_the_budget_still_gets_a_batch_of_one():
-    plan = plan_batches(np.array([256, 256]), 100, 512, bucket_bounds(256))
+    plan = list_batches(np.array([256, 256]), 100, 512, bucket_bounds(256))
     assert [b.rows.tolist() for b in plan] == [[0], [1]]
 
 
 def test_equal_lengths_keep_input_order():
-    plan = plan_batches(np.array([5, 5, 5, 5]), 16, 2, bucket_bounds(8))
+    plan = list_batches(np.array([5, 5, 5, 5]), 16, 2, bucket_bounds(8))
     assert [b.rows.tolist() for b in plan] == [[0, 1], [2, 3]]
 
 
 def test_limits_must_be_positive():
     with pytest.raises(ValueError, match="max_batch_tokens"):
-        plan_batches(np.array([1]), 0, 1, bucket_bounds(8))
+        list_batches(np.array([1]), 0, 1, bucket_bounds(8))
 
 
 def test_capacity_and_efficiency():

@@ -197,3 +197,48 @@ def test_cpu_probe_on_a_tiny_model_shrinks_under_a_tight_budget(tiny_encoder_pat
         assert small.measured_peak_bytes <= budget
     rows = [b.probed_rows for b in tight.buckets]
     assert rows == sorted(rows, reverse=True)
+
+
+def test_buckets_capped_by_rows_are_covered_by_the_longest_one_run_at_full_size():
+    """At a roomy budget every bucket is capped at 512 rows: running the longest at 512 rows
+    covers all shorter ones (memory grows with rows and length), so only it runs at full size."""
+    calls = []
+
+    def measure(rows, length):
+        calls.append((rows, length))
+        return MODEL.peak_bytes(rows, length)
+
+    lengths = memory_bucket_lengths(256)
+    buckets = plan_buckets(MODEL, 64 * GIB, 1.5, lengths, max_batch_rows=512, max_batch_tokens=None, measure=measure)
+    assert calls == [(512, 256)]
+    assert [b.probed_rows for b in buckets] == [512] * 8
+    assert [b.check for b in buckets] == ["covered by 256"] * 7 + ["measured"]
+
+
+def test_memory_bound_buckets_between_the_verified_ones_are_interpolated_within_the_budget():
+    """The device needs 1.3x what the small-batch fit says, plus a length-dependent error: the
+    verified buckets shrink to fit, and the interpolated ones, planned from a fit through the
+    full-size measurements, stay within the budget without being run."""
+    def device_peak(rows, length):
+        return 1.3 * MODEL.peak_bytes(rows, length) * (1 + 0.1 * length / 256)
+
+    measured_lengths = []
+
+    def measure(rows, length):
+        measured_lengths.append(length)
+        return device_peak(rows, length)
+
+    lengths = memory_bucket_lengths(256)
+    small = [PeakMeasurement(r, n, MODEL.peak_bytes(r, n)) for r in (2, 8) for n in (64, 128, 256)]
+    buckets = plan_buckets(MODEL, GIB, 1.0, lengths, max_batch_rows=100_000, max_batch_tokens=None,
+                           measure=measure, fit_measurements=small)
+    assert set(measured_lengths) == {256, 128, 64}
+    by_check = {b.length: b.check for b in buckets}
+    assert [n for n, check in by_check.items() if check == "measured"] == [64, 128, 256]
+    assert all(by_check[n] == "interpolated" for n in (32, 96, 160, 192, 224))
+    for bucket in buckets:
+        assert device_peak(bucket.probed_rows, bucket.length) <= GIB
+        # and not timid: verified ones near CORRECTION_AIM, interpolated ones near INTERPOLATION_AIM
+        assert device_peak(bucket.probed_rows, bucket.length) >= 0.85 * GIB, bucket
+    rows = [b.probed_rows for b in buckets]
+    assert rows == sorted(rows, reverse=True)

@@ -230,7 +230,7 @@ def test_a_real_sweep_end_to_end(tmp_path, tiny_encoder_path):
     spec, encoded = encoded_sample(tiny_encoder_path, 80, 64)
     measured = encoded.lengths[np.flatnonzero([e is None for e in encoded.errors])[20:80]]
     for r in levels:
-        assert r.batches == len(plan_batches(measured, r.level, 512, bucket_bounds(64, padding_multiple(torch.device("cpu")))))
+        assert r.batches == len(list(plan_batches(measured, r.level, 512, bucket_bounds(64, padding_multiple(torch.device("cpu"))))))
         assert r.row_latency_ms_p99 >= r.batch_latency_ms_p50 > 0
     settings = json.loads((tmp_path / "sweep.csv.json").read_text())
     assert settings["vary"] == "max-batch-tokens" and settings["max_batch_rows"] == 512
