@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.buckets import batch_capacity
-from pipeline.config import BatcherConfig
+from pipeline.config import BatcherConfig, device_batch_limit
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,15 @@ class BatcherStats:
 # ── the batcher ──────────────────────────────────────────────────────────────────────────
 
 
+def with_token_budget(config: BatcherConfig, device_type: str) -> BatcherConfig:
+    """`max_batch_tokens` None becomes the device's default, as `run` does without a sweep."""
+    import dataclasses
+
+    if config.max_batch_tokens is not None:
+        return config
+    return dataclasses.replace(config, max_batch_tokens=device_batch_limit(device_type, "max_batch_tokens"))
+
+
 def check_timeouts(batch_timeout_ms: float, request_timeout_ms: float) -> None:
     if batch_timeout_ms < 0:
         raise ValueError(f"batch_timeout_ms must be 0 or more, got {batch_timeout_ms}")
@@ -270,6 +279,7 @@ class DynamicBatcher:
         from pipeline.device import DeviceFeeder, padding_multiple
 
         check_timeouts(config.batch_timeout_ms, config.request_timeout_ms)
+        config = with_token_budget(config, loaded.choice.device.type)
         if config.max_batch_size < 1 or config.max_queue < 1 or config.max_queue_tokens < 1 or (
                 config.max_batch_tokens is not None and config.max_batch_tokens < 1):
             raise ValueError("max_batch_size, max_batch_tokens, max_queue and max_queue_tokens must be positive")
@@ -306,7 +316,8 @@ class DynamicBatcher:
 
         set_torch_threads(config.torch_threads)
         loaded = load_model(config)
-        config = dataclasses.replace(config, max_length=loaded.choice.max_length)
+        config = with_token_budget(dataclasses.replace(config, max_length=loaded.choice.max_length),
+                                   loaded.choice.device.type)
         plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path,
                                loaded.choice.device) if config.probe else None
         return cls(loaded, config, BatchLimits(plan))

@@ -533,9 +533,11 @@ def _loadtest_default(name: str):
 @_option("--max-batch-size", env="BATCHER_MAX_BATCH_SIZE", type=click.IntRange(1),
          default=_batcher_default("max_batch_size"), show_default=True,
          help="Requests per batch; a batch runs as soon as this many wait.")
-@_option("--max-batch-tokens", env="BATCHER_MAX_BATCH_TOKENS", type=CountOrAuto("tokens"),
-         default=str(_batcher_default("max_batch_tokens")), show_default=True,
-         help="Padded tokens per batch (also a trigger); auto: the batch size and the memory plan alone.")
+@_option("--max-batch-tokens", env="BATCHER_MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
+         show_default=True,
+         help="Padded tokens per batch (also a trigger); auto: the device's default, "
+              f"{device_batch_limit('cpu', 'max_batch_tokens')} on CPU and "
+              f"{device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it.")
 @_option("--batch-timeout-ms", env="BATCHER_BATCH_TIMEOUT_MS", type=click.FloatRange(0),
          default=_batcher_default("batch_timeout_ms"), show_default=True,
          help="The oldest waiting request waits at most this long for others.")
@@ -594,7 +596,7 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
     from pipeline import online_loadtest as online
     from pipeline import sweep as analysis
 
-    if vary == "max-batch-tokens" and batcher_settings["max_batch_tokens"] != _batcher_default("max_batch_tokens"):
+    if vary == "max-batch-tokens" and batcher_settings["max_batch_tokens"] is not None:
         _fail("--max-batch-tokens is the varied setting; give its levels with --values, not as a fixed value")
     if duration_s <= 0:
         _fail("--duration must be more than 0")

@@ -119,7 +119,8 @@ class BatcherConfig:
     prompt: str | None = None
     prompt_name: str | None = None
     max_batch_size: int = 32  # requests per batch; a batch runs as soon as this many are queued
-    max_batch_tokens: int | None = 2048  # padded tokens per batch (also a trigger); None = size and memory only
+    max_batch_tokens: int | None = None  # padded tokens per batch (also a trigger); None = the device's default
+    # (DEVICE_BATCH_LIMITS, as `run` without a sweep recommendation)
     batch_timeout_ms: float = 20.0  # the oldest queued request waits at most this long for company
     request_timeout_ms: float = 1000.0  # a request's deadline unless submit gives one; > batch_timeout_ms
     max_queue: int = 2000  # requests waiting (tokenizing or queued); one more fails at once with QueueFull

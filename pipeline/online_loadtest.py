@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from pipeline.batcher import DynamicBatcher, QueueFull, check_timeouts, set_torch_threads
+from pipeline.batcher import DynamicBatcher, QueueFull, check_timeouts, set_torch_threads, with_token_budget
 from pipeline.config import OnlineLoadtestConfig
 from pipeline.errors import UsageError
 from pipeline.sweep import Measures, Recommendation, percentiles_ms, recommend
@@ -48,7 +48,7 @@ class OnlineLevelResult:
     status: str  # ok | overloaded (requests rejected or timed out) | oom (a batch ran out of memory)
     max_batch_size: int
     batch_timeout_ms: float
-    max_batch_tokens: int  # 0: no token budget
+    max_batch_tokens: int
     qps_target: float
     concurrency: int
     requests: int  # measured arrivals
@@ -260,7 +260,7 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
     return OnlineLevelResult(
         level=level, status=level_status(rejected, outcome.timed_out, stats.oom_splits, qps_achieved, qps_offered),
         max_batch_size=batcher_config.max_batch_size, batch_timeout_ms=batcher_config.batch_timeout_ms,
-        max_batch_tokens=batcher_config.max_batch_tokens or 0, qps_target=config.qps,
+        max_batch_tokens=batcher_config.max_batch_tokens, qps_target=config.qps,
         concurrency=config.concurrency, requests=len(measured), qps_offered=qps_offered,
         total_s=round(outcome.total_s, 3),
         latency_ms_avg=round(latency["avg"], 2), latency_ms_p50=round(latency["p50"], 2),
@@ -320,8 +320,10 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     levels_to_run = level_configs(config)
     set_torch_threads(config.batcher.torch_threads)
     loaded = load_model(config.batcher)
-    fixed = dataclasses.replace(config.batcher, max_length=loaded.choice.max_length)
-    levels_to_run = [(value, dataclasses.replace(level, max_length=fixed.max_length)) for value, level in levels_to_run]
+    device_type = loaded.choice.device.type
+    fixed = with_token_budget(dataclasses.replace(config.batcher, max_length=loaded.choice.max_length), device_type)
+    levels_to_run = [(value, with_token_budget(dataclasses.replace(level, max_length=fixed.max_length), device_type))
+                     for value, level in levels_to_run]
     shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
     texts = [t for t in read_sample(shards, config.text_column, config.id_column, config.sample_rows, config.seed,
                                     config.storage_options) if isinstance(t, str) and t.strip()]
@@ -333,9 +335,7 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     plan = None
     if fixed.probe:  # one plan for every level: made for the largest batches they may form
         largest = dataclasses.replace(fixed, max_batch_size=max(level.max_batch_size for _, level in levels_to_run),
-                                      max_batch_tokens=None if any(level.max_batch_tokens is None for _, level in
-                                                                   levels_to_run)
-                                      else max(level.max_batch_tokens for _, level in levels_to_run))
+                                      max_batch_tokens=max(level.max_batch_tokens for _, level in levels_to_run))
         plan = memory_plan_for(largest, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
     device = loaded.choice.device
     budget = available_memory_bytes(device, fixed.memory_budget, fixed.memory_reserve)

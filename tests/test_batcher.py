@@ -44,7 +44,7 @@ def long_texts(sample_table) -> list[str]:
 
 
 def batcher_for(loaded, limits=None, **settings) -> DynamicBatcher:
-    settings.setdefault("max_batch_tokens", None)
+    settings.setdefault("max_batch_tokens", 10**6)  # no token budget unless a test sets one
     settings.setdefault("request_timeout_ms", 2 * LONG_WINDOW_MS)  # the first forwards on a busy CPU are slow
     return DynamicBatcher(loaded, BatcherConfig(**settings), limits or BatchLimits(None))
 

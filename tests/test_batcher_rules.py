@@ -129,3 +129,12 @@ def test_a_request_timeout_must_exceed_the_batch_timeout():
     check_timeouts(20, 21)
     with pytest.raises(ValueError, match="not more than the batch timeout of 20 ms: a lone request would expire"):
         check_timeouts(20, 20)
+
+
+def test_no_token_budget_means_the_devices_default_as_in_run():
+    from pipeline.batcher import with_token_budget
+    from pipeline.config import BatcherConfig, device_batch_limit
+
+    assert with_token_budget(BatcherConfig(), "cpu").max_batch_tokens == device_batch_limit("cpu", "max_batch_tokens")
+    assert with_token_budget(BatcherConfig(), "cuda").max_batch_tokens == device_batch_limit("cuda", "max_batch_tokens")
+    assert with_token_budget(BatcherConfig(max_batch_tokens=512), "cuda").max_batch_tokens == 512
