@@ -159,26 +159,43 @@ def test_the_queue_is_bounded_in_padded_tokens_too(minilm_128, long_texts):
 
 
 async def fill_the_device(batcher, long_texts):
-    """A real batch of 32 × 128 tokens (seconds on this CPU); returns once it is on the device."""
+    """A real batch of 32 × 128 tokens; returns once it is on the device."""
     busy = asyncio.gather(*[batcher.submit(text) for text in long_texts])
     while not (batcher.stats.max_queue_depth == len(long_texts) and batcher.stats.queue_depth == 0):
         await asyncio.sleep(0.005)
     return busy
 
 
-def test_an_expired_request_is_never_computed_and_its_deadline_fires_during_a_forward(minilm_128, long_texts):
-    """A batch of 32 long texts keeps the device busy; a second request waits prepared as the
-    next batch; a third, with a 0.6 s deadline, waits in the queue behind them."""
+@pytest.fixture(scope="module")
+def busy_s(minilm_128, long_texts) -> float:
+    """How long the 32 long texts keep this machine's device busy (the second of two runs), so
+    the deadline tests scale their window and deadlines to it instead of assuming a speed."""
 
     async def serve():
-        async with batcher_for(minilm_128, max_batch_size=32, batch_timeout_ms=300) as batcher:
+        async with batcher_for(minilm_128, max_batch_size=32, batch_timeout_ms=LONG_WINDOW_MS) as batcher:
+            for _ in range(2):
+                await asyncio.gather(*[batcher.submit(text) for text in long_texts])
+            return batcher.stats.compute_s[-1]
+
+    return asyncio.run(serve())
+
+
+def test_an_expired_request_is_never_computed_and_its_deadline_fires_during_a_forward(minilm_128, long_texts,
+                                                                                      busy_s):
+    """A batch of 32 long texts keeps the device busy; a second request waits as the next batch
+    (formed after the window, an eighth of that forward); a third, whose deadline is a quarter of
+    the forward, waits in the queue behind them and expires while the big batch still runs."""
+    window_s, deadline_s = busy_s / 8, busy_s / 4
+
+    async def serve():
+        async with batcher_for(minilm_128, max_batch_size=32, batch_timeout_ms=window_s * 1000) as batcher:
             busy = await fill_the_device(batcher, long_texts)
             prepared = asyncio.create_task(batcher.submit("formed while the big batch runs"))
             while batcher.stats.queue_depth or batcher.stats.submitted < 33:
                 await asyncio.sleep(0.005)
             started = time.perf_counter()
             with pytest.raises(TimeoutError, match="expired in the queue, so it was not computed"):
-                await batcher.submit("gives up after 0.6 s", timeout_s=0.6)
+                await batcher.submit("gives up soon", timeout_s=deadline_s)
             timed_out = time.perf_counter() - started
             still_busy = not busy.done()
             await busy
@@ -186,17 +203,19 @@ def test_an_expired_request_is_never_computed_and_its_deadline_fires_during_a_fo
             return timed_out, still_busy, batcher.stats
 
     timed_out, still_busy, stats = asyncio.run(serve())
-    assert still_busy, "the big batch should still run when the deadline fires; make it bigger"
-    assert 0.6 <= timed_out < 0.75  # on time, not after the forward
+    assert still_busy, "the big batch should still run when the deadline fires"
+    assert deadline_s <= timed_out < deadline_s + 0.15  # on time, not after the forward
     assert stats.timed_out_in_queue == 1 and stats.rows_computed == 33 and list(stats.batch_sizes) == [32, 1]
 
 
-def test_a_request_that_expires_in_the_prepared_batch_is_dropped_before_compute(minilm_128, long_texts):
+def test_a_request_that_expires_in_the_prepared_batch_is_dropped_before_compute(minilm_128, long_texts, busy_s):
+    window_s, deadline_s = busy_s / 8, busy_s / 4
+
     async def serve():
-        async with batcher_for(minilm_128, max_batch_size=32, batch_timeout_ms=300) as batcher:
+        async with batcher_for(minilm_128, max_batch_size=32, batch_timeout_ms=window_s * 1000) as batcher:
             busy = await fill_the_device(batcher, long_texts)
             with pytest.raises(TimeoutError, match="while its batch was prepared or ran"):
-                await batcher.submit("gives up while prepared", timeout_s=0.6)
+                await batcher.submit("gives up while prepared", timeout_s=deadline_s)
             still_busy = not busy.done()
             await busy
             return still_busy, batcher.stats
