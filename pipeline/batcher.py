@@ -220,6 +220,7 @@ class BatcherStats:
     max_queue_depth: int = 0
     triggers: Counter = field(default_factory=Counter)  # batches formed per trigger: size, tokens, timeout, close
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    batch_padded_tokens: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))  # rows × padded length
     # per computed request: submit to the start of its forward
     wait_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
     compute_s: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))  # per batch: the device's time
@@ -487,6 +488,7 @@ class DynamicBatcher:
         stats.rows_computed += len(live)
         stats.oom_splits += result.splits
         stats.batch_sizes.append(len(live))
+        stats.batch_padded_tokens.append(len(live) * batch_padded_length(live))
         stats.compute_s.append(compute_s)
         stats.wait_s.extend(started - request.arrived for request in live)
         for request, record in zip(live, records):

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 VARIABLES = {"max-batch-size": "max_batch_size", "batch-timeout-ms": "batch_timeout_ms",
              "max-batch-tokens": "max_batch_tokens"}
 BATCHES_NEVER_FILL = 0.5  # most batches formed by the timeout, their mean below this share of max_batch_size
-TOKEN_CAPPED = 0.5  # most batches formed by the token trigger
+TOKEN_CAPPED = 0.75  # batches hold this share of max_batch_tokens on average, or most went by the token trigger
 OVER_CAPACITY = 0.95  # served below this share of the offered rate
 TAIL_RATIO = 3.0  # p99 above this multiple of p50
 
@@ -63,6 +63,7 @@ class OnlineLevelResult:
     rejected: int  # QueueFull or too large
     timed_out: int
     mean_batch_size: float
+    mean_batch_padded_tokens: float  # rows × padded length, per batch
     batches: int
     batches_by_size: int  # formed because max_batch_size requests waited
     batches_by_tokens: int  # because max_batch_tokens padded tokens waited
@@ -120,19 +121,23 @@ def diagnose(result: OnlineLevelResult) -> list[str]:
     lines = []
     formed = result.batches_by_size + result.batches_by_tokens + result.batches_by_timeout
     per_window = result.qps_offered * result.batch_timeout_ms / 1000
-    if formed and result.batches_by_timeout > BATCHES_NEVER_FILL * formed \
-            and result.mean_batch_size < BATCHES_NEVER_FILL * result.max_batch_size:
+    over_capacity = result.rejected or result.timed_out or result.qps_achieved < OVER_CAPACITY * result.qps_offered
+    token_capped = formed and (result.batches_by_tokens > 0.5 * formed
+                               or result.mean_batch_padded_tokens >= TOKEN_CAPPED * result.max_batch_tokens)
+    if formed and result.batches_by_timeout > BATCHES_NEVER_FILL * formed and not over_capacity \
+            and not token_capped and result.mean_batch_size < BATCHES_NEVER_FILL * result.max_batch_size:
         lines.append(f"batches never fill: {result.batches_by_timeout} of {formed} batches were sent by the "
                      f"{result.batch_timeout_ms:g} ms timeout (mean batch {result.mean_batch_size:.1f} of "
                      f"{result.max_batch_size}; at {result.qps_offered:.1f} requests/s a window gathers "
                      f"~{per_window:.1f}); the rate is below the size trigger and every request waits up to the window "
                      "- lower --batch-timeout-ms for latency")
-    if formed and result.batches_by_tokens > TOKEN_CAPPED * formed:
-        lines.append(f"batches are capped by tokens: {result.batches_by_tokens} of {formed} batches were sent because "
-                     f"{result.max_batch_tokens} padded tokens waited (mean batch {result.mean_batch_size:.1f} of "
+    if token_capped:
+        lines.append(f"batches are capped by tokens: {result.mean_batch_padded_tokens:,.0f} padded tokens per batch "
+                     f"on average of --max-batch-tokens {result.max_batch_tokens} ({result.batches_by_tokens} of "
+                     f"{formed} sent by the token trigger; mean batch {result.mean_batch_size:.1f} of "
                      f"{result.max_batch_size}); raising --max-batch-size alone changes nothing, raise "
                      "--max-batch-tokens (within the memory plan) for larger batches")
-    if result.rejected or result.timed_out or result.qps_achieved < OVER_CAPACITY * result.qps_offered:
+    if over_capacity:
         lines.append(f"over capacity: {result.qps_achieved:.1f} of {result.qps_offered:.1f} requests/s served, queue "
                      f"{result.queue_depth_at_end} deep at the last arrival (peak {result.max_queue_depth}), "
                      f"{result.rejected} rejected, {result.timed_out} timed out; rejections and timeouts are expected "
@@ -268,6 +273,7 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
         latency_ms_max=round(latency["max"], 2),
         qps_achieved=qps_achieved,
         rejected=rejected, timed_out=outcome.timed_out, mean_batch_size=round(stats.mean_batch_size, 3),
+        mean_batch_padded_tokens=round(float(np.mean(stats.batch_padded_tokens)), 1) if stats.batches else 0.0,
         batches=stats.batches, batches_by_size=stats.triggers["size"], batches_by_tokens=stats.triggers["tokens"],
         batches_by_timeout=stats.triggers["timeout"], oom_splits=stats.oom_splits,
         max_queue_depth=stats.max_queue_depth,

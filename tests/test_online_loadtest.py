@@ -31,7 +31,7 @@ def level(value: int, qps_achieved: float = 40.0, p50: float = 30.0, p99: float 
         batch_timeout_ms=timeout_ms, max_batch_tokens=2048, qps_target=qps, concurrency=64, requests=400,
         qps_offered=qps, total_s=10.2, latency_ms_avg=p50 * 1.1, latency_ms_p50=p50, latency_ms_p95=p99 * 0.9,
         latency_ms_p99=p99, latency_ms_max=p99 * 1.2, qps_achieved=qps_achieved, rejected=rejected,
-        timed_out=timed_out, mean_batch_size=mean_batch, batches=100, batches_by_size=by[0], batches_by_tokens=by[1],
+        timed_out=timed_out, mean_batch_size=mean_batch, mean_batch_padded_tokens=mean_batch * 40, batches=100, batches_by_size=by[0], batches_by_tokens=by[1],
         batches_by_timeout=by[2], oom_splits=0, max_queue_depth=depth * 2,
         queue_depth_at_end=depth, wait_ms_p50=p50 / 2, wait_ms_p99=p99 / 2, compute_ms_p50=10.0, compute_ms_p99=20.0,
         peak_memory_bytes=50 * MIB)
@@ -74,7 +74,15 @@ def test_batches_that_never_fill_say_the_timeout_does_the_work():
 
 def test_batches_capped_by_the_token_budget_say_so():
     lines = diagnose(level(64, batch_size=64, mean_batch=20.0, qps=400, qps_achieved=398.0, by=(0, 80, 20)))
-    assert len(lines) == 1 and lines[0].startswith("batches are capped by tokens: 80 of 100 batches")
+    assert len(lines) == 1 and lines[0].startswith("batches are capped by tokens: 800 padded tokens per batch")
+    # sent by the timeout but topped up to the budget while the device was busy: capped too, not "never fill"
+    topped_up = diagnose(level(64, batch_size=64, mean_batch=50.0, qps=400, qps_achieved=398.0, by=(0, 0, 100)))
+    assert [line.split(":")[0] for line in topped_up] == ["batches are capped by tokens"]
+
+
+def test_an_overloaded_level_is_not_said_to_never_fill():
+    lines = diagnose(level(64, batch_size=64, mean_batch=27.0, qps=150, qps_achieved=126.0, by=(0, 0, 56)))
+    assert [line.split(":")[0] for line in lines] == ["over capacity"]
 
 
 def test_over_capacity_and_a_long_tail_are_named():
