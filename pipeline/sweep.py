@@ -350,7 +350,7 @@ def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ran = [r for r in levels if r.status == "ok"]
+    ran = [r for r in levels if r.status != "oom"]  # out of memory measured nothing; overloaded did
     x = [r.level for r in ran]
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
     top.plot(x, [getattr(r, measures.throughput) for r in ran], "o-", color="tab:blue", label="throughput")
