@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.config import RunConfig, SweepConfig, device_batch_limit
+from pipeline.config import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig, device_batch_limit
 from pipeline.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -544,6 +544,171 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
         click.echo("")
         click.echo(f"compared with {compare_with}:")
         click.echo(analysis.comparison_table(changes))
+        flagged = [change.level for change in changes if change.flags]
+        if flagged:
+            click.echo(f"regression at level(s) {', '.join(map(str, flagged))}", err=True)
+            if fail_on_regression:
+                sys.exit(analysis.EXIT_REGRESSION)
+        else:
+            click.echo("no regression")
+
+
+class Duration(click.ParamType):
+    """Seconds, as 30s, 500ms, 2m or a bare number of seconds."""
+
+    name = "duration"
+    UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            seconds = float(value)
+        else:
+            text = str(value).strip().lower()
+            unit = next((u for u in ("ms", "s", "m") if text.endswith(u)), "")
+            try:
+                seconds = float(text[:len(text) - len(unit)]) * self.UNITS.get(unit, 1.0)
+            except ValueError:
+                self.fail(f"{value!r} is not a duration such as 30s, 500ms or 2m", param, ctx)
+        if seconds < 0:
+            self.fail(f"{value!r} is negative", param, ctx)
+        return seconds
+
+
+def _batcher_default(name: str):
+    return _default(name, BatcherConfig)
+
+
+def _loadtest_default(name: str):
+    return _default(name, OnlineLoadtestConfig)
+
+
+@cli.command()
+@CONFIG_OPTION
+@_option("--input", "inputs", env="INPUT", multiple=True, required=True,
+         help="Shards to sample request texts from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
+@_option("--vary", env="LOADTEST_VARY", required=True, type=click.Choice(["max-batch-size", "batch-timeout-ms",
+                                                                          "max-batch-tokens"]),
+         help="The one batcher setting that changes between levels.")
+@_option("--values", env="LOADTEST_VALUES", required=True, type=IntList(), help="Its levels, e.g. 1,2,4,8,16,32,64.")
+@_option("--qps", env="LOADTEST_QPS", type=click.FloatRange(0, min_open=True), default=_loadtest_default("qps"),
+         show_default=True, help="Mean arrival rate, requests per second (Poisson arrivals, open loop).")
+@_option("--concurrency", env="LOADTEST_CONCURRENCY", type=click.IntRange(1),
+         default=_loadtest_default("concurrency"), show_default=True,
+         help="Requests in flight at most; a later arrival waits for a slot and its wait counts in its latency.")
+@_option("--duration", "duration_s", env="LOADTEST_DURATION", type=Duration(), default=_loadtest_default("duration_s"),
+         show_default=True, help="Measured arrivals per level (30s, 2m).")
+@_option("--warmup", "warmup_s", env="LOADTEST_WARMUP", type=Duration(), default=_loadtest_default("warmup_s"),
+         show_default=True, help="Arrivals before each level's measured ones, not counted.")
+@_option("--max-batch-size", env="BATCHER_MAX_BATCH_SIZE", type=click.IntRange(1),
+         default=_batcher_default("max_batch_size"), show_default=True,
+         help="Requests per batch; a batch runs as soon as this many wait.")
+@_option("--max-batch-tokens", env="BATCHER_MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
+         show_default=True,
+         help="Padded tokens per batch (also a trigger); auto: the device's default, "
+              f"{device_batch_limit('cpu', 'max_batch_tokens')} on CPU and "
+              f"{device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it.")
+@_option("--batch-timeout-ms", env="BATCHER_BATCH_TIMEOUT_MS", type=click.FloatRange(0),
+         default=_batcher_default("batch_timeout_ms"), show_default=True,
+         help="The oldest waiting request waits at most this long for others.")
+@_option("--request-timeout-ms", env="BATCHER_REQUEST_TIMEOUT_MS", type=click.FloatRange(0, min_open=True),
+         default=_batcher_default("request_timeout_ms"), show_default=True,
+         help="A request not answered within this fails with a timeout (never computed if still queued).")
+@_option("--max-queue", env="BATCHER_MAX_QUEUE", type=click.IntRange(1), default=_batcher_default("max_queue"),
+         show_default=True, help="Requests waiting; one more is rejected at once.")
+@_option("--max-queue-tokens", env="BATCHER_MAX_QUEUE_TOKENS", type=click.IntRange(1),
+         default=_batcher_default("max_queue_tokens"), show_default=True,
+         help="Padded tokens waiting; one more request is rejected at once.")
+@_apply(MODEL_OPTIONS)
+@_apply(INPUT_OPTIONS)
+@_apply(MEMORY_OPTIONS)
+@_option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=_default("safety"), show_default=True,
+         help="Headroom factor of the memory formula.")
+@_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
+         help="Cap batches by the memory plan (cached, or probed on the device first).")
+@_option("--no-plan-cache", "no_plan_cache", env="NO_PLAN_CACHE", is_flag=True, default=False,
+         help="Probe again and do not cache the plan.")
+@_option("--torch-threads", env="BATCHER_TORCH_THREADS", type=click.IntRange(1), default=None,
+         help="Intra-op threads of the forward. Default: torch's (the cores). On a CPU shared with other "
+              "processes 1 can be many times faster: see the README.")
+@_option("--sample-rows", env="LOADTEST_SAMPLE_ROWS", type=click.IntRange(2), default=_loadtest_default("sample_rows"),
+         show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")
+@_option("--seed", env="LOADTEST_SEED", type=int, default=_loadtest_default("seed"), show_default=True,
+         help="Which texts the sample takes and the arrival times.")
+@_option("--max-p99-ms", env="LOADTEST_MAX_P99_MS", type=click.FloatRange(0, min_open=True), default=None,
+         help="Recommend only levels whose p99 latency is within this.")
+@_option("--memory-headroom", env="LOADTEST_MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
+         default=_loadtest_default("memory_headroom"), show_default=True,
+         help="Recommend only levels that leave this share of the memory budget free.")
+@_option("--compare", "compare_with", env="LOADTEST_COMPARE", type=click.Path(dir_okay=False), default=None,
+         help="An earlier load test CSV: print the change per level and flag regressions.")
+@_option("--max-throughput-drop", env="LOADTEST_MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1), default=0.05,
+         show_default=True, help="--compare flags a level whose requests/s fell by more than this share.")
+@_option("--max-p99-rise", env="LOADTEST_MAX_P99_RISE", type=click.FloatRange(0), default=0.10, show_default=True,
+         help="--compare flags a level whose p99 latency rose by more than this share.")
+@_option("--fail-on-regression", env="LOADTEST_FAIL_ON_REGRESSION", is_flag=True,
+         help="Exit 3 when --compare flags any level.")
+@_option("--out", env="LOADTEST_OUT", required=True, type=click.Path(dir_okay=False),
+         help="The CSV, one row per level; the fixed settings, diagnoses and recommendation go to OUT.json.")
+@_option("--plot", env="LOADTEST_PLOT", type=click.Path(dir_okay=False), default=None,
+         help="Also draw requests/s, p99 latency and memory against the level (needs matplotlib).")
+@_apply(LOG_OPTIONS)
+def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model, storage_option, no_plan_cache,
+             sample_rows, seed, max_p99_ms, memory_headroom, compare_with, max_throughput_drop, max_p99_rise,
+             fail_on_regression, out, plot, id_column, text_column, **batcher_settings) -> None:
+    """Load-test the online batcher: real texts at a Poisson rate, one setting over several values.
+
+    Only --vary changes between levels. Each level: warm-up arrivals, --duration of measured
+    arrivals, then the drain. Latency runs from a request's scheduled arrival to its answer.
+    The recommendation is the highest requests/s within the limits, or the smallest level
+    within 3% of it; a line of diagnosis follows a level that shows a known pattern.
+    """
+    from pipeline import online_loadtest as online
+    from pipeline import sweep as analysis
+
+    if vary == "max-batch-tokens" and batcher_settings["max_batch_tokens"] is not None:
+        _fail("--max-batch-tokens is the varied setting; give its levels with --values, not as a fixed value")
+    if duration_s <= 0:
+        _fail("--duration must be more than 0")
+    try:
+        previous = analysis.read_sweep_csv(compare_with, online.OnlineLevelResult) if compare_with else None
+        if plot:
+            analysis.check_plot_available()
+        batcher = BatcherConfig(model=_model_or_default(model), use_plan_cache=not no_plan_cache, **batcher_settings)
+        config = OnlineLoadtestConfig(input=tuple(inputs), vary=vary, values=values, out=out, batcher=batcher,
+                                      qps=qps, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
+                                      sample_rows=sample_rows, seed=seed, max_p99_ms=max_p99_ms,
+                                      memory_headroom=memory_headroom, id_column=id_column, text_column=text_column,
+                                      storage_options=_parse_storage_options(storage_option))
+        report = online.run_online_loadtest(config)
+    except (UsageError, ValueError, ImportError) as error:
+        _fail(str(error))
+    analysis.write_sweep_csv(out, report.levels, online.OnlineLevelResult)
+    Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
+    fixed = report.settings
+    click.echo(f"{fixed['job']} · {fixed['device']} · {fixed['dtype']} · max length {fixed['max_length']} · "
+               f"{fixed['qps']:g} requests/s Poisson for {fixed['duration_s']:g} s "
+               f"(+{fixed['warmup_s']:g} s warm-up) · "
+               f"concurrency {fixed['concurrency']} · " + " · ".join(
+                   f"{name} {fixed[name]}" for name in ("max_batch_size", "batch_timeout_ms", "max_batch_tokens",
+                                                        "request_timeout_ms", "max_queue") if fixed[name] is not None))
+    click.echo(online.markdown_table(report.levels, vary, report.recommendation.level))
+    for level, lines in report.diagnoses.items():
+        for line in lines:
+            click.echo(f"{vary} {level}: {line}")
+    click.echo("")
+    click.echo(f"recommendation: {report.recommendation.reason}")
+    click.echo(f"csv: {out}  settings: {out}.json")
+    if plot:
+        analysis.plot_sweep(plot, report.levels, vary, report.recommendation.level,
+                            f"online · {fixed['job']} · {fixed['device']} · {fixed['qps']:g} req/s Poisson · "
+                            f"{fixed['duration_s']:g} s per level", online.ONLINE_MEASURES)
+        click.echo(f"plot: {plot}")
+    if previous is not None:
+        changes = analysis.compare_sweeps(previous, report.levels, max_throughput_drop, max_p99_rise,
+                                          online.ONLINE_MEASURES)
+        click.echo("")
+        click.echo(f"compared with {compare_with}:")
+        click.echo(analysis.comparison_table(changes, online.ONLINE_MEASURES))
         flagged = [change.level for change in changes if change.flags]
         if flagged:
             click.echo(f"regression at level(s) {', '.join(map(str, flagged))}", err=True)

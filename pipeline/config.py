@@ -112,3 +112,59 @@ class SweepConfig:
     save_recommendation: bool = True
     trust_remote_code: bool = False
     allow_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    """The online batcher: requests that arrive one by one, gathered into batches under a deadline."""
+
+    job: str = "embed"
+    model: str | None = None
+    max_length: int | None = None
+    prompt: str | None = None
+    prompt_name: str | None = None
+    max_batch_size: int = 32  # requests per batch; a batch runs as soon as this many are queued
+    max_batch_tokens: int | None = None  # padded tokens per batch (also a trigger); None = the device's default
+    # (DEVICE_BATCH_LIMITS, as `run` without a sweep recommendation)
+    batch_timeout_ms: float = 20.0  # the oldest queued request waits at most this long for company
+    request_timeout_ms: float = 1000.0  # a request's deadline unless submit gives one; > batch_timeout_ms
+    max_queue: int = 2000  # requests waiting (tokenizing or queued); one more fails at once with QueueFull
+    max_queue_tokens: int = 2**18  # padded tokens waiting; the same
+    probe: bool = True  # cap batches by the memory plan (cached, else probed on the device)
+    memory_budget: int | None = None
+    memory_reserve: float = 0.10
+    safety: float = 1.5
+    plan_cache: str | None = None
+    use_plan_cache: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+
+    @property
+    def max_batch_rows(self) -> int:
+        """What the memory plan calls the batch size (its cache key and row cap)."""
+        return self.max_batch_size
+
+
+@dataclass(frozen=True)
+class OnlineLoadtestConfig:
+    """The online load test: real texts sent at a Poisson rate; one batcher setting stepped over `values`."""
+
+    input: tuple[str, ...]
+    vary: str  # max-batch-size | batch-timeout-ms | max-batch-tokens
+    values: tuple[int, ...]
+    out: str  # the CSV; the settings and the recommendation go beside it as <out>.json
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)  # the fixed settings
+    qps: float = 40.0  # mean arrival rate (Poisson)
+    concurrency: int = 64  # requests in flight at most; a later arrival waits for a slot (its wait counts)
+    duration_s: float = 30.0  # measured seconds of arrivals per level
+    warmup_s: float = 3.0  # arrivals before the measured ones, not counted
+    sample_rows: int = 5000  # texts sampled from the input, sent in random order
+    seed: int = 0
+    max_p99_ms: float | None = None  # recommendation: p99 latency limit
+    memory_headroom: float = 0.10
+    id_column: str = "id"
+    text_column: str = "text"
+    storage_options: dict = field(default_factory=dict)

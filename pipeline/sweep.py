@@ -1,6 +1,8 @@
 """The batch-size sweep, minus the device: the sample, the CSV, the recommendation, the
 regression check and the plot. Pure Python and numpy (no torch); `pipeline/loadtest.py`
-runs the levels on the device and hands back `LevelResult`s.
+runs the levels on the device and hands back `LevelResult`s. The online load test
+(`pipeline/online_loadtest.py`) reuses the CSV, recommendation, comparison and plot with
+its own level results, named by `Measures`.
 
 Throughput rises with batch size and then flattens, latency keeps rising, memory grows until
 it runs out. The recommendation is the highest-throughput level that meets the latency and
@@ -20,6 +22,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -31,6 +34,8 @@ EXIT_REGRESSION = 3
 @dataclass
 class LevelResult:
     """One CSV row: what one level of the varied setting measured (warm-up rows excluded)."""
+
+    CSV_KIND: ClassVar[str] = "sweep"
 
     level: int
     status: str  # ok | oom (ran out of memory: batches split or rows failed; the sweep stops upward)
@@ -57,9 +62,25 @@ class LevelResult:
     def columns(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    def problem(self) -> str:
+        """Why a level whose status is not ok cannot be recommended."""
+        return f"ran out of memory ({self.oom_splits} batch splits)"
 
-_INT_COLUMNS = {f.name for f in fields(LevelResult) if f.type == "int"}
-_STR_COLUMNS = {"status"}
+
+@dataclass(frozen=True)
+class Measures:
+    """The fields of a level result that the recommendation, the comparison and the plot
+    read, and the words for them: rows for the offline sweep, requests for the online test."""
+
+    throughput: str
+    p99_ms: str
+    peak_bytes: str
+    throughput_unit: str
+    latency: str
+    knee_by_p99: bool = False  # among levels near the best throughput: the lowest p99, not the smallest level
+
+
+ROW_MEASURES = Measures("rows_per_s", "row_latency_ms_p99", "peak_device_bytes", "rows/s", "p99 row latency")
 
 
 def percentiles_ms(seconds: Sequence[float]) -> dict[str, float]:
@@ -103,46 +124,62 @@ class Recommendation:
         return asdict(self)
 
 
-def recommend(levels: Sequence[LevelResult], vary: str, budget_bytes: int, memory_headroom: float,
-              max_p99_ms: float | None = None, knee_tolerance: float = KNEE_TOLERANCE) -> Recommendation:
-    """The level to use, and why in words. Eligible: ran without running out of memory,
-    row p99 within `max_p99_ms` (if given), peak device memory leaving `memory_headroom` of
-    `budget_bytes` free. Among the eligible, the smallest level within `knee_tolerance` of
-    the best throughput."""
+def recommend(levels: Sequence, vary: str, budget_bytes: int, memory_headroom: float,
+              max_p99_ms: float | None = None, knee_tolerance: float = KNEE_TOLERANCE,
+              measures: Measures = ROW_MEASURES) -> Recommendation:
+    """The level to use, and why in words. Eligible: status ok, p99 within `max_p99_ms` (if
+    given), peak memory leaving `memory_headroom` of `budget_bytes` free. Among the eligible,
+    the smallest level within `knee_tolerance` of the best throughput."""
     memory_limit = (1.0 - memory_headroom) * budget_bytes
+    unit = measures.throughput_unit
+
+    def throughput(result) -> float:
+        return getattr(result, measures.throughput)
+
+    def p99_ms(result) -> float:
+        return getattr(result, measures.p99_ms)
+
+    def peak(result) -> int:
+        return getattr(result, measures.peak_bytes)
+
     excluded: dict[int, str] = {}
     eligible = []
     for result in levels:
         if result.status != "ok":
-            excluded[result.level] = f"ran out of memory ({result.oom_splits} batch splits)"
-        elif max_p99_ms is not None and result.row_latency_ms_p99 > max_p99_ms:
-            excluded[result.level] = f"p99 row latency {result.row_latency_ms_p99:,.0f} ms > {max_p99_ms:,.0f} ms"
-        elif result.peak_device_bytes > memory_limit:
-            excluded[result.level] = (f"peak memory {_gib(result.peak_device_bytes)} leaves less than "
+            excluded[result.level] = result.problem()
+        elif max_p99_ms is not None and p99_ms(result) > max_p99_ms:
+            excluded[result.level] = f"{measures.latency} {p99_ms(result):,.0f} ms > {max_p99_ms:,.0f} ms"
+        elif peak(result) > memory_limit:
+            excluded[result.level] = (f"peak memory {_gib(peak(result))} leaves less than "
                                       f"{memory_headroom:.0%} of the {_gib(budget_bytes)} budget free")
         else:
             eligible.append(result)
     if not eligible:
         why = "; ".join(f"{level}: {reason}" for level, reason in excluded.items()) or "no level ran"
         return Recommendation(vary, None, f"no level met the limits ({why})", excluded=excluded)
-    best = max(eligible, key=lambda r: r.rows_per_s)
-    near_best = [r for r in eligible if r.rows_per_s >= (1.0 - knee_tolerance) * best.rows_per_s]
-    chosen = min(near_best, key=lambda r: r.level)
-    if chosen is best:
-        how = f"the highest throughput ({best.rows_per_s:,.1f} rows/s)"
+    best = max(eligible, key=throughput)
+    near_best = [r for r in eligible if throughput(r) >= (1.0 - knee_tolerance) * throughput(best)]
+    if measures.knee_by_p99:
+        chosen = min(near_best, key=lambda r: (p99_ms(r), r.level))
+        pick = "the lowest p99 of those: the same work, answered sooner"
     else:
-        how = (f"{chosen.rows_per_s:,.1f} rows/s, within {knee_tolerance:.0%} of the best ({best.rows_per_s:,.1f} "
-               f"rows/s at {best.level}) and the smallest such level (the knee): the same work for less memory "
-               "and latency")
-    limits = f"p99 row latency {chosen.row_latency_ms_p99:,.0f} ms"
+        chosen = min(near_best, key=lambda r: r.level)
+        pick = "the smallest such level (the knee): the same work for less memory and latency"
+    if chosen is best:
+        how = f"the highest throughput ({throughput(best):,.1f} {unit})"
+    else:
+        how = (f"{throughput(chosen):,.1f} {unit}, within {knee_tolerance:.0%} of the best ({throughput(best):,.1f} "
+               f"{unit} at {best.level}), {pick}")
+    limits = f"{measures.latency} {p99_ms(chosen):,.0f} ms"
     if max_p99_ms is not None:
         limits += f" ≤ {max_p99_ms:,.0f} ms"
-    limits += (f"; peak memory {_gib(chosen.peak_device_bytes)} leaves "
-               f"{1 - chosen.peak_device_bytes / budget_bytes:.0%} of the {_gib(budget_bytes)} budget free")
+    limits += (f"; peak memory {_gib(peak(chosen))} leaves "
+               f"{1 - peak(chosen) / budget_bytes:.0%} of the {_gib(budget_bytes)} budget free")
     reason = f"{vary} {chosen.level}: {how}; {limits}"
     if excluded:
         reason += ". Not eligible: " + "; ".join(f"{level} ({why})" for level, why in excluded.items())
-    return Recommendation(vary, chosen.level, reason, chosen.rows_per_s, chosen.tokens_per_s, excluded)
+    return Recommendation(vary, chosen.level, reason, throughput(chosen), getattr(chosen, "tokens_per_s", 0.0),
+                          excluded)
 
 
 def _gib(count: float) -> str:
@@ -152,31 +189,34 @@ def _gib(count: float) -> str:
 # ── the CSV and the Markdown table ─────────────────────────────────────────────────────
 
 
-def write_sweep_csv(path: str, levels: Sequence[LevelResult]) -> None:
+def write_sweep_csv(path: str, levels: Sequence, result_type: type = LevelResult) -> None:
     from pipeline.memory import write_text_atomically
 
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=LevelResult.columns())
+    writer = csv.DictWriter(text, fieldnames=result_type.columns())
     writer.writeheader()
     for result in levels:
         writer.writerow(asdict(result))
     write_text_atomically(Path(path), text.getvalue())
 
 
-def read_sweep_csv(path: str) -> list[LevelResult]:
-    """A sweep CSV written by this or an earlier run; a clear error if it is not one."""
+def read_sweep_csv(path: str, result_type: type = LevelResult) -> list:
+    """A CSV of `result_type` rows written by this or an earlier run; a clear error if it is not one."""
+    kind = result_type.CSV_KIND
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
     except OSError as error:
-        raise ValueError(f"cannot read sweep CSV {path}: {error.strerror}") from error
-    missing = set(LevelResult.columns()) - set(rows[0] if rows else {})
+        raise ValueError(f"cannot read {kind} CSV {path}: {error.strerror}") from error
+    columns = result_type.columns()
+    missing = set(columns) - set(rows[0] if rows else {})
     if not rows or missing:
-        raise ValueError(f"{path} is not a lengthwise sweep CSV (missing columns: {', '.join(sorted(missing))})")
+        raise ValueError(f"{path} is not a lengthwise {kind} CSV (missing columns: {', '.join(sorted(missing))})")
+    types = {f.name: f.type for f in fields(result_type)}
     try:
-        return [LevelResult(**{name: (row[name] if name in _STR_COLUMNS else
-                                      int(float(row[name])) if name in _INT_COLUMNS else float(row[name]))
-                               for name in LevelResult.columns()}) for row in rows]
+        return [result_type(**{name: (row[name] if types[name] == "str" else
+                                      int(float(row[name])) if types[name] == "int" else float(row[name]))
+                               for name in columns}) for row in rows]
     except ValueError as error:
         raise ValueError(f"{path} has a value that is not a number: {error}") from error
 
@@ -200,36 +240,37 @@ def markdown_table(levels: Sequence[LevelResult], recommended: int | None = None
 @dataclass
 class LevelChange:
     level: int
-    rows_per_s_before: float
-    rows_per_s_now: float
+    throughput_before: float
+    throughput_now: float
     p99_ms_before: float
     p99_ms_now: float
     flags: list[str]
 
     @property
     def throughput_change(self) -> float:
-        return self.rows_per_s_now / self.rows_per_s_before - 1.0 if self.rows_per_s_before else math.nan
+        return self.throughput_now / self.throughput_before - 1.0 if self.throughput_before else math.nan
 
     @property
     def p99_change(self) -> float:
         return self.p99_ms_now / self.p99_ms_before - 1.0 if self.p99_ms_before else math.nan
 
 
-def compare_sweeps(before: Sequence[LevelResult], now: Sequence[LevelResult], max_throughput_drop: float,
-                   max_p99_rise: float) -> list[LevelChange]:
-    """Per level present in both: throughput and p99 row latency change. A level is flagged
+def compare_sweeps(before: Sequence, now: Sequence, max_throughput_drop: float, max_p99_rise: float,
+                   measures: Measures = ROW_MEASURES) -> list[LevelChange]:
+    """Per level present in both: throughput and p99 latency change. A level is flagged
     when throughput fell by more than `max_throughput_drop`, p99 rose by more than
-    `max_p99_rise`, or it ran out of memory now but not before."""
+    `max_p99_rise`, or its status is not ok now but was before (out of memory, overloaded)."""
     earlier = {r.level: r for r in before}
     changes = []
     for result in now:
         old = earlier.get(result.level)
         if old is None:
             continue
-        change = LevelChange(result.level, old.rows_per_s, result.rows_per_s, old.row_latency_ms_p99,
-                             result.row_latency_ms_p99, [])
+        change = LevelChange(result.level, getattr(old, measures.throughput), getattr(result, measures.throughput),
+                             getattr(old, measures.p99_ms), getattr(result, measures.p99_ms), [])
         if result.status != "ok" and old.status == "ok":
-            change.flags.append("runs out of memory now")
+            change.flags.append("runs out of memory now" if result.status == "oom" else
+                                f"{result.status} now: {result.problem()}")
         elif result.status == "ok" and old.status == "ok":
             if change.throughput_change < -max_throughput_drop:
                 change.flags.append(f"throughput {change.throughput_change:+.1%}")
@@ -239,11 +280,13 @@ def compare_sweeps(before: Sequence[LevelResult], now: Sequence[LevelResult], ma
     return changes
 
 
-def comparison_table(changes: Sequence[LevelChange]) -> str:
-    lines = ["| level | rows/s before | rows/s now | change | row p99 ms before | row p99 ms now | change | flag |",
+def comparison_table(changes: Sequence[LevelChange], measures: Measures = ROW_MEASURES) -> str:
+    unit, latency = measures.throughput_unit, measures.latency.removeprefix("p99 ")
+    lines = [f"| level | {unit} before | {unit} now | change | {latency} p99 ms before | {latency} p99 ms now | "
+             "change | flag |",
              "|---:|---:|---:|---:|---:|---:|---:|:---|"]
     for c in changes:
-        lines.append(f"| {c.level} | {c.rows_per_s_before:,.1f} | {c.rows_per_s_now:,.1f} | "
+        lines.append(f"| {c.level} | {c.throughput_before:,.1f} | {c.throughput_now:,.1f} | "
                      f"{c.throughput_change:+.1%} | {c.p99_ms_before:,.0f} | {c.p99_ms_now:,.0f} | "
                      f"{c.p99_change:+.1%} | {'REGRESSION: ' + ', '.join(c.flags) if c.flags else ''} |")
     return "\n".join(lines)
@@ -302,39 +345,43 @@ def check_plot_available() -> None:
                           "(or .venv/bin/pip install matplotlib)")
 
 
-def plot_sweep(path: str, levels: Sequence[LevelResult], vary: str, recommended: int | None, title: str) -> None:
-    """Throughput (left axis) and p99 row latency (right axis) against the varied value,
-    peak memory in a second panel, the recommended level marked."""
+def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, title: str,
+               measures: Measures = ROW_MEASURES) -> None:
+    """Throughput (left axis) and p99 latency (right axis) against the varied value, peak
+    memory in a second panel, the recommended level marked; levels whose status is not ok
+    (out of memory, overloaded) as dotted lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ran = [r for r in levels if r.status == "ok"]
+    ran = [r for r in levels if r.status != "oom"]  # out of memory measured nothing; overloaded did
     x = [r.level for r in ran]
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
-    top.plot(x, [r.rows_per_s for r in ran], "o-", color="tab:blue", label="throughput")
-    top.set_ylabel("rows/s", color="tab:blue")
-    top.set_ylim(bottom=0)
+    top.plot(x, [getattr(r, measures.throughput) for r in ran], "o-", color="tab:blue", label="throughput")
+    top.set_ylabel(measures.throughput_unit, color="tab:blue")
+    top.set_ylim(0, max([getattr(r, measures.throughput) for r in ran], default=1) * 1.1 or 1)
     latency = top.twinx()
-    latency.plot(x, [r.row_latency_ms_p99 for r in ran], "s--", color="tab:red", label="p99 row latency")
-    latency.set_ylabel("p99 row latency (ms)", color="tab:red")
+    latency.plot(x, [getattr(r, measures.p99_ms) for r in ran], "s--", color="tab:red", label=measures.latency)
+    latency.set_ylabel(f"{measures.latency} (ms)", color="tab:red")
     latency.set_ylim(bottom=0)
-    bottom.plot(x, [r.peak_device_bytes / 2**20 for r in ran], "^-", color="tab:green")
+    bottom.plot(x, [getattr(r, measures.peak_bytes) / 2**20 for r in ran], "^-", color="tab:green")
     bottom.set_ylabel("peak memory (MiB)")
     bottom.set_xlabel(vary)
     for failed in (r for r in levels if r.status != "ok"):
         for axis in (top, bottom):
             axis.axvline(failed.level, color="black", linestyle=":", linewidth=1)
-        top.annotate("out of memory", (failed.level, 0), rotation=90, va="bottom", ha="right", fontsize=8)
+        top.annotate("out of memory" if failed.status == "oom" else failed.status, (failed.level, 0), rotation=90,
+                     va="bottom", ha="right", fontsize=8)
     if recommended is not None:
         for axis in (top, bottom):
             axis.axvline(recommended, color="tab:orange", linewidth=2, alpha=0.6)
         top.annotate(f"recommended: {recommended}", (recommended, top.get_ylim()[1] * 0.05), color="tab:orange",
                      ha="left", fontsize=9, xytext=(4, 0), textcoords="offset points")
-    if len(x) > 1 and min(x) > 0 and max(x) / min(x) >= 8:
+    every = sorted(r.level for r in levels)  # levels that did not run ok are marked too
+    if len(every) > 1 and min(every) > 0 and max(every) / min(every) >= 8:
         bottom.set_xscale("log", base=2)
-    bottom.set_xticks(x, [str(v) for v in x])
+    bottom.set_xticks(every, [str(v) for v in every])
     top.set_title(title, fontsize=10)
     top.grid(alpha=0.3)
     bottom.grid(alpha=0.3)

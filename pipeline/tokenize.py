@@ -151,13 +151,15 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
-def encode_texts(texts: Sequence) -> EncodedRows:
-    """Tokenize one chunk of texts with this process's tokenizer (set by _init_worker)."""
+def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = None) -> EncodedRows:
+    """Tokenize one chunk of texts with `tokenizer` prepared by `spec` (default: this
+    process's, set by _init_worker; the online batcher passes its own)."""
     started = time.perf_counter()
+    tokenizer, spec = tokenizer or _worker_tokenizer, spec or _worker_spec
     checked = [check_text(value) for value in texts]
     errors = [error for _, error in checked]
-    good = [prepare_text(_worker_spec, text) for text, error in checked if error is None]
-    encodings = _worker_tokenizer.encode_batch(good) if good else []
+    good = [prepare_text(spec, text) for text, error in checked if error is None]
+    encodings = tokenizer.encode_batch(good) if good else []
     lengths = np.zeros(len(texts), dtype=np.int64)
     truncated = np.zeros(len(texts), dtype=bool)
     good_positions = np.flatnonzero(np.array([e is None for e in errors], dtype=bool))

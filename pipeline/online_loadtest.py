@@ -1,0 +1,377 @@
+"""The online load test: real texts sent to the DynamicBatcher at a Poisson rate, one batcher
+setting stepped over its levels. (`pipeline/loadtest.py` measures the offline sweep.)
+
+Per level, a fresh batcher on the one loaded model: warm-up arrivals (not counted), then
+`duration_s` of measured arrivals, then the drain (every measured request answered,
+rejected or timed out) before the tail latencies are computed. The generator is open-loop:
+arrival times are drawn in advance and do not wait for answers; at most `concurrency`
+requests are in flight, and an arrival that finds them all busy waits for a slot, its
+latency counted from its scheduled time, so a slow server cannot hide its queue (no
+coordinated omission). The CSV, recommendation, comparison and plot are the offline
+sweep's (`pipeline/sweep.py`), read through `ONLINE_MEASURES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import numpy as np
+
+from pipeline.batcher import DynamicBatcher, QueueFull, check_timeouts, set_torch_threads, with_token_budget
+from pipeline.config import OnlineLoadtestConfig
+from pipeline.errors import UsageError
+from pipeline.sweep import Measures, Recommendation, percentiles_ms, recommend
+
+log = logging.getLogger(__name__)
+
+VARIABLES = {"max-batch-size": "max_batch_size", "batch-timeout-ms": "batch_timeout_ms",
+             "max-batch-tokens": "max_batch_tokens"}
+BATCHES_NEVER_FILL = 0.5  # most batches formed by the timeout, their mean below this share of max_batch_size
+TOKEN_CAPPED = 0.75  # batches hold this share of max_batch_tokens on average, or most went by the token trigger
+OVER_CAPACITY = 0.95  # served below this share of the offered rate
+TAIL_RATIO = 3.0  # p99 above this multiple of p50
+
+
+@dataclass
+class OnlineLevelResult:
+    """One CSV row: one level's measured requests (warm-up excluded) and the settings to replay it."""
+
+    CSV_KIND: ClassVar[str] = "online load test"
+
+    level: int  # the varied setting's value
+    status: str  # ok | overloaded (requests rejected or timed out) | oom (a batch ran out of memory)
+    max_batch_size: int
+    batch_timeout_ms: float
+    max_batch_tokens: int
+    qps_target: float
+    concurrency: int
+    requests: int  # measured arrivals
+    qps_offered: float  # measured arrivals per second of duration (Poisson: near qps_target)
+    total_s: float  # first measured arrival to the last answer (the drain included)
+    latency_ms_avg: float  # answered requests, scheduled arrival to answer
+    latency_ms_p50: float
+    latency_ms_p95: float
+    latency_ms_p99: float
+    latency_ms_max: float
+    qps_achieved: float  # the rate answers came at, first to last (see PhaseOutcome.answers_per_s)
+    rejected: int  # QueueFull or too large
+    timed_out: int
+    mean_batch_size: float
+    mean_batch_padded_tokens: float  # rows × padded length, per batch
+    batches: int
+    batches_by_size: int  # formed because max_batch_size requests waited
+    batches_by_tokens: int  # because max_batch_tokens padded tokens waited
+    batches_by_timeout: int  # because the oldest request had waited batch_timeout_ms
+    oom_splits: int
+    max_queue_depth: int
+    queue_depth_at_end: int  # waiting when the last measured arrival came
+    wait_ms_p50: float  # submit to the start of its batch on the device
+    wait_ms_p99: float
+    compute_ms_p50: float  # one batch on the device
+    compute_ms_p99: float
+    peak_memory_bytes: int  # memory the level added above the loaded model
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def problem(self) -> str:
+        if self.status == "oom":
+            return f"ran out of memory ({self.oom_splits} batch splits)"
+        return (f"overloaded: {self.qps_achieved:.1f} of {self.qps_offered:.1f} requests/s served, "
+                f"{self.rejected} rejected, {self.timed_out} timed out of {self.requests}")
+
+
+# Every level that keeps up answers at the offered rate, so throughput rarely separates them;
+# among those within 3% of the best, the recommendation takes the lowest p99.
+ONLINE_MEASURES = Measures("qps_achieved", "latency_ms_p99", "peak_memory_bytes", "requests/s", "p99 latency",
+                           knee_by_p99=True)
+
+
+# ── pure pieces ──────────────────────────────────────────────────────────────────────────
+
+
+def poisson_arrivals(qps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
+    """Arrival offsets in [0, duration_s): exponential gaps with mean 1/qps."""
+    if qps <= 0 or duration_s <= 0:
+        return np.zeros(0)
+    expected = qps * duration_s
+    gaps = rng.exponential(1.0 / qps, size=int(expected + 6 * math.sqrt(expected) + 10))
+    offsets = np.cumsum(gaps) - gaps[0]  # the first request at the start
+    return offsets[offsets < duration_s]
+
+
+def level_status(rejected: int, timed_out: int, oom_splits: int, qps_achieved: float, qps_offered: float) -> str:
+    """oom when a batch ran out of memory; overloaded when requests were rejected or timed out
+    or the answers fell behind the arrivals (the client's concurrency cap then holds them back)."""
+    if oom_splits:
+        return "oom"
+    behind = qps_achieved < OVER_CAPACITY * qps_offered
+    return "overloaded" if rejected or timed_out or behind else "ok"
+
+
+def diagnose(result: OnlineLevelResult) -> list[str]:
+    """One line per known pattern this level shows."""
+    lines = []
+    formed = result.batches_by_size + result.batches_by_tokens + result.batches_by_timeout
+    per_window = result.qps_offered * result.batch_timeout_ms / 1000
+    over_capacity = result.rejected or result.timed_out or result.qps_achieved < OVER_CAPACITY * result.qps_offered
+    token_capped = formed and (result.batches_by_tokens > 0.5 * formed
+                               or result.mean_batch_padded_tokens >= TOKEN_CAPPED * result.max_batch_tokens)
+    if formed and result.batches_by_timeout > BATCHES_NEVER_FILL * formed and not over_capacity \
+            and not token_capped and result.mean_batch_size < BATCHES_NEVER_FILL * result.max_batch_size:
+        lines.append(f"batches never fill: {result.batches_by_timeout} of {formed} batches were sent by the "
+                     f"{result.batch_timeout_ms:g} ms timeout (mean batch {result.mean_batch_size:.1f} of "
+                     f"{result.max_batch_size}; at {result.qps_offered:.1f} requests/s a window gathers "
+                     f"~{per_window:.1f}); the rate is below the size trigger and every request waits up to the window "
+                     "- lower --batch-timeout-ms for latency")
+    if token_capped:
+        lines.append(f"batches are capped by tokens: {result.mean_batch_padded_tokens:,.0f} padded tokens per batch "
+                     f"on average of --max-batch-tokens {result.max_batch_tokens} ({result.batches_by_tokens} of "
+                     f"{formed} sent by the token trigger; mean batch {result.mean_batch_size:.1f} of "
+                     f"{result.max_batch_size}); raising --max-batch-size alone changes nothing, raise "
+                     "--max-batch-tokens (within the memory plan) for larger batches")
+    if over_capacity:
+        lines.append(f"over capacity: {result.qps_achieved:.1f} of {result.qps_offered:.1f} requests/s served, queue "
+                     f"{result.queue_depth_at_end} deep at the last arrival (peak {result.max_queue_depth}), "
+                     f"{result.rejected} rejected, {result.timed_out} timed out; rejections and timeouts are expected "
+                     "here - lower the rate, add devices, or allow larger batches")
+    if result.latency_ms_p50 > 0 and result.latency_ms_p99 > TAIL_RATIO * result.latency_ms_p50:
+        lines.append(f"p99 {result.latency_ms_p99:,.0f} ms is {result.latency_ms_p99 / result.latency_ms_p50:.1f}x "
+                     f"p50: long rows or long waits (queue wait p99 {result.wait_ms_p99:,.0f} ms, batch compute p99 "
+                     f"{result.compute_ms_p99:,.0f} ms)")
+    return lines
+
+
+def markdown_table(levels: Sequence[OnlineLevelResult], vary: str, recommended: int | None = None) -> str:
+    lines = [f"| {vary} | status | requests | req/s achieved | p50 ms | p95 ms | p99 ms | max ms | mean batch | "
+             "rejected | timed out | peak memory |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in levels:
+        mark = " ←" if r.level == recommended else ""
+        lines.append(f"| {r.level}{mark} | {r.status} | {r.requests:,} | {r.qps_achieved:,.1f} | "
+                     f"{r.latency_ms_p50:,.1f} | {r.latency_ms_p95:,.1f} | {r.latency_ms_p99:,.1f} | "
+                     f"{r.latency_ms_max:,.1f} | {r.mean_batch_size:.2f} | {r.rejected} | {r.timed_out} | "
+                     f"{r.peak_memory_bytes / 2**20:,.0f} MiB |")
+    return "\n".join(lines)
+
+
+# ── the generator ────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class PhaseOutcome:
+    latencies_s: list[float]
+    answered_at: list[float]  # loop time of each answer
+    rejected: int
+    timed_out: int
+    total_s: float
+    queue_depth_at_end: int
+
+    def answers_per_s(self) -> float:
+        """The rate answers came at, first to last: the offered rate when the server keeps up,
+        its capacity when it does not; unlike answers / total_s, not lowered by the drain's
+        tail latency."""
+        if len(self.answered_at) < 2:
+            return 0.0
+        span = max(self.answered_at) - min(self.answered_at)
+        return (len(self.answered_at) - 1) / span if span > 0 else 0.0
+
+
+async def send_arrivals(batcher: DynamicBatcher, texts: Sequence[str], arrivals: np.ndarray,
+                        concurrency: int) -> PhaseOutcome:
+    """Submit texts[i % len(texts)] at each arrival offset; wait for every answer (the drain)."""
+    loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    answered_at: list[float] = []
+    counts = {"rejected": 0, "timed_out": 0}
+    start = loop.time()
+
+    async def one(text: str, scheduled: float) -> None:
+        try:
+            await batcher.submit(text)
+            answered_at.append(loop.time())
+            latencies.append(answered_at[-1] - scheduled)
+        except (QueueFull, ValueError):  # ValueError: RequestTooLarge
+            counts["rejected"] += 1
+        except TimeoutError:
+            counts["timed_out"] += 1
+        finally:
+            slots.release()
+
+    tasks = []
+    for index, offset in enumerate(arrivals):
+        scheduled = start + float(offset)
+        delay = scheduled - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await slots.acquire()
+        tasks.append(asyncio.create_task(one(texts[index % len(texts)], scheduled)))
+    depth = batcher.stats.queue_depth
+    await asyncio.gather(*tasks)
+    return PhaseOutcome(latencies, answered_at, counts["rejected"], counts["timed_out"], loop.time() - start, depth)
+
+
+def warm_up_process(loaded, batcher_config, limits, texts: Sequence[str], config: OnlineLoadtestConfig) -> None:
+    """One warm-up phase before the first level, outside its memory measurement: the process's
+    one-off costs (thread pools, kernel caches, allocator growth) must not count as that level's
+    peak memory or slow its first requests."""
+    arrivals = poisson_arrivals(config.qps, config.warmup_s, np.random.default_rng(config.seed))
+
+    async def warm_up() -> None:
+        async with DynamicBatcher(loaded, batcher_config, limits) as batcher:
+            await send_arrivals(batcher, list(texts), arrivals, config.concurrency)
+
+    asyncio.run(warm_up())
+
+
+def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], config: OnlineLoadtestConfig,
+                         level: int) -> OnlineLevelResult:
+    """Warm-up, measured arrivals and drain for one batcher setting, in a fresh event loop;
+    the peak memory is what the whole level added. Every level gets the same arrival times
+    and texts (drawn from `config.seed`): only the setting differs."""
+    from pipeline.device import measure_peak_bytes
+
+    rng = np.random.default_rng(config.seed)
+    warmup = poisson_arrivals(config.qps, config.warmup_s, rng)
+    measured = poisson_arrivals(config.qps, config.duration_s, rng)
+    order = rng.permutation(len(texts))
+    shuffled = [texts[i] for i in order]
+    found = {}
+
+    async def run_level() -> None:
+        async with DynamicBatcher(loaded, batcher_config, limits) as batcher:
+            await send_arrivals(batcher, shuffled, warmup, config.concurrency)
+            batcher.stats.reset()
+            found["outcome"] = await send_arrivals(batcher, shuffled[len(warmup):] + shuffled[:len(warmup)],
+                                                   measured, config.concurrency)
+            found["stats"] = batcher.stats
+
+    peak = measure_peak_bytes(lambda: asyncio.run(run_level()), loaded.choice.device)
+    outcome, stats = found["outcome"], found["stats"]
+    latency = percentiles_ms(outcome.latencies_s)
+    wait = percentiles_ms(list(stats.wait_s))
+    compute = percentiles_ms(list(stats.compute_s))
+    rejected = outcome.rejected
+    qps_offered = round(len(measured) / config.duration_s, 2)
+    qps_achieved = round(outcome.answers_per_s(), 2)
+    return OnlineLevelResult(
+        level=level, status=level_status(rejected, outcome.timed_out, stats.oom_splits, qps_achieved, qps_offered),
+        max_batch_size=batcher_config.max_batch_size, batch_timeout_ms=batcher_config.batch_timeout_ms,
+        max_batch_tokens=batcher_config.max_batch_tokens, qps_target=config.qps,
+        concurrency=config.concurrency, requests=len(measured), qps_offered=qps_offered,
+        total_s=round(outcome.total_s, 3),
+        latency_ms_avg=round(latency["avg"], 2), latency_ms_p50=round(latency["p50"], 2),
+        latency_ms_p95=round(latency["p95"], 2), latency_ms_p99=round(latency["p99"], 2),
+        latency_ms_max=round(latency["max"], 2),
+        qps_achieved=qps_achieved,
+        rejected=rejected, timed_out=outcome.timed_out, mean_batch_size=round(stats.mean_batch_size, 3),
+        mean_batch_padded_tokens=round(float(np.mean(stats.batch_padded_tokens)), 1) if stats.batches else 0.0,
+        batches=stats.batches, batches_by_size=stats.triggers["size"], batches_by_tokens=stats.triggers["tokens"],
+        batches_by_timeout=stats.triggers["timeout"], oom_splits=stats.oom_splits,
+        max_queue_depth=stats.max_queue_depth,
+        queue_depth_at_end=outcome.queue_depth_at_end, wait_ms_p50=round(wait["p50"], 2),
+        wait_ms_p99=round(wait["p99"], 2), compute_ms_p50=round(compute["p50"], 2),
+        compute_ms_p99=round(compute["p99"], 2), peak_memory_bytes=int(peak))
+
+
+# ── the whole test ───────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class OnlineLoadtestReport:
+    levels: list[OnlineLevelResult]
+    diagnoses: dict[int, list[str]]
+    recommendation: Recommendation
+    settings: dict  # the fixed settings and the sample, as written to <out>.json
+
+
+def level_configs(config: OnlineLoadtestConfig) -> list:
+    """The batcher setting of each level, smallest first; bad combinations refused up front."""
+    if config.vary not in VARIABLES:
+        raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(VARIABLES)}")
+    if not config.values or min(config.values) < 1:
+        raise UsageError("--values must be positive integers, e.g. 1,2,4,8,16,32,64")
+    settings = []
+    for value in sorted(set(config.values)):
+        level = dataclasses.replace(config.batcher, **{VARIABLES[config.vary]: value})
+        try:
+            check_timeouts(level.batch_timeout_ms, level.request_timeout_ms)
+        except ValueError as error:
+            raise UsageError(f"{config.vary} {value}: {error}") from None
+        settings.append((value, level))
+    return settings
+
+
+def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
+    """Sample texts, load the model and its memory plan once, then one level per value."""
+    import torch
+
+    from pipeline.device import available_memory_bytes, device_name, dtype_name
+    from pipeline.loadtest import read_sample
+    from pipeline.memory import memory_plan_for
+    from pipeline.model import load_model
+    from pipeline.run import BatchLimits
+    from pipeline.source import list_shards
+    from pipeline.sweep import length_distribution
+    from pipeline.tokenize import TokenizerPool
+
+    levels_to_run = level_configs(config)
+    set_torch_threads(config.batcher.torch_threads)
+    loaded = load_model(config.batcher)
+    device_type = loaded.choice.device.type
+    fixed = with_token_budget(dataclasses.replace(config.batcher, max_length=loaded.choice.max_length), device_type)
+    levels_to_run = [(value, with_token_budget(dataclasses.replace(level, max_length=fixed.max_length), device_type))
+                     for value, level in levels_to_run]
+    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
+    texts = [t for t in read_sample(shards, config.text_column, config.id_column, config.sample_rows, config.seed,
+                                    config.storage_options) if isinstance(t, str) and t.strip()]
+    if len(texts) < 2:
+        raise UsageError(f"only {len(texts)} usable texts in the input; the load test needs more")
+    with TokenizerPool(loaded.tokenizer, 0) as pool:
+        encoded = pool.result(pool.submit(texts))
+    lengths = length_distribution(encoded.lengths[encoded.lengths > 0])
+    plan = None
+    if fixed.probe:  # one plan for every level: made for the largest batches they may form
+        largest = dataclasses.replace(fixed, max_batch_size=max(level.max_batch_size for _, level in levels_to_run),
+                                      max_batch_tokens=max(level.max_batch_tokens for _, level in levels_to_run))
+        plan = memory_plan_for(largest, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
+    device = loaded.choice.device
+    budget = available_memory_bytes(device, fixed.memory_budget, fixed.memory_reserve)
+    settings = {
+        "vary": config.vary, "values": [value for value, _ in levels_to_run], "job": fixed.job,
+        "model": loaded.choice.path, "device": device_name(device), "dtype": dtype_name(loaded.choice.dtype),
+        "max_length": fixed.max_length, "qps": config.qps, "concurrency": config.concurrency,
+        "duration_s": config.duration_s, "warmup_s": config.warmup_s,
+        "max_batch_size": None if config.vary == "max-batch-size" else fixed.max_batch_size,
+        "batch_timeout_ms": None if config.vary == "batch-timeout-ms" else fixed.batch_timeout_ms,
+        "max_batch_tokens": None if config.vary == "max-batch-tokens" else fixed.max_batch_tokens,
+        "request_timeout_ms": fixed.request_timeout_ms, "max_queue": fixed.max_queue,
+        "max_queue_tokens": fixed.max_queue_tokens, "memory_plan": plan is not None,
+        "torch_threads": torch.get_num_threads(), "memory_budget_bytes": budget,
+        "memory_headroom": config.memory_headroom, "max_p99_ms": config.max_p99_ms, "seed": config.seed,
+        "input": list(config.input), "sample_texts": len(texts), "sample_token_lengths": lengths,
+    }
+    log.info(f"sample: {len(texts):,} texts, token length median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
+             f"p99 {lengths['p99']:.0f}, max {lengths['max']}")
+    levels, diagnoses = [], {}
+    warm_up_process(loaded, levels_to_run[0][1], BatchLimits(plan), texts, config)
+    for value, level_config in levels_to_run:
+        result = measure_online_level(loaded, level_config, BatchLimits(plan), texts, config, value)
+        levels.append(result)
+        diagnoses[value] = diagnose(result)
+        log.info(f"{config.vary} {value}: {result.qps_achieved:,.1f} of {config.qps:g} requests/s, p50 "
+                 f"{result.latency_ms_p50:,.1f} ms, p99 {result.latency_ms_p99:,.1f} ms, mean batch "
+                 f"{result.mean_batch_size:.2f}, {result.rejected} rejected, {result.timed_out} timed out")
+    recommendation = recommend(levels, config.vary, budget, config.memory_headroom, config.max_p99_ms,
+                               measures=ONLINE_MEASURES)
+    settings["recommendation"] = recommendation.to_dict()
+    settings["diagnoses"] = {str(level): lines for level, lines in diagnoses.items()}
+    return OnlineLoadtestReport(levels, diagnoses, recommendation, settings)
