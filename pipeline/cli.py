@@ -339,9 +339,6 @@ def run(**options) -> None:
         summary = execute_run(config)
     except UsageError as error:
         _fail(str(error))
-    from pipeline.diagnosis import as_dicts, diagnose_run
-
-    summary.diagnosis = as_dicts(diagnose_run(summary))
     click.echo(summary.to_text())
     if config.summary_json:
         click.echo(f"summary json    {config.summary_json}")
@@ -364,7 +361,10 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
 
 
 def execute_run(config: RunConfig):
-    """Run `config` on its engine and write --summary-json; the RunSummary."""
+    """Run `config` on its engine, read what limited it (the diagnosis), write --summary-json;
+    the RunSummary."""
+    from pipeline.diagnosis import as_dicts, diagnose_run
+
     if config.engine == "ray":
         if config.num_shards > 1:
             raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
@@ -375,6 +375,7 @@ def execute_run(config: RunConfig):
         from pipeline.run import run_job
 
         summary = run_job(config)
+    summary.diagnosis = as_dicts(diagnose_run(summary))
     if config.summary_json:
         Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.summary_json).write_text(summary.to_json() + "\n")
