@@ -202,6 +202,26 @@ class CountOrAuto(click.ParamType):
         return count
 
 
+def level_test_options(env_prefix: str, what: str, throughput: str, p99: str) -> list:
+    """The output and comparison options that `sweep` and `loadtest` share."""
+    return [
+        _option("--compare", "compare_with", env=f"{env_prefix}_COMPARE", type=click.Path(dir_okay=False),
+                default=None, help=f"An earlier {what} CSV: print the change per level and flag regressions."),
+        _option("--max-throughput-drop", env=f"{env_prefix}_MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1),
+                default=0.05, show_default=True,
+                help=f"--compare flags a level whose {throughput} fell by more than this share."),
+        _option("--max-p99-rise", env=f"{env_prefix}_MAX_P99_RISE", type=click.FloatRange(0), default=0.10,
+                show_default=True, help=f"--compare flags a level whose {p99} rose by more than this share."),
+        _option("--fail-on-regression", env=f"{env_prefix}_FAIL_ON_REGRESSION", is_flag=True,
+                help="Exit 3 when --compare flags any level."),
+        _option("--out", env=f"{env_prefix}_OUT", required=True, type=click.Path(dir_okay=False),
+                help="The CSV, one row per level; the fixed settings, the diagnosis and the recommendation go to "
+                     "OUT.json."),
+        _option("--plot", env=f"{env_prefix}_PLOT", type=click.Path(dir_okay=False), default=None,
+                help=f"Also draw {throughput}, {p99} and memory against the level (needs matplotlib)."),
+    ]
+
+
 def _apply(options):
     def decorate(function):
         for option in reversed(options):
@@ -481,18 +501,7 @@ def _sweep_default(name: str):
 @_apply(MEMORY_OPTIONS)
 @_apply(WORKER_OPTIONS)
 @_option("--no-save", env="SWEEP_NO_SAVE", is_flag=True, help="Do not save the recommendation for `run … auto`.")
-@_option("--compare", "compare_with", env="SWEEP_COMPARE", type=click.Path(dir_okay=False), default=None,
-         help="An earlier sweep CSV: print the change per level and flag regressions.")
-@_option("--max-throughput-drop", env="SWEEP_MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1), default=0.05,
-         show_default=True, help="--compare flags a level whose rows/s fell by more than this share.")
-@_option("--max-p99-rise", env="SWEEP_MAX_P99_RISE", type=click.FloatRange(0), default=0.10, show_default=True,
-         help="--compare flags a level whose p99 row latency rose by more than this share.")
-@_option("--fail-on-regression", env="SWEEP_FAIL_ON_REGRESSION", is_flag=True,
-         help="Exit 3 when --compare flags any level.")
-@_option("--out", env="SWEEP_OUT", required=True, type=click.Path(dir_okay=False),
-         help="The CSV, one row per level; the fixed settings and the recommendation go to OUT.json.")
-@_option("--plot", env="SWEEP_PLOT", type=click.Path(dir_okay=False), default=None,
-         help="Also draw throughput, p99 latency and memory against the level (needs matplotlib).")
+@_apply(level_test_options("SWEEP", "sweep", "rows/s", "p99 row latency"))
 @_apply(LOG_OPTIONS)
 def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, max_throughput_drop, max_p99_rise,
           fail_on_regression, out, plot, max_batch_tokens, max_batch_rows, **settings) -> None:
@@ -640,18 +649,7 @@ def _loadtest_default(name: str):
 @_option("--memory-headroom", env="LOADTEST_MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
          default=_loadtest_default("memory_headroom"), show_default=True,
          help="Recommend only levels that leave this share of the memory budget free.")
-@_option("--compare", "compare_with", env="LOADTEST_COMPARE", type=click.Path(dir_okay=False), default=None,
-         help="An earlier load test CSV: print the change per level and flag regressions.")
-@_option("--max-throughput-drop", env="LOADTEST_MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1), default=0.05,
-         show_default=True, help="--compare flags a level whose requests/s fell by more than this share.")
-@_option("--max-p99-rise", env="LOADTEST_MAX_P99_RISE", type=click.FloatRange(0), default=0.10, show_default=True,
-         help="--compare flags a level whose p99 latency rose by more than this share.")
-@_option("--fail-on-regression", env="LOADTEST_FAIL_ON_REGRESSION", is_flag=True,
-         help="Exit 3 when --compare flags any level.")
-@_option("--out", env="LOADTEST_OUT", required=True, type=click.Path(dir_okay=False),
-         help="The CSV, one row per level; the fixed settings, diagnoses and recommendation go to OUT.json.")
-@_option("--plot", env="LOADTEST_PLOT", type=click.Path(dir_okay=False), default=None,
-         help="Also draw requests/s, p99 latency and memory against the level (needs matplotlib).")
+@_apply(level_test_options("LOADTEST", "load test", "requests/s", "p99 latency"))
 @_apply(LOG_OPTIONS)
 def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model, storage_option, no_plan_cache,
              sample_rows, seed, max_p99_ms, memory_headroom, compare_with, max_throughput_drop, max_p99_rise,
@@ -665,6 +663,7 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
     """
     from pipeline import online_loadtest as online
     from pipeline import sweep as analysis
+    from pipeline.diagnosis import diagnosis_lines
 
     if vary == "max-batch-tokens" and batcher_settings["max_batch_tokens"] is not None:
         _fail("--max-batch-tokens is the varied setting; give its levels with --values, not as a fixed value")
@@ -693,9 +692,8 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
                    f"{name} {fixed[name]}" for name in ("max_batch_size", "batch_timeout_ms", "max_batch_tokens",
                                                         "request_timeout_ms", "max_queue") if fixed[name] is not None))
     click.echo(online.markdown_table(report.levels, vary, report.recommendation.level))
-    for level, lines in report.diagnoses.items():
-        for line in lines:
-            click.echo(f"{vary} {level}: {line}")
+    for line in diagnosis_lines(report.diagnosis):
+        click.echo(line)
     click.echo("")
     click.echo(f"recommendation: {report.recommendation.reason}")
     click.echo(f"csv: {out}  settings: {out}.json")

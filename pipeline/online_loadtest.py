@@ -25,6 +25,7 @@ import numpy as np
 
 from pipeline.batcher import DynamicBatcher, QueueFull, check_timeouts, set_torch_threads, with_token_budget
 from pipeline.config import OnlineLoadtestConfig
+from pipeline.diagnosis import as_dicts, diagnose_loadtest, falls_behind
 from pipeline.errors import UsageError
 from pipeline.sweep import Measures, Recommendation, percentiles_ms, recommend
 
@@ -32,10 +33,6 @@ log = logging.getLogger(__name__)
 
 VARIABLES = {"max-batch-size": "max_batch_size", "batch-timeout-ms": "batch_timeout_ms",
              "max-batch-tokens": "max_batch_tokens"}
-BATCHES_NEVER_FILL = 0.5  # most batches formed by the timeout, their mean below this share of max_batch_size
-TOKEN_CAPPED = 0.75  # batches hold this share of max_batch_tokens on average, or most went by the token trigger
-OVER_CAPACITY = 0.95  # served below this share of the offered rate
-TAIL_RATIO = 3.0  # p99 above this multiple of p50
 
 
 @dataclass
@@ -112,41 +109,7 @@ def level_status(rejected: int, timed_out: int, oom_splits: int, qps_achieved: f
     or the answers fell behind the arrivals (the client's concurrency cap then holds them back)."""
     if oom_splits:
         return "oom"
-    behind = qps_achieved < OVER_CAPACITY * qps_offered
-    return "overloaded" if rejected or timed_out or behind else "ok"
-
-
-def diagnose(result: OnlineLevelResult) -> list[str]:
-    """One line per known pattern this level shows."""
-    lines = []
-    formed = result.batches_by_size + result.batches_by_tokens + result.batches_by_timeout
-    per_window = result.qps_offered * result.batch_timeout_ms / 1000
-    over_capacity = result.rejected or result.timed_out or result.qps_achieved < OVER_CAPACITY * result.qps_offered
-    token_capped = formed and (result.batches_by_tokens > 0.5 * formed
-                               or result.mean_batch_padded_tokens >= TOKEN_CAPPED * result.max_batch_tokens)
-    if formed and result.batches_by_timeout > BATCHES_NEVER_FILL * formed and not over_capacity \
-            and not token_capped and result.mean_batch_size < BATCHES_NEVER_FILL * result.max_batch_size:
-        lines.append(f"batches never fill: {result.batches_by_timeout} of {formed} batches were sent by the "
-                     f"{result.batch_timeout_ms:g} ms timeout (mean batch {result.mean_batch_size:.1f} of "
-                     f"{result.max_batch_size}; at {result.qps_offered:.1f} requests/s a window gathers "
-                     f"~{per_window:.1f}); the rate is below the size trigger and every request waits up to the window "
-                     "- lower --batch-timeout-ms for latency")
-    if token_capped:
-        lines.append(f"batches are capped by tokens: {result.mean_batch_padded_tokens:,.0f} padded tokens per batch "
-                     f"on average of --max-batch-tokens {result.max_batch_tokens} ({result.batches_by_tokens} of "
-                     f"{formed} sent by the token trigger; mean batch {result.mean_batch_size:.1f} of "
-                     f"{result.max_batch_size}); raising --max-batch-size alone changes nothing, raise "
-                     "--max-batch-tokens (within the memory plan) for larger batches")
-    if over_capacity:
-        lines.append(f"over capacity: {result.qps_achieved:.1f} of {result.qps_offered:.1f} requests/s served, queue "
-                     f"{result.queue_depth_at_end} deep at the last arrival (peak {result.max_queue_depth}), "
-                     f"{result.rejected} rejected, {result.timed_out} timed out; rejections and timeouts are expected "
-                     "here - lower the rate, add devices, or allow larger batches")
-    if result.latency_ms_p50 > 0 and result.latency_ms_p99 > TAIL_RATIO * result.latency_ms_p50:
-        lines.append(f"p99 {result.latency_ms_p99:,.0f} ms is {result.latency_ms_p99 / result.latency_ms_p50:.1f}x "
-                     f"p50: long rows or long waits (queue wait p99 {result.wait_ms_p99:,.0f} ms, batch compute p99 "
-                     f"{result.compute_ms_p99:,.0f} ms)")
-    return lines
+    return "overloaded" if rejected or timed_out or falls_behind(qps_achieved, qps_offered) else "ok"
 
 
 def markdown_table(levels: Sequence[OnlineLevelResult], vary: str, recommended: int | None = None) -> str:
@@ -288,7 +251,7 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
 @dataclass
 class OnlineLoadtestReport:
     levels: list[OnlineLevelResult]
-    diagnoses: dict[int, list[str]]
+    diagnosis: list[dict]  # pipeline.diagnosis findings over all levels
     recommendation: Recommendation
     settings: dict  # the fixed settings and the sample, as written to <out>.json
 
@@ -361,17 +324,16 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     }
     log.info(f"sample: {len(texts):,} texts, token length median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
              f"p99 {lengths['p99']:.0f}, max {lengths['max']}")
-    levels, diagnoses = [], {}
+    levels = []
     warm_up_process(loaded, levels_to_run[0][1], BatchLimits(plan), texts, config)
     for value, level_config in levels_to_run:
         result = measure_online_level(loaded, level_config, BatchLimits(plan), texts, config, value)
         levels.append(result)
-        diagnoses[value] = diagnose(result)
         log.info(f"{config.vary} {value}: {result.qps_achieved:,.1f} of {config.qps:g} requests/s, p50 "
                  f"{result.latency_ms_p50:,.1f} ms, p99 {result.latency_ms_p99:,.1f} ms, mean batch "
                  f"{result.mean_batch_size:.2f}, {result.rejected} rejected, {result.timed_out} timed out")
     recommendation = recommend(levels, config.vary, budget, config.memory_headroom, config.max_p99_ms,
                                measures=ONLINE_MEASURES)
     settings["recommendation"] = recommendation.to_dict()
-    settings["diagnoses"] = {str(level): lines for level, lines in diagnoses.items()}
-    return OnlineLoadtestReport(levels, diagnoses, recommendation, settings)
+    settings["diagnosis"] = as_dicts(diagnose_loadtest([dataclasses.asdict(level) for level in levels]))
+    return OnlineLoadtestReport(levels, settings["diagnosis"], recommendation, settings)

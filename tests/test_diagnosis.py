@@ -354,50 +354,71 @@ def test_a_level_out_of_memory_is_reported():
 
 
 def online(max_batch_size=16, qps=100.0, achieved=99.0, mean_batch=12.0, p50=20.0, p99=45.0, rejected=0,
-           timed_out=0, **extra) -> dict:
-    row = {"max_batch_size": max_batch_size, "requests": 6000, "total_s": 60.0, "latency_ms_avg": p50 * 1.1,
-           "latency_ms_p50": p50, "latency_ms_p95": p99 * 0.9, "latency_ms_p99": p99, "latency_ms_max": p99 * 1.2,
-           "qps_achieved": achieved, "rejected": rejected, "timed_out": timed_out, "mean_batch_size": mean_batch,
-           "peak_memory_bytes": 500 * MIB, "offered_qps": qps, **extra}
+           timed_out=0, by=(60, 0, 40), timeout_ms=20.0, tokens_per_batch=400.0, depth=0, wait_p99=None,
+           compute_p99=20.0) -> dict:
+    """One level of an online load test, as its CSV row."""
+    row = {"max_batch_size": max_batch_size, "batch_timeout_ms": timeout_ms, "max_batch_tokens": 2048,
+           "requests": 6000, "qps_offered": qps, "qps_achieved": achieved, "latency_ms_p50": p50,
+           "latency_ms_p99": p99, "latency_ms_max": p99 * 1.2, "rejected": rejected, "timed_out": timed_out,
+           "mean_batch_size": mean_batch, "mean_batch_padded_tokens": tokens_per_batch, "batches_by_size": by[0],
+           "batches_by_tokens": by[1], "batches_by_timeout": by[2], "max_queue_depth": depth * 2,
+           "queue_depth_at_end": depth, "wait_ms_p99": p99 / 2 if wait_p99 is None else wait_p99,
+           "compute_ms_p99": compute_p99}
     assert set(LOADTEST_KEYS) <= set(row)
     return row
+
+
+AT = "max batch size 16, batch timeout 20 ms, 100.0 requests/s offered"
 
 
 def test_a_healthy_load_test_has_no_findings():
     assert diagnose_loadtest([online(), online(max_batch_size=8, mean_batch=7.5)]) == []
 
 
-def test_batches_that_never_fill_point_at_the_arrival_rate():
-    finding = only(diagnose_loadtest([online(max_batch_size=64, qps=20.0, achieved=20.0, mean_batch=3.2)]),
-                   "batches-never-fill")
-    assert finding.evidence == "max batch size 64 at 20.0 qps offered: batches average 3.2 rows (5% full)"
-    assert "max batch size near 4" in finding.action and "batch wait" in finding.action
+def test_batches_that_never_fill_say_the_timeout_does_the_work():
+    finding = only(diagnose_loadtest([online(max_batch_size=32, qps=40.0, achieved=40.0, mean_batch=1.3,
+                                             by=(0, 0, 100))]), "batches-never-fill")
+    assert finding.evidence == ("max batch size 32, batch timeout 20 ms, 40.0 requests/s offered: 100 of 100 batches "
+                                "sent by the timeout, mean batch 1.3 of 32 (a window gathers ~0.8)")
+    assert "lower --batch-timeout-ms" in finding.action
+    # most batches leave full: not this finding
+    assert diagnose_loadtest([online(max_batch_size=32, qps=40.0, achieved=40.0, mean_batch=1.3, by=(10, 0, 5))]) == []
 
 
-def test_achieved_below_offered_means_the_queue_grows():
-    finding = only(diagnose_loadtest([online(qps=200.0, achieved=120.0, mean_batch=16.0, p99=50.0)]), "queue-grows")
-    assert finding.evidence == "max batch size 16 at 200.0 qps offered: 120.0 qps achieved (60%), p99 50 ms"
-    assert "batches are full, so a larger max batch size" in finding.action
+def test_batches_capped_by_the_token_budget_say_so_and_are_not_said_to_never_fill():
+    finding = only(diagnose_loadtest([online(max_batch_size=64, mean_batch=20.0, by=(0, 80, 20),
+                                             tokens_per_batch=800.0)]), "batches-token-capped")
+    assert finding.evidence.startswith("max batch size 64, batch timeout 20 ms, 100.0 requests/s offered: 800 padded "
+                                       "tokens per batch on average of --max-batch-tokens 2,048 (80 of 100 sent")
+    topped_up = diagnose_loadtest([online(max_batch_size=64, mean_batch=20.0, by=(0, 0, 100), tokens_per_batch=1800.0)])
+    assert [f.code for f in topped_up] == ["batches-token-capped"]
+
+
+def test_achieved_below_offered_means_the_queue_grows_not_that_batches_never_fill():
+    findings = diagnose_loadtest([online(qps=150.0, achieved=126.0, max_batch_size=64, mean_batch=27.0,
+                                         by=(0, 0, 56), depth=400)])
+    assert [f.code for f in findings] == ["queue-grows"]
+    assert findings[0].evidence == ("max batch size 64, batch timeout 20 ms, 150.0 requests/s offered: 126.0 answered "
+                                    "per s (84%), queue 400 deep at the last arrival (peak 800), p99 45 ms")
+    full = only(diagnose_loadtest([online(qps=200.0, achieved=120.0, mean_batch=16.0)]), "queue-grows")
+    assert "batches are full, so a larger --max-batch-size" in full.action
 
 
 def test_rejections_and_timeouts_are_counted():
     findings = diagnose_loadtest([online(rejected=60, timed_out=12, p99=55.0)])
     assert [f.code for f in findings] == ["rejections", "timeouts"]
-    assert findings[0].evidence == ("max batch size 16 at 100.0 qps offered: 60 of 6,000 requests rejected (1.0%)")
-    assert findings[1].evidence == ("max batch size 16 at 100.0 qps offered: 12 of 6,000 requests timed out, p99 55 "
-                                    "ms, max 66 ms")
+    assert findings[0].evidence == f"{AT}: 60 of 6,000 requests rejected (1.0%)"
+    assert findings[1].evidence == f"{AT}: 12 of 6,000 requests timed out, p99 55 ms, max 66 ms"
 
 
-def test_online_p99_far_above_p50():
-    finding = only(diagnose_loadtest([online(p50=10.0, p99=80.0)]), "latency-tail")
-    assert finding.evidence == "max batch size 16 at 100.0 qps offered: p99 80 ms = 8.0× p50 10 ms"
+def test_online_p99_far_above_p50_says_whether_it_is_queueing_or_compute():
+    queueing = only(diagnose_loadtest([online(p50=10.0, p99=80.0, wait_p99=70.0)]), "latency-tail")
+    assert queueing.evidence == (f"{AT}: p99 80 ms = 8.0× p50 10 ms (queue wait p99 70 ms, batch compute p99 20 ms)")
+    assert queueing.action.startswith("mostly waiting in the queue")
+    compute = only(diagnose_loadtest([online(p50=10.0, p99=80.0, wait_p99=5.0, compute_p99=70.0)]), "latency-tail")
+    assert compute.action.startswith("long batches")
 
 
-def test_the_offered_rate_can_come_as_an_argument_and_must_come_somehow():
-    row = online(p50=10.0, p99=80.0)
-    del row["offered_qps"]
-    assert [f.code for f in diagnose_loadtest([row], offered_qps=100.0)] == ["latency-tail"]
-    with pytest.raises(ValueError, match="offered_qps"):
-        diagnose_loadtest([row])
+def test_a_load_test_row_must_have_every_key():
     with pytest.raises(ValueError, match="mean_batch_size"):
         diagnose_loadtest([{k: v for k, v in online().items() if k != "mean_batch_size"}])

@@ -2,6 +2,7 @@
 real short run of `lengthwise loadtest` on the shipped sample."""
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -12,7 +13,7 @@ from click.testing import CliRunner
 from pipeline.cli import Duration, cli
 from pipeline.config import BatcherConfig, OnlineLoadtestConfig
 from pipeline.errors import UsageError
-from pipeline.online_loadtest import (ONLINE_MEASURES, OnlineLevelResult, diagnose, level_configs, level_status,
+from pipeline.online_loadtest import (ONLINE_MEASURES, OnlineLevelResult, level_configs, level_status,
                                       poisson_arrivals)
 from pipeline.sweep import compare_sweeps, read_sweep_csv, recommend, write_sweep_csv
 from tests.conftest import SAMPLE_DIR
@@ -60,37 +61,13 @@ def test_a_level_whose_answers_fall_behind_the_arrivals_is_overloaded():
     assert level_status(0, 0, 2, 60.0, 61.4) == "oom"
 
 
-def test_a_healthy_level_has_no_diagnosis():
-    assert diagnose(level(8, mean_batch=6.0, qps=400, qps_achieved=395.0, timeout_ms=20)) == []
+def test_the_diagnosis_reads_the_load_tests_csv_rows():
+    """Every key the diagnosis reads is a column of the load test's CSV."""
+    from pipeline.diagnosis import LOADTEST_KEYS, diagnose_loadtest
 
-
-def test_batches_that_never_fill_say_the_timeout_does_the_work():
-    lines = diagnose(level(32, batch_size=32, mean_batch=1.3, qps=40, timeout_ms=20, by=(0, 0, 100)))
-    assert lines == ["batches never fill: 100 of 100 batches were sent by the 20 ms timeout (mean batch 1.3 of 32; "
-                     "at 40.0 requests/s a window gathers ~0.8); the rate is below the size trigger and every request "
-                     "waits up to the window - lower --batch-timeout-ms for latency"]
-    assert diagnose(level(32, batch_size=32, mean_batch=1.3, qps=40, timeout_ms=20, by=(10, 0, 5))) == []
-
-
-def test_batches_capped_by_the_token_budget_say_so():
-    lines = diagnose(level(64, batch_size=64, mean_batch=20.0, qps=400, qps_achieved=398.0, by=(0, 80, 20)))
-    assert len(lines) == 1 and lines[0].startswith("batches are capped by tokens: 800 padded tokens per batch")
-    # sent by the timeout but topped up to the budget while the device was busy: capped too, not "never fill"
-    topped_up = diagnose(level(64, batch_size=64, mean_batch=50.0, qps=400, qps_achieved=398.0, by=(0, 0, 100)))
-    assert [line.split(":")[0] for line in topped_up] == ["batches are capped by tokens"]
-
-
-def test_an_overloaded_level_is_not_said_to_never_fill():
-    lines = diagnose(level(64, batch_size=64, mean_batch=27.0, qps=150, qps_achieved=126.0, by=(0, 0, 56)))
-    assert [line.split(":")[0] for line in lines] == ["over capacity"]
-
-
-def test_over_capacity_and_a_long_tail_are_named():
-    lines = diagnose(level(1, batch_size=1, mean_batch=1.0, qps_achieved=25.0, rejected=30, p50=40, p99=900,
-                           depth=1800))
-    assert lines[0].startswith("over capacity: 25.0 of 40.0 requests/s served, queue 1800 deep")
-    assert "30 rejected" in lines[0]
-    assert lines[1].startswith("p99 900 ms is 22.5x p50: long rows or long waits")
+    assert set(LOADTEST_KEYS) <= set(OnlineLevelResult.columns())
+    rows = [dataclasses.asdict(level(32, batch_size=32, mean_batch=1.3, qps=40, timeout_ms=20, by=(0, 0, 100)))]
+    assert [f.code for f in diagnose_loadtest(rows)] == ["batches-never-fill"]
 
 
 def test_csv_has_the_issue_columns_and_round_trips(tmp_path):
