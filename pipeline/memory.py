@@ -507,8 +507,11 @@ def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan |
     return plan
 
 
+NO_MEMORY_PLAN = "token and row limits only (no memory plan)"  # a run's batch plan without the probe
+
+
 def describe_plan(plan: MemoryPlan | None) -> str:
     if plan is None:
-        return "token and row limits only (no memory plan)"
+        return NO_MEMORY_PLAN
     rows = ", ".join(f"≤{b.length}: {b.probed_rows}" for b in plan.buckets)
     return f"{plan.source}; rows per padded length {rows}"

@@ -125,6 +125,15 @@ def test_oom_splits_suggest_a_new_probe_or_more_safety():
                               "--safety from 1.5 to 2")
 
 
+def test_oom_splits_without_a_memory_plan_point_at_the_probe_and_the_tokens_that_ran():
+    from pipeline.memory import describe_plan
+
+    summary = healthy_summary(oom_splits=6, lowered_batch_rows={"223": 360, "256": 391}, batch_plan=describe_plan(None))
+    finding = only(diagnose_run(summary), "oom-splits")
+    assert finding.action == ("batches were sized without a memory plan (--no-probe): drop --no-probe so the probe "
+                              "sizes them, or lower --max-batch-tokens to 80,280 (what ran after the splits)")
+
+
 def test_row_errors_list_the_top_reasons_with_counts_and_what_to_do():
     summary = healthy_summary(error_rows=7, error_reasons={
         "text is null": 4, "the model gave a non-finite output (nan or inf) in float16; rerun with --dtype float32": 2,
