@@ -202,9 +202,15 @@ class CountOrAuto(click.ParamType):
         return count
 
 
-def level_test_options(env_prefix: str, what: str, throughput: str, p99: str) -> list:
-    """The output and comparison options that `sweep` and `loadtest` share."""
+def level_test_options(env_prefix: str, what: str, throughput: str, p99: str, config) -> list:
+    """The recommendation, output and comparison options that `sweep` and `loadtest` share
+    (`config`: the dataclass their defaults come from)."""
     return [
+        _option("--max-p99-ms", env=f"{env_prefix}_MAX_P99_MS", type=click.FloatRange(0, min_open=True),
+                default=None, help=f"Recommend only levels whose {p99} is within this."),
+        _option("--memory-headroom", env=f"{env_prefix}_MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
+                default=_default("memory_headroom", config), show_default=True,
+                help="Recommend only levels that leave this share of the memory budget free."),
         _option("--compare", "compare_with", env=f"{env_prefix}_COMPARE", type=click.Path(dir_okay=False),
                 default=None, help=f"An earlier {what} CSV: print the change per level and flag regressions."),
         _option("--max-throughput-drop", env=f"{env_prefix}_MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1),
@@ -493,15 +499,10 @@ def _sweep_default(name: str):
          show_default=True, help="Rows run before each level's clock starts (not counted).")
 @_option("--seed", env="SWEEP_SEED", type=int, default=_sweep_default("seed"), show_default=True,
          help="Which rows the sample takes.")
-@_option("--max-p99-ms", env="SWEEP_MAX_P99_MS", type=click.FloatRange(0, min_open=True), default=None,
-         help="Recommend only levels whose p99 row latency is within this.")
-@_option("--memory-headroom", env="SWEEP_MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
-         default=_sweep_default("memory_headroom"), show_default=True,
-         help="Recommend only levels that leave this share of the memory budget free.")
 @_apply(MEMORY_OPTIONS)
 @_apply(WORKER_OPTIONS)
 @_option("--no-save", env="SWEEP_NO_SAVE", is_flag=True, help="Do not save the recommendation for `run … auto`.")
-@_apply(level_test_options("SWEEP", "sweep", "rows/s", "p99 row latency"))
+@_apply(level_test_options("SWEEP", "sweep", "rows/s", "p99 row latency", SweepConfig))
 @_apply(LOG_OPTIONS)
 def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, max_throughput_drop, max_p99_rise,
           fail_on_regression, out, plot, max_batch_tokens, max_batch_rows, **settings) -> None:
@@ -644,12 +645,7 @@ def _loadtest_default(name: str):
          show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")
 @_option("--seed", env="LOADTEST_SEED", type=int, default=_loadtest_default("seed"), show_default=True,
          help="Which texts the sample takes and the arrival times.")
-@_option("--max-p99-ms", env="LOADTEST_MAX_P99_MS", type=click.FloatRange(0, min_open=True), default=None,
-         help="Recommend only levels whose p99 latency is within this.")
-@_option("--memory-headroom", env="LOADTEST_MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
-         default=_loadtest_default("memory_headroom"), show_default=True,
-         help="Recommend only levels that leave this share of the memory budget free.")
-@_apply(level_test_options("LOADTEST", "load test", "requests/s", "p99 latency"))
+@_apply(level_test_options("LOADTEST", "load test", "requests/s", "p99 latency", OnlineLoadtestConfig))
 @_apply(LOG_OPTIONS)
 def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model, storage_option, no_plan_cache,
              sample_rows, seed, max_p99_ms, memory_headroom, compare_with, max_throughput_drop, max_p99_rise,
