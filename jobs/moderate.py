@@ -67,7 +67,8 @@ class Moderator(torch.nn.Module):
         self.config = classifier.config  # what the memory plan and length checks read
         self.labels = model_labels(classifier.config)
         self.thresholds = thresholds
-        self.takes_prepared_mask = getattr(classifier, "takes_prepared_mask", False)  # see jobs.base.model_attention_mask
+        # the classifier's verdict on a prepared mask (jobs.base.model_attention_mask)
+        self.takes_prepared_mask = getattr(classifier, "takes_prepared_mask", False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         return self.classifier(input_ids=input_ids, attention_mask=attention_mask)

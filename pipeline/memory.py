@@ -232,7 +232,8 @@ INTERPOLATION_AIM = CORRECTION_AIM  # a bucket between verified ones aims where 
 def verified_lengths(lengths: Sequence[int]) -> list[int]:
     """The bucket lengths the probe runs at full size, longest first."""
     longest = max(lengths)
-    chosen = {min(lengths, key=lambda length: abs(length - fraction * longest)) for fraction in VERIFIED_LENGTH_FRACTIONS}
+    chosen = {min(lengths, key=lambda length: abs(length - fraction * longest))
+              for fraction in VERIFIED_LENGTH_FRACTIONS}
     return sorted(chosen, reverse=True)
 
 

@@ -36,7 +36,8 @@ from pipeline.device import (DTYPES, DeviceFeeder, HostCopy, SplitForward, colla
 from pipeline.errors import UsageError
 from pipeline.memory import MemoryPlan, describe_plan, memory_plan_for
 from pipeline.model import LoadedModel, ModelChoice, choose_model, load_model, model_content_hash
-from pipeline.sink import BackgroundWriter, RunManifest, ShardSink, WindowWriter, fingerprint_differences, pending, recorded_config
+from pipeline.sink import (BackgroundWriter, RunManifest, ShardSink, WindowWriter, fingerprint_differences, pending,
+                           recorded_config)
 from pipeline.source import Shard, WorkerSlot, list_shards, read_blocks, resolve_worker_slot
 from pipeline.summary import RunSummary, StageTimes, timed
 from pipeline.sweep import resolve_batch_setting, saved_recommendations, sweep_reference

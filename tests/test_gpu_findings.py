@@ -82,7 +82,8 @@ def test_expandable_segments_are_set_before_torch_starts_unless_the_user_set_the
     clean = {k: v for k, v in os.environ.items() if not k.endswith("ALLOC_CONF")}
     ours = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=True)
     assert ours.stdout.split() == ["expandable_segments:True", "None"]
-    theirs = subprocess.run([sys.executable, "-c", code], env={**clean, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+    theirs = subprocess.run([sys.executable, "-c", code],
+                            env={**clean, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
                             capture_output=True, text=True, check=True)
     assert theirs.stdout.split() == ["None", "max_split_size_mb:64"]
 
