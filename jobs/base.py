@@ -48,7 +48,10 @@ def attention_implementation(auto_class, model_path: str) -> str | None:
     know (remote code decides for itself). Settled before loading, so the output fingerprint
     and the plan key can hold it: a model that silently fell back to eager attention would
     run slower and need other batch sizes."""
-    config = transformers.AutoConfig.from_pretrained(model_path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):  # a config only remote code can read: that code decides
+        return None
     model_class = auto_class._model_mapping.get(type(config), None)
     if model_class is None:
         return None

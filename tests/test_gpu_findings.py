@@ -130,3 +130,9 @@ def test_the_writer_thread_writes_in_order_and_hands_errors_back():
         raised = error
     assert raised is not None and "disk full at 3" in str(raised)
     assert failing.writer.written == [0, 1, 2]  # nothing after the failure is written
+
+
+def test_a_config_only_remote_code_can_read_leaves_the_attention_to_that_code(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "not-a-transformers-architecture", "auto_map": '
+                                          '{"AutoModel": "modeling_custom.CustomModel"}}')
+    assert attention_implementation(EmbedJob.auto_class, str(tmp_path)) is None
