@@ -251,7 +251,7 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
 @dataclass
 class OnlineLoadtestReport:
     levels: list[OnlineLevelResult]
-    diagnosis: list[dict]  # pipeline.diagnosis findings over all levels
+    diagnosis: list[dict]  # pipeline.diagnosis findings, level by level
     recommendation: Recommendation
     settings: dict  # the fixed settings and the sample, as written to <out>.json
 
@@ -335,5 +335,6 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     recommendation = recommend(levels, config.vary, budget, config.memory_headroom, config.max_p99_ms,
                                measures=ONLINE_MEASURES)
     settings["recommendation"] = recommendation.to_dict()
-    settings["diagnosis"] = as_dicts(diagnose_loadtest([dataclasses.asdict(level) for level in levels]))
+    settings["diagnosis"] = [finding for level in levels  # a line per level: each finding names its level
+                             for finding in as_dicts(diagnose_loadtest([dataclasses.asdict(level)]))]
     return OnlineLoadtestReport(levels, settings["diagnosis"], recommendation, settings)
