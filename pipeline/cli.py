@@ -442,14 +442,15 @@ def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> No
         return
     from pipeline.memory import memory_plan_for
     from pipeline.model import load_model
-    from pipeline.sweep import resolve_batch_setting
+    from pipeline.sweep import resolve_batch_setting, saved_recommendations
 
     try:
         config = RunConfig(input=(), output="", model=_model_or_default(model), use_plan_cache=not no_plan_cache,
                            **settings)
         loaded = load_model(config)
         config = dataclasses.replace(config, max_length=loaded.choice.max_length)
-        config, setting = resolve_batch_setting(config, loaded.choice.path, loaded.choice.device, loaded.model)
+        saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
+        config, setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for)
         logging.getLogger("pipeline.cli").info(f"batch setting: {setting}")
         memory_plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
     except UsageError as error:

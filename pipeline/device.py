@@ -73,7 +73,9 @@ def native_bf16_feature(cpu_flags: str | None = None) -> str | None:
 
 def allocator_config() -> str:
     """The CUDA caching allocator's configuration this process runs with (see `pipeline/__init__`)."""
-    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    from pipeline import ALLOCATOR_VARIABLES
+
+    return next((os.environ[name] for name in ALLOCATOR_VARIABLES if os.environ.get(name)), "")
 
 
 def padding_multiple(device: torch.device) -> int:

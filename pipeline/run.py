@@ -161,11 +161,10 @@ class ShardRunner:
     def __init__(self, config: RunConfig, loaded: LoadedModel):
         self.loaded = loaded
         config = dataclasses.replace(config, max_length=loaded.choice.max_length)
-        self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.path, loaded.choice.device,
-                                                                loaded.model)
+        saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
+        self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for)
         log.info(f"batch setting: {self.batch_setting}")
-        self.sweep_reference = sweep_reference(saved_recommendations(config, loaded.choice.path, loaded.choice.device,
-                                                                     loaded.model))
+        self.sweep_reference = sweep_reference(saved_for)
         self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
                                     loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
@@ -385,12 +384,13 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
             launched = (item, HostCopy(result, device, started_event))
             if started_event is None:
                 times.forward += time.perf_counter() - started
-            if in_flight:
-                yield read_back(*in_flight)
-            in_flight = launched
-            if not keep_in_flight:
+            if in_flight:  # the batch before this one, now that this one is launched
                 yield read_back(*in_flight)
                 in_flight = None
+            if keep_in_flight:
+                in_flight = launched
+            else:
+                yield read_back(*launched)
         if in_flight:
             yield read_back(*in_flight)
 

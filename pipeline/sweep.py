@@ -391,13 +391,12 @@ def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, 
     plt.close(figure)
 
 
-def resolve_batch_setting(config, model_path: str, device, model) -> tuple:
+def resolve_batch_setting(config, device_type: str, saved_for: dict[str, dict | None]) -> tuple:
     """Replace an `auto` token or row limit by the saved sweep recommendation for this model,
-    device, dtype and max length, else by the device's default (`DEVICE_BATCH_LIMITS`).
-    Returns the config and where each limit came from."""
+    device, dtype and max length (`saved_for`: `saved_recommendations`), else by the device's
+    default (`DEVICE_BATCH_LIMITS`). Returns the config and where each limit came from."""
     from pipeline.config import device_batch_limit
 
-    saved_for = saved_recommendations(config, model_path, device, model)
     changes, notes = {}, []
     for vary, name in (("max-batch-tokens", "max_batch_tokens"), ("max-batch-rows", "max_batch_rows")):
         value = getattr(config, name)
@@ -409,9 +408,9 @@ def resolve_batch_setting(config, model_path: str, device, model) -> tuple:
             changes[name] = saved["level"]
             notes.append(f"--{vary} {saved['level']} recommended by the sweep of {saved['created']} ({saved['path']})")
         else:
-            changes[name] = device_batch_limit(device.type, name)
+            changes[name] = device_batch_limit(device_type, name)
             notes.append(f"--{vary} {changes[name]} (auto: no sweep recommendation for this model, device and dtype; "
-                         f"the {device.type} default)")
+                         f"the {device_type} default)")
     return dataclasses.replace(config, **changes), "; ".join(notes)
 
 
