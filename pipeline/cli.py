@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from pipeline.config import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig, device_batch_limit
 from pipeline.errors import UsageError
@@ -64,7 +65,21 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
             value = [value]
         defaults[known[name]] = value
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    ctx.meta[CONFIG_TABLES] = {name: defaults[name] for name in TABLE_OPTIONS if name in defaults}
     return path
+
+
+CONFIG_TABLES = "lengthwise.config_tables"  # ctx.meta key: the --config file's tables, as KEY=VALUE pairs
+TABLE_OPTIONS = ("storage_option", "threshold")  # repeatable KEY=VALUE options that a TOML table also sets
+
+
+def _merge_config_table(ctx: click.Context, param: click.Parameter, pairs: tuple[str, ...]) -> tuple[str, ...]:
+    """A KEY=VALUE flag (or its env var) overrides the --config file's table per key, not whole:
+    `--threshold hate=0.8` over a [thresholds] table keeps the table's other labels. The pairs'
+    parsers keep the last value of each key, so the file's pairs go first."""
+    if ctx.get_parameter_source(param.name) in (ParameterSource.DEFAULT_MAP, ParameterSource.DEFAULT):
+        return pairs
+    return (*ctx.meta.get(CONFIG_TABLES, {}).get(param.name, ()), *pairs)
 
 
 def _config_keys(command: click.Command) -> dict[str, str]:
@@ -264,8 +279,9 @@ MODEL_OPTIONS = [
 INPUT_OPTIONS = [
     _option("--id-column", env="ID_COLUMN", default=_default("id_column"), show_default=True),
     _option("--text-column", env="TEXT_COLUMN", default=_default("text_column"), show_default=True),
-    _option("--storage-option", env="STORAGE_OPTION", multiple=True,
-            help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable."),
+    _option("--storage-option", env="STORAGE_OPTION", multiple=True, callback=_merge_config_table,
+            help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable; in the "
+                 "--config file a [storage] table, which a flag overrides key by key."),
 ]
 
 MEMORY_OPTIONS = [
@@ -329,9 +345,9 @@ def cli() -> None:
          help="Size batches by the memory plan (cached, or probed on the device first).")
 @_option("--window-rows", env="WINDOW_ROWS", type=click.IntRange(1), default=_default("window_rows"),
          show_default=True, help="Rows sorted and packed together; bounds the rows in flight.")
-@_option("--threshold", env="THRESHOLD", multiple=True,
+@_option("--threshold", env="THRESHOLD", multiple=True, callback=_merge_config_table,
          help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
-              "--config file a [thresholds] table.")
+              "--config file a [thresholds] table, which a flag overrides label by label.")
 @_option("--default-threshold", env="DEFAULT_THRESHOLD", type=click.FloatRange(0, 1),
          default=_default("default_threshold"), show_default=True,
          help="--job moderate: the threshold of every flag label without a --threshold.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -23,12 +24,13 @@ import threading
 import time
 
 from tqdm import tqdm
+from transformers import AutoConfig
 
 from pipeline.buckets import padding_efficiency
 from pipeline.config import RunConfig
 from pipeline.device import dtype_name
 from pipeline.errors import UsageError
-from pipeline.model import ModelChoice, load_model
+from pipeline.model import ModelChoice, check_max_length, load_model
 from pipeline.run import ShardRunner, run_claimed
 from pipeline.sink import RunManifest, ShardSink
 from pipeline.source import Shard, WorkerSlot
@@ -77,7 +79,14 @@ class ShardWorker:
 def run_on_ray(config: RunConfig) -> RunSummary:
     """`lengthwise run --engine ray`: claim the output here, run the pending shards on actors."""
     import_ray()
-    return run_claimed(config, WorkerSlot(), run_on_actors)
+    return run_claimed(config, WorkerSlot(), prepare_actors)
+
+
+def prepare_actors(config: RunConfig, choice: ModelChoice):
+    """What the driver can check before the output is touched (the actors load the model)."""
+    check_max_length(AutoConfig.from_pretrained(choice.path, trust_remote_code=config.trust_remote_code),
+                     choice.max_length)
+    return functools.partial(run_on_actors, config, choice)
 
 
 def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,

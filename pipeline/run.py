@@ -21,7 +21,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +46,11 @@ from pipeline.windows import Window, group_into_windows, tokenize_windows
 
 log = logging.getLogger(__name__)
 
+# Runs a list of shards into the sink: (todo, sink, manifest, summary, started) → None
+ShardsRunner = Callable[[list[Shard], ShardSink, RunManifest, RunSummary, float], None]
+# An engine: loads and checks what it runs for (config, model choice), before the output is touched
+PrepareEngine = Callable[[RunConfig, ModelChoice], ShardsRunner]
+
 
 def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSummary:
     """Run `config` over every shard not yet done, in this process, and return the summary.
@@ -57,7 +62,7 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
     """
     refuse_while_a_worker_starts()
     slot = resolve_worker_slot(config.num_shards, config.shard_index, environ)
-    return run_claimed(config, slot, run_here)
+    return run_claimed(config, slot, prepare_here)
 
 
 def refuse_while_a_worker_starts() -> None:
@@ -70,16 +75,17 @@ def refuse_while_a_worker_starts() -> None:
                            "Put the call under that guard, or set tokenize_workers=0")
 
 
-def run_here(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,
-             summary: RunSummary, started: float) -> None:
-    """The local engine: the model loaded once in this process, one shard runner for all of `todo`."""
-    ShardRunner(config, load_model(config, choice)).run(todo, sink, manifest, summary, started)
+def prepare_here(config: RunConfig, choice: ModelChoice) -> ShardsRunner:
+    """The local engine: the model loaded once in this process, one shard runner for all shards."""
+    return ShardRunner(config, load_model(config, choice)).run
 
 
-def run_claimed(config: RunConfig, slot: WorkerSlot, engine) -> RunSummary:
-    """What every engine shares: list this slot's shards, hold its lock, settle the model and
-    claim the output, let `engine(config, choice, todo, sink, manifest, summary, started)` run
-    the pending shards, then record this worker's summary."""
+def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngine) -> RunSummary:
+    """What every engine shares: list this slot's shards, settle the model and check the
+    output's recorded settings, let `prepare_engine(config, choice)` load and check what it
+    runs, and only then create the output, hold this slot's lock and claim the output; run
+    the pending shards with what the engine prepared and record this worker's summary.
+    Every usage error comes before the first write, so it leaves the output untouched."""
     started = time.perf_counter()
     shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot,
                          config.keep_columns, config.split)
@@ -87,16 +93,21 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, engine) -> RunSummary:
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
+    config = keep_recorded_dtype(config, manifest)
+    choice = choose_model(config)
+    fingerprint = output_fingerprint(config, choice)
+    refuse_other_settings(config, manifest.read_run(), fingerprint)
+    run_shards = prepare_engine(config, choice) if config.overwrite or pending_shards(shards, manifest) else None
+    sink.create()
     lock_note = manifest.acquire_lock(slot)
     if lock_note:
         log.warning(lock_note)
     try:
-        config = keep_recorded_dtype(config, manifest)
-        choice = choose_model(config)
-        todo = claim_output(config, choice, shards, sink, manifest, slot)
+        todo = claim_output(config, fingerprint, shards, sink, manifest, slot)
         summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
         if todo:
-            engine(config, choice, todo, sink, manifest, summary, started)
+            run_shards = run_shards or prepare_engine(config, choice)
+            run_shards(todo, sink, manifest, summary, started)
         summary.wall_s = time.perf_counter() - started
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
@@ -116,17 +127,29 @@ def keep_recorded_dtype(config: RunConfig, manifest: RunManifest) -> RunConfig:
     return dataclasses.replace(config, dtype=dtype)
 
 
-def claim_output(config: RunConfig, choice: ModelChoice, shards: list[Shard], sink: ShardSink,
-                 manifest: RunManifest, slot: WorkerSlot = WorkerSlot()) -> list[Shard]:
-    """Check the output holds results of these settings (or clear this worker's shards for
-    --overwrite), record the run, and return the shards still to do, in input order. Only
-    `shards` (this worker's) are touched: other workers may be writing theirs."""
-    fingerprint = output_fingerprint(config, choice)
-    recorded = manifest.read_run()
+def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint: dict) -> None:
+    """An output holding results of other settings is resumed only with --overwrite."""
     if recorded and recorded["fingerprint"] != fingerprint and not config.overwrite:
         raise UsageError(f"{config.output} holds results made with other settings "
                          f"({'; '.join(fingerprint_differences(recorded['fingerprint'], fingerprint))}); "
                          "rerun with the same settings, choose another --output, or add --overwrite to redo it")
+
+
+def pending_shards(shards: list[Shard], manifest: RunManifest) -> list[Shard]:
+    """The shards not yet done, in input order (failed ones are retried)."""
+    done = {stem for stem, marker in manifest.shard_markers().items() if marker["status"] == "done"}
+    todo_stems = set(pending([s.stem for s in shards], done))
+    return [shard for shard in shards if shard.stem in todo_stems]
+
+
+def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink: ShardSink,
+                 manifest: RunManifest, slot: WorkerSlot = WorkerSlot()) -> list[Shard]:
+    """Under this worker's lock: check the output holds results of these settings (or clear
+    this worker's shards for --overwrite), record the run, and return the shards still to do,
+    in input order. Only `shards` (this worker's) are touched: other workers may be writing
+    theirs."""
+    recorded = manifest.read_run()
+    refuse_other_settings(config, recorded, fingerprint)
     stems = [shard.stem for shard in shards]
     if config.overwrite:
         manifest.clear_markers(stems)
@@ -135,11 +158,12 @@ def claim_output(config: RunConfig, choice: ModelChoice, shards: list[Shard], si
         log.info("removed temporary files of an interrupted run")
     if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:
         manifest.write_run(fingerprint, recorded_config(config))  # once for N workers: they all check it
-    done = {stem for stem, marker in manifest.shard_markers().items() if marker["status"] == "done"}
-    todo_stems = set(pending([s.stem for s in shards], done))
-    if len(todo_stems) < len(shards):
-        log.info(f"{len(shards) - len(todo_stems)} of {len(shards)} shards already done, resuming")
-    return [shard for shard in shards if shard.stem in todo_stems]
+    todo = pending_shards(shards, manifest)
+    if not todo:
+        log.info(f"nothing to do: {len(shards)} of {len(shards)} shards done")
+    elif len(todo) < len(shards):
+        log.info(f"{len(shards) - len(todo)} of {len(shards)} shards already done, resuming")
+    return todo
 
 
 def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:

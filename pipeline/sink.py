@@ -94,17 +94,25 @@ TEMPORARY_NAME = re.compile(r"\..+\.parquet\..+\.tmp")  # .NAME.parquet.ATTEMPT.
 
 
 class ShardSink:
-    """One ShardWriter per shard in flight; the output directory is created on open."""
+    """One ShardWriter per shard in flight. Opening resolves the filesystem only; `create`
+    makes the output directory, once the run's settings and model have been checked, so a
+    usage error leaves the output untouched."""
 
     def __init__(self, output: str, storage_options: dict | None = None):
+        self.output = output
         try:
             self.fs, self.output_dir = fsspec.core.url_to_fs(output, **(storage_options or {}))
-            self.output_dir = self.output_dir.rstrip("/")
-            self.fs.makedirs(self.output_dir, exist_ok=True)
         except (ImportError, ValueError, OSError) as error:
-            raise UsageError(f"cannot create output directory {output!r}: {error}; check --output") from error
+            raise UsageError(f"cannot open output directory {output!r}: {error}; check --output") from error
+        self.output_dir = self.output_dir.rstrip("/")
         self._writers: dict[int, ShardWriter] = {}
         self.committed: dict[int, str] = {}  # shard index → final path, for outputs committed so far
+
+    def create(self) -> None:
+        try:
+            self.fs.makedirs(self.output_dir, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"cannot create output directory {self.output!r}: {error}; check --output") from error
 
     def write(self, shard_index: int, shard: Shard, table: pa.Table) -> None:
         if shard_index not in self._writers:
@@ -314,8 +322,7 @@ class RunManifest:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str):
         self.fs = fs
-        self.root = manifest_root(fs, output_dir)
-        self.fs.makedirs(f"{self.root}/shards", exist_ok=True)
+        self.root = manifest_root(fs, output_dir)  # created by the first write (the lock), not on open
 
     def _write_json(self, path: str, data: dict) -> None:
         def write() -> None:
@@ -388,6 +395,7 @@ class RunManifest:
                                  f"(pid {holder.get('pid')} on {holder.get('host')}); wait for them, or use the "
                                  f"same --num-shards")
         path = self.lock_path(slot)
+        self.fs.makedirs(f"{self.root}/shards", exist_ok=True)
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now(), "index": slot.index,
                 "count": slot.count}
         note = None
