@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.model import default_model_path  # noqa: E402
+from pipeline.core.model import default_model_path  # noqa: E402
 
 DEFAULT_INPUT = str(ROOT.parent / "shared" / "data" / "imdb-reviews" / "*.parquet")
 
@@ -94,7 +94,7 @@ def main() -> None:
         summary = json.loads((scratch / "summary.json").read_text())
         outputs = sorted((scratch / "out").glob("*.parquet"))
         table = pa.concat_tables(pq.read_table(p) for p in outputs)
-        from pipeline.device import native_bf16_feature
+        from pipeline.core.device import native_bf16_feature
 
         results = {"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                    "native_bf16": native_bf16_feature(), "lengthwise": summary}

@@ -37,16 +37,16 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
-from pipeline.config import RunConfig  # noqa: E402
-from pipeline.device import allocator_config, dtype_name  # noqa: E402
-from pipeline.run import run_job  # noqa: E402
+from pipeline.core.settings import RunConfig  # noqa: E402
+from pipeline.core.device import allocator_config, dtype_name  # noqa: E402
+from pipeline.engines.local import run_job  # noqa: E402
 
 
 def environment(device: torch.device, model_path: str) -> dict:
     import sentence_transformers
     import transformers
 
-    from pipeline.model import load_model
+    from pipeline.core.model import load_model
 
     loaded = load_model(RunConfig(input=(), output="", model=model_path, device=str(device)))
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -79,7 +79,7 @@ def read_embeddings(output: Path) -> tuple[np.ndarray, list]:
 
 def correctness(table: pa.Table, model_path: str, device: torch.device, scratch: Path) -> dict:
     """lengthwise (batched, padded) in float32 and bfloat16 against one row at a time in float32."""
-    from pipeline.model import load_model
+    from pipeline.core.model import load_model
 
     loaded = load_model(RunConfig(input=(), output="", model=model_path, device=str(device), dtype="float32"))
     from tokenizers import Tokenizer
@@ -144,8 +144,8 @@ def throughput(inputs: str, rows: int, texts: list, model_path: str, device: tor
 
 def memory_plan(model_path: str, device: torch.device, scratch: Path, budget: int | None) -> dict:
     """The memory plan probed afresh (no cache), with the allocator's reserved peak."""
-    from pipeline.memory import memory_plan_for
-    from pipeline.model import load_model
+    from pipeline.core.probe import memory_plan_for
+    from pipeline.core.model import load_model
 
     config = RunConfig(input=(), output="", model=model_path, device=str(device), max_batch_tokens=None,
                        max_batch_rows=16384, memory_budget=budget, use_plan_cache=False,
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--memory-budget", default=None,
                         help="memory budget of the plan (default: the device's; on CPU give a small one, e.g. 64MiB)")
     args = parser.parse_args()
-    from pipeline.memory import parse_bytes
+    from pipeline.core.units import parse_bytes
 
     device = torch.device(args.device)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None

@@ -31,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.check_plan:
         return check_plan(json.loads(sys.stdin.read()), args.dtype)
-    from pipeline.memory import parse_bytes
+    from pipeline.core.units import parse_bytes
 
     results = []
     for budget in args.budgets.split(","):
@@ -65,9 +65,9 @@ def check_plan(plan: dict, dtype: str) -> None:
     """Print the real peak of every bucket's planned batch, run once each in this fresh process."""
     import torch
 
-    from pipeline.config import RunConfig
-    from pipeline.memory import forward_peak_bytes
-    from pipeline.model import load_model
+    from pipeline.core.settings import RunConfig
+    from pipeline.core.probe import forward_peak_bytes
+    from pipeline.core.model import load_model
 
     loaded = load_model(RunConfig(input=(), output="", device="cpu", dtype=dtype))
     device = torch.device("cpu")

@@ -14,7 +14,7 @@ import pyarrow as pa
 import torch
 import transformers
 
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 
 class Job(Protocol):

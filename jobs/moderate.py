@@ -14,8 +14,8 @@ import torch
 from transformers import AutoConfig
 
 from jobs.classify import ClassifyJob, uses_sigmoid
-from pipeline.config import RunConfig
-from pipeline.errors import UsageError
+from pipeline.core.settings import RunConfig
+from pipeline.core.errors import UsageError
 
 
 def model_labels(config) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from jobs.classify import ClassifyJob
 from jobs.embed import EmbedJob
 from jobs.moderate import ModerateJob
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 JOBS = {job.name: job for job in (EmbedJob(), ClassifyJob(), ModerateJob())}
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 # sentence-transformers' older Pooling configs: one flag per mode, concatenated in this order

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 
 import click
 
-from pipeline.cli import execute_run, run_config
-from pipeline.cli import run as run_command
-from pipeline.errors import UsageError
+from pipeline.cli.job_commands import run as run_command
+from pipeline.cli.job_commands import run_config
+from pipeline.core.errors import UsageError
+from pipeline.engines.execute import execute_run
 
 
 class ShardsFailed(RuntimeError):

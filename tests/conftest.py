@@ -100,8 +100,8 @@ def rows_with_bad_ones(sample_table) -> pa.Table:
 def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, dict]:
     """Run the pipeline over `table` split into shards of `sizes`; the concatenated outputs and
     the summary. Checks one output per shard, row counts and that no temporary file is left."""
-    from pipeline.config import RunConfig
-    from pipeline.run import run_job
+    from pipeline.core.settings import RunConfig
+    from pipeline.engines.local import run_job
 
     write_shards(tmp_path / f"{name}-in", table, sizes)
     output = tmp_path / f"{name}-out"

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 
 from pipeline.api import run
-from pipeline.errors import UsageError
-from pipeline.summary import RunSummary
+from pipeline.core.errors import UsageError
+from pipeline.offline.summary import RunSummary
 from tests.conftest import read_outputs, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]

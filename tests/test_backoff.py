@@ -6,7 +6,7 @@ import torch
 
 import jobs.registry
 from jobs.embed import EmbedJob
-from pipeline.device import forward_splitting_on_oom
+from pipeline.core.forward import forward_splitting_on_oom
 from tests.test_run import run_to_table
 
 
@@ -96,7 +96,7 @@ def test_a_row_that_cannot_run_alone_gets_an_error_and_the_run_goes_on(tmp_path,
 def test_the_probe_shrinks_batches_that_run_out_of_memory_on_the_device(oom_job, tiny_encoder_path):
     """A device that fails above 8 rows: the probe's search lands on 8 for every bucket it runs,
     and the buckets between them get no more rows than the shorter verified one."""
-    from pipeline.memory import probe_memory_plan
+    from pipeline.core.probe import probe_memory_plan
 
     job = oom_job(max_rows=5)
     model = job.load(tiny_encoder_path, torch.device("cpu"), torch.float32)

@@ -14,11 +14,12 @@ import torch
 from click.testing import CliRunner
 
 import jobs.registry
-from pipeline.batcher import BatcherClosed, DynamicBatcher, QueueFull, RequestTooLarge
+from pipeline.online.rules import BatcherClosed, QueueFull, RequestTooLarge
+from pipeline.online.batcher import DynamicBatcher
 from pipeline.cli import cli
-from pipeline.config import BatcherConfig
-from pipeline.model import load_model
-from pipeline.run import BatchLimits
+from pipeline.core.settings import BatcherConfig
+from pipeline.core.model import load_model
+from pipeline.core.forward import BatchLimits
 from tests.conftest import read_outputs, write_shards
 from tests.test_backoff import OutOfMemoryAbove
 

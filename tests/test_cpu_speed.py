@@ -7,12 +7,13 @@ import logging
 import numpy as np
 import torch
 
-import pipeline.model
-from pipeline.config import RunConfig
-from pipeline.device import DeviceFeeder, native_bf16_feature, padding_multiple
-from pipeline.model import choose_model, pick_cpu_dtype
-from pipeline.run import BatchLimits, collate_batches
-from pipeline.tokenize import EncodedRows
+import pipeline.core.model
+from pipeline.core.settings import RunConfig
+from pipeline.core.forward import DeviceFeeder
+from pipeline.core.device import native_bf16_feature, padding_multiple
+from pipeline.core.model import choose_model, pick_cpu_dtype
+from pipeline.core.forward import BatchLimits, collate_batches
+from pipeline.core.tokenize import EncodedRows
 
 
 def test_bf16_needs_a_native_feature_a_speedup_and_agreement():
@@ -33,15 +34,15 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 
 
 def test_auto_without_native_bf16_is_float32_and_says_why(monkeypatch, tiny_encoder_path):
-    monkeypatch.setattr(pipeline.model, "native_bf16_feature", lambda: None)
+    monkeypatch.setattr(pipeline.core.model, "native_bf16_feature", lambda: None)
     choice = choose_model(RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu"))
     assert choice.dtype == torch.float32
     assert choice.dtype_reason == f"float32: no native bf16 ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def test_explicit_bf16_without_native_support_warns(monkeypatch, tiny_encoder_path, caplog):
-    monkeypatch.setattr(pipeline.model, "native_bf16_feature", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="pipeline.model"):
+    monkeypatch.setattr(pipeline.core.model, "native_bf16_feature", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="pipeline.core.model"):
         choice = choose_model(RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="bfloat16"))
     assert choice.dtype == torch.bfloat16
     assert "is emulated and runs several times slower" in caplog.text
@@ -49,15 +50,15 @@ def test_explicit_bf16_without_native_support_warns(monkeypatch, tiny_encoder_pa
 
 def test_the_trial_decides_once_and_the_decision_is_cached(monkeypatch, tmp_path, tiny_encoder_path):
     """With a native feature the trial batch runs in both dtypes; its verdict is kept."""
-    monkeypatch.setattr(pipeline.model, "native_bf16_feature", lambda: "avx512_bf16")
+    monkeypatch.setattr(pipeline.core.model, "native_bf16_feature", lambda: "avx512_bf16")
     trials = []
-    real_trial = pipeline.model.bf16_trial
+    real_trial = pipeline.core.model.bf16_trial
 
     def counted(*args):
         trials.append(args)
         return real_trial(*args)
 
-    monkeypatch.setattr(pipeline.model, "bf16_trial", counted)
+    monkeypatch.setattr(pipeline.core.model, "bf16_trial", counted)
     config = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", plan_cache=str(tmp_path))
     first = choose_model(config)
     assert first.dtype in (torch.float32, torch.bfloat16)

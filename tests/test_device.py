@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.device import collate, keep_freed_host_memory, prefetch, resolve_device, resolve_dtype
-from pipeline.errors import UsageError
+from pipeline.core.forward import collate, prefetch
+from pipeline.core.device import keep_freed_host_memory, resolve_device, resolve_dtype
+from pipeline.core.errors import UsageError
 
 
 def test_collate_pads_each_row_to_the_batch_length():
@@ -99,7 +100,7 @@ def test_the_allocator_setting_is_left_alone_on_other_devices():
 
 
 def test_gpus_before_ampere_get_float16_not_emulated_bfloat16():
-    from pipeline.device import gpu_auto_dtype
+    from pipeline.core.device import gpu_auto_dtype
 
     assert gpu_auto_dtype((7, 5)) == "float16"  # T4
     assert gpu_auto_dtype((8, 0)) == "bfloat16"  # A100

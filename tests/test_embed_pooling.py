@@ -12,8 +12,8 @@ import pytest
 
 from jobs.sentence_transformers_folder import (EmbeddingRecipe, TextSettings, read_embedding_recipe,
                                                read_text_settings, resolve_prompt)
-from pipeline.config import RunConfig
-from pipeline.errors import UsageError
+from pipeline.core.settings import RunConfig
+from pipeline.core.errors import UsageError
 from tests.conftest import write_shards
 
 TRANSFORMER = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
@@ -116,7 +116,7 @@ VARIANTS = {
 def test_embed_equals_sentence_transformers_for_the_folder(tmp_path, sample_table, minilm_path, variant):
     from sentence_transformers import SentenceTransformer
 
-    from pipeline.run import run_job
+    from pipeline.engines.local import run_job
 
     spec = dict(VARIANTS[variant])
     run_settings, encode_settings = spec.pop("run", {}), spec.pop("encode", {})
@@ -137,7 +137,7 @@ def test_embed_equals_sentence_transformers_for_the_folder(tmp_path, sample_tabl
 
 
 def test_a_rerun_with_another_prompt_is_refused(tmp_path, sample_table, tiny_encoder_path):
-    from pipeline.run import run_job
+    from pipeline.engines.local import run_job
 
     write_shards(tmp_path / "in", sample_table.slice(0, 20), [20])
     settings = dict(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,

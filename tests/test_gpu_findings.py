@@ -12,8 +12,8 @@ import torch
 from jobs.base import attention_implementation, model_attention_mask, takes_prepared_mask
 from jobs.classify import ClassifyJob
 from jobs.embed import EmbedJob, NoPooler
-from pipeline.device import HostCopy, forward_splitting_on_oom
-from pipeline.memory import plan_cache_key
+from pipeline.core.forward import HostCopy, forward_splitting_on_oom
+from pipeline.core.cache import plan_cache_key
 
 CPU = torch.device("cpu")
 
@@ -60,9 +60,9 @@ def test_the_attention_implementation_is_settled_from_the_architecture(tiny_enco
 
 
 def test_the_output_fingerprint_holds_the_attention_implementation(tiny_encoder_path):
-    from pipeline.config import RunConfig
-    from pipeline.model import choose_model
-    from pipeline.run import output_fingerprint
+    from pipeline.core.settings import RunConfig
+    from pipeline.core.model import choose_model
+    from pipeline.engines.claim import output_fingerprint
 
     config = RunConfig(input=("x",), output="y", model=tiny_encoder_path, device="cpu", dtype="float32")
     assert output_fingerprint(config, choose_model(config))["attention"] == "sdpa"
@@ -112,7 +112,7 @@ class RecordingWriter:
 
 
 def test_the_writer_thread_writes_in_order_and_hands_errors_back():
-    from pipeline.sink import BackgroundWriter
+    from pipeline.offline.sink import BackgroundWriter
 
     ok = BackgroundWriter(RecordingWriter())
     for window in range(20):

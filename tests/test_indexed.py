@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.errors import UsageError
-from pipeline.source import WorkerSlot, resolve_worker_slot, slot_of
+from pipeline.core.errors import UsageError
+from pipeline.offline.source import WorkerSlot, resolve_worker_slot, slot_of
 from tests.conftest import assert_equal_outputs, read_outputs, run_to_table, write_shards
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from jobs.registry import get_job
-from pipeline.errors import UsageError
-from pipeline.run import RunConfig, run_job
+from pipeline.core.errors import UsageError
+from pipeline.core.settings import RunConfig
+from pipeline.engines.local import run_job
 from tests.conftest import write_shards
 
 

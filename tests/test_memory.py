@@ -1,22 +1,18 @@
 """The memory formula, the fitted memory model, the probe and the plan cache."""
 
-import subprocess
-import sys
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.memory import (BucketPlan, MemoryModel, MemoryPlan, PeakMeasurement, batch_rows, corrected_rows,
-                             fit_memory_model, largest_accepted, load_cached_plan, memory_bucket_lengths, parse_bytes, plan_buckets,
-                             save_plan)
+from pipeline.core.memory import (BucketPlan, MemoryModel, MemoryPlan, PeakMeasurement, batch_rows, corrected_rows,
+                                  fit_memory_model, largest_accepted, memory_bucket_lengths, plan_buckets)
+from pipeline.core.cache import write_keyed
+from pipeline.core.probe import load_cached_plan
+from pipeline.core.units import parse_bytes
 
 GIB, MIB = 2**30, 2**20
-
-
-def test_importable_without_torch():
-    code = "import sys, pipeline.memory; assert 'torch' not in sys.modules, 'memory imported torch'"
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_the_worked_example_from_practice():
@@ -161,12 +157,12 @@ def test_plan_buckets_respects_token_and_row_caps():
 
 def test_plan_cache_round_trip_and_key_mismatch(tmp_path):
     plan = MemoryPlan(GIB, 1.5, MODEL, [BucketPlan(64, 10, 8, 8, 1.0, 2.0)], key={"model": "x"})
-    save_plan(str(tmp_path), "abc", plan)
-    loaded = load_cached_plan(str(tmp_path), {"model": "x"}, "abc")
+    write_keyed(tmp_path / "abc.json", plan.key, dataclasses.asdict(plan))
+    loaded = load_cached_plan(tmp_path / "abc.json", {"model": "x"})
     assert loaded.buckets == plan.buckets and loaded.coefficients == MODEL
     assert loaded.source.endswith("abc.json")
-    assert load_cached_plan(str(tmp_path), {"model": "y"}, "abc") is None
-    assert load_cached_plan(str(tmp_path), {"model": "x"}, "missing") is None
+    assert load_cached_plan(tmp_path / "abc.json", {"model": "y"}) is None
+    assert load_cached_plan(tmp_path / "missing.json", {"model": "x"}) is None
     with pytest.raises(ValueError):
         plan.rows_for(65)
 
@@ -184,7 +180,7 @@ def test_lengths_inside_a_bucket_keep_its_probed_token_count():
 @pytest.mark.slow
 def test_cpu_probe_on_a_tiny_model_shrinks_under_a_tight_budget(tiny_encoder_path):
     from jobs.registry import get_job
-    from pipeline.memory import probe_memory_plan
+    from pipeline.core.probe import probe_memory_plan
 
     job = get_job("embed")
     model = job.load(tiny_encoder_path, torch.device("cpu"), torch.float32)

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 from jobs.moderate import flag_hits, resolve_thresholds
 from pipeline.cli import cli
-from pipeline.config import RunConfig
-from pipeline.errors import UsageError
-from pipeline.run import run_job
+from pipeline.core.settings import RunConfig
+from pipeline.core.errors import UsageError
+from pipeline.engines.local import run_job
 from tests.conftest import write_shards
 
 LABELS = ("toxic", "insult", "threat")

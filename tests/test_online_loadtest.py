@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import Duration, cli
-from pipeline.config import BatcherConfig, OnlineLoadtestConfig
-from pipeline.errors import UsageError
-from pipeline.online_loadtest import (ONLINE_MEASURES, OnlineLevelResult, level_configs, level_status,
-                                      poisson_arrivals)
-from pipeline.sweep import compare_sweeps, read_sweep_csv, recommend, write_sweep_csv
+from pipeline.cli.options import Duration
+from pipeline.cli import cli
+from pipeline.core.settings import BatcherConfig, OnlineLoadtestConfig
+from pipeline.core.errors import UsageError
+from pipeline.tuning.loadtest import ONLINE_MEASURES, OnlineLevelResult, level_configs, level_status, poisson_arrivals
+from pipeline.tuning.levels import compare_sweeps, read_sweep_csv, recommend, write_sweep_csv
 from tests.conftest import SAMPLE_DIR
 
 ISSUE_COLUMNS = ["max_batch_size", "requests", "total_s", "latency_ms_avg", "latency_ms_p50", "latency_ms_p95",
@@ -48,7 +48,7 @@ def test_poisson_arrivals_have_the_rate_and_stay_in_the_window():
 
 
 def test_the_answer_rate_is_not_lowered_by_the_drains_tail():
-    from pipeline.online_loadtest import PhaseOutcome
+    from pipeline.tuning.loadtest import PhaseOutcome
 
     keeping_up = PhaseOutcome([0.5] * 11, [0.5 + i for i in range(11)], 0, 0, total_s=10.9, queue_depth_at_end=0)
     assert keeping_up.answers_per_s() == 1.0  # 11 answers in 10.9 s of total, but one a second
@@ -63,7 +63,7 @@ def test_a_level_whose_answers_fall_behind_the_arrivals_is_overloaded():
 
 def test_the_diagnosis_reads_the_load_tests_csv_rows():
     """Every key the diagnosis reads is a column of the load test's CSV."""
-    from pipeline.diagnosis import LOADTEST_KEYS, diagnose_loadtest
+    from pipeline.tuning.diagnosis import LOADTEST_KEYS, diagnose_loadtest
 
     assert set(LOADTEST_KEYS) <= set(OnlineLevelResult.columns())
     rows = [dataclasses.asdict(level(32, batch_size=32, mean_batch=1.3, qps=40, timeout_ms=20, by=(0, 0, 100)))]

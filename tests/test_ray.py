@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.config import RunConfig
-from pipeline.ray_engine import actor_layout
+from pipeline.core.settings import RunConfig
+from pipeline.engines.ray import actor_layout
 from tests.conftest import assert_equal_outputs, read_outputs, write_shards
 
 BIN = Path(sys.executable).parent

@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.config import RunConfig
-from pipeline.errors import UsageError
-from pipeline.run import run_job
-from pipeline.sink import fingerprint_differences, pending
+from pipeline.core.settings import RunConfig
+from pipeline.core.errors import UsageError
+from pipeline.engines.local import run_job
+from pipeline.offline.manifest import fingerprint_differences, pending
 from tests.conftest import write_shards
 
 
@@ -197,7 +197,7 @@ def test_a_classify_job_refuses_a_model_without_a_classification_head(tmp_path, 
 
 
 def test_transient_errors_are_retried_with_backoff_and_others_are_not():
-    from pipeline.errors import is_transient, retry_transient
+    from pipeline.core.retry import is_transient, retry_transient
 
     calls, sleeps = [], []
 

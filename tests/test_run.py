@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline.windows import group_into_windows
-from pipeline.source import RowBlock
+from pipeline.offline.windows import group_into_windows
+from pipeline.offline.source import RowBlock
 from tests.conftest import run_to_table
 
 SETTINGS = {

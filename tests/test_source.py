@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import UsageError
-from pipeline.source import list_shards, read_blocks
+from pipeline.core.errors import UsageError
+from pipeline.offline.source import list_shards, read_blocks
 from tests.conftest import write_shards
 
 TABLE = pa.table({"id": [f"r{i}" for i in range(10)], "text": [f"text {i}" for i in range(10)],
@@ -94,7 +94,7 @@ class BreaksOnceAfter(pq.ParquetFile):
 
 
 def test_a_dropped_connection_mid_shard_reopens_and_carries_on_without_gaps(tmp_path, monkeypatch):
-    import pipeline.source as source
+    import pipeline.offline.source as source
 
     big = pa.table({"id": [f"r{i}" for i in range(500)], "text": [f"text {i}" for i in range(500)]})
     pq.write_table(big, tmp_path / "big.parquet", row_group_size=50)
@@ -120,7 +120,7 @@ def test_a_corrupt_shard_is_not_retried_and_fails_alone(tmp_path):
 
 
 def test_output_names_come_only_from_the_path_below_the_input_root(tmp_path):
-    from pipeline.source import output_stem, partition_values, relative_name
+    from pipeline.offline.source import output_stem, partition_values, relative_name
 
     assert output_stem(relative_name("bucket/in/dt=2026-11-29/part-1.parquet", "bucket/in")) == "dt=2026-11-29/part-1"
     assert output_stem(relative_name("bucket/elsewhere/x.parquet", "bucket/in")) == "x"  # not below: its file name

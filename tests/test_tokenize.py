@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.tokenize import TokenizerPool, check_text, load_tokenizer_spec
+from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec
 
 TEXTS = ["A short one.", "word " * 400, None, "   ", "Ünïcödé and emoji 🙂 text", "", "last row"]
 

@@ -94,16 +94,16 @@ def test_a_threshold_flag_overrides_the_config_table_per_label(tmp_path, shards,
 
 
 def test_a_storage_flag_overrides_the_config_table_per_key(tmp_path, shards, tiny_encoder_path):
-    from pipeline.cli import run as run_command
+    from pipeline.cli.job_commands import run as run_command
 
     config = tmp_path / "job.toml"
     config.write_text('[storage]\nanon = true\nendpoint_url = "http://127.0.0.1:1"\n')
     with run_command.make_context("run", ["--config", str(config), "--storage-option",
                                           "endpoint_url=http://127.0.0.1:2"]) as context:
         pairs = context.params["storage_option"]
-    from pipeline.cli import _parse_storage_options
+    from pipeline.cli.options import parse_storage_options
 
-    assert _parse_storage_options(pairs) == {"anon": True, "endpoint_url": "http://127.0.0.1:2"}
+    assert parse_storage_options(pairs) == {"anon": True, "endpoint_url": "http://127.0.0.1:2"}
     with run_command.make_context("run", ["--config", str(config)]) as context:
-        assert _parse_storage_options(context.params["storage_option"]) == {"anon": True,
+        assert parse_storage_options(context.params["storage_option"]) == {"anon": True,
                                                                              "endpoint_url": "http://127.0.0.1:1"}

@@ -5,15 +5,21 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-
 # What `auto` batch limits become without a saved sweep recommendation, per device type. The
 # memory plan caps them further. CPU: the sweep's knee on 2 cores (1,024–2,048 tokens within 3%,
-# README "Choosing batch settings"). CUDA: 2,048 tokens starve a large GPU; 32k padded tokens is
+# docs/tuning.md "Choosing batch settings"). CUDA: 2,048 tokens starve a large GPU; 32k padded tokens is
 # the order where an encoder's matmuls fill an H100/H200 (TEI's default budget is 16k), and a
 # cap keeps one batch's latency and its out-of-memory back-off bounded. A GPU sweep should try
-# 8k–128k tokens (README).
+# 8k–128k tokens (docs/tuning.md).
 DEVICE_BATCH_LIMITS = {"cpu": {"max_batch_tokens": 2048, "max_batch_rows": 512},
                        "cuda": {"max_batch_tokens": 32768, "max_batch_rows": 4096}}
+
+
+# The settings a sweep or a load test may vary, by flag name → config field: the one map of them.
+VARIED_SETTINGS = {"max-batch-tokens": "max_batch_tokens", "max-batch-rows": "max_batch_rows",
+                   "max-batch-size": "max_batch_size", "batch-timeout-ms": "batch_timeout_ms"}
+SWEEP_VARIES = ("max-batch-tokens", "max-batch-rows")  # `lengthwise sweep --vary` (offline batches)
+LOADTEST_VARIES = ("max-batch-size", "batch-timeout-ms", "max-batch-tokens")  # `lengthwise loadtest --vary` (batcher)
 
 
 def device_batch_limit(device_type: str, name: str) -> int:

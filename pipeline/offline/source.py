@@ -18,9 +18,11 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import UsageError, backoff_delay_s, is_transient, retry_transient
+from pipeline.core.errors import UsageError
+from pipeline.core.retry import backoff_delay_s, is_transient, retry_transient
 
 log = logging.getLogger(__name__)
+
 
 GLOB_CHARACTERS = "*?["
 
@@ -122,7 +124,6 @@ def output_stem(relative: str) -> str:
 def partition_values(stem: str) -> dict[str, str]:
     """Hive partition values of a shard's folders: `dt=2026-11-29/part-0` → {"dt": "2026-11-29"}."""
     return dict(part.split("=", 1) for part in stem.split("/")[:-1] if "=" in part)
-
 
 
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())

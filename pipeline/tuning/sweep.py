@@ -1,6 +1,6 @@
 """The sweep's measurements on the device: a sample of real rows, then one load test per
 level of the varied setting. The analysis (CSV, recommendation, comparison, plot) is in
-`pipeline/sweep.py`.
+`tuning/levels.py`.
 
 Each level runs the same code path as `lengthwise run` (pack → collate on the prefetch
 thread → forward with out-of-memory back-off) in three phases: warm-up rows (not counted:
@@ -10,7 +10,6 @@ the last batch's outputs are back on the host).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -19,16 +18,24 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.buckets import padding_efficiency
-from pipeline.device import DeviceFeeder, is_out_of_memory, measure_peak_bytes, peak_rss_bytes, reset_peak_rss
-from pipeline.errors import UsageError
-from pipeline.run import BatchLimits, collate_batches, run_on_device
-from pipeline.summary import StageTimes
-from pipeline.source import Shard, read_blocks
-from pipeline.config import SweepConfig, device_batch_limit
-from pipeline.sweep import (VARIABLES, LevelResult, Recommendation, length_distribution, percentiles_ms, recommend,
-                            recommendation_key, sample_positions, save_recommendation)
-from pipeline.tokenize import EncodedRows
+from pipeline.core.batch_setting import recommendation_key
+from pipeline.core.buckets import padding_efficiency
+from pipeline.core.device import is_out_of_memory, measure_peak_bytes, peak_rss_bytes, reset_peak_rss
+from pipeline.core.errors import UsageError
+from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, run_on_device
+from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, SweepConfig
+from pipeline.core.tokenize import EncodedRows
+from pipeline.offline.source import Shard, read_blocks
+from pipeline.tuning.levels import (
+    LevelResult,
+    Recommendation,
+    length_distribution,
+    percentiles_ms,
+    recommend,
+    sample_positions,
+    save_recommendation,
+)
+from pipeline.core.batch_setting import resolve_batch_setting
 
 BLOCK_ROWS = 8192
 
@@ -136,9 +143,6 @@ def measure_level(job, model, device: torch.device, encoded: EncodedRows, warmup
         peak_rss_bytes=peak_rss_bytes(), batches=len(stats["batch_s"]), oom_splits=stats["splits"])
 
 
-# ── the whole sweep ────────────────────────────────────────────────────────────────────
-
-
 @dataclass
 class SweepReport:
     levels: list[LevelResult]
@@ -152,14 +156,14 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     first; the first level that runs out of memory ends the sweep upward."""
     import datetime
 
-    from pipeline.device import available_memory_bytes, device_name, dtype_name
-    from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
-    from pipeline.model import load_model
-    from pipeline.source import list_shards
-    from pipeline.tokenize import TokenizerPool
+    from pipeline.core.cache import model_memory_fingerprint
+    from pipeline.core.device import available_memory_bytes, device_name, dtype_name
+    from pipeline.core.model import load_model
+    from pipeline.core.tokenize import TokenizerPool
+    from pipeline.offline.source import list_shards
 
-    if config.vary not in VARIABLES:
-        raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(VARIABLES)}")
+    if config.vary not in SWEEP_VARIES:
+        raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(SWEEP_VARIES)}")
     if not config.values or min(config.values) < 1:
         raise UsageError("--values must be positive integers, e.g. 1024,2048,4096")
     loaded = load_model(config)  # the tokenizer, the model and the host memory setting, as `run` has them
@@ -188,8 +192,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         f"{lengths['median']:.0f}, p90 {lengths['p90']:.0f}, p99 {lengths['p99']:.0f}, max {lengths['max']} "
         f"({truncated:.1%} truncated at {max_length})")
     budget = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
-    if config.max_batch_rows is None:
-        config = dataclasses.replace(config, max_batch_rows=device_batch_limit(device.type, "max_batch_rows"))
+    config = resolve_batch_setting(config, device.type, fields=("max_batch_rows",))[0]  # tokens: None is no budget
     fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, max_length, config.prefetch_batches)
     settings = {
         "vary": config.vary, "values": sorted(config.values), "job": config.job, "model": model_path,
@@ -203,7 +206,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     }
     levels: list[LevelResult] = []
     for value in sorted(set(config.values)):
-        level_settings = LevelSettings(**{**fixed.__dict__, _FIELD_OF[config.vary]: value})
+        level_settings = LevelSettings(**{**fixed.__dict__, VARIED_SETTINGS[config.vary]: value})
         result = measure_level(job, model, device, encoded, warmup_rows, measured_rows, level_settings, value,
                                spec.pad_token_id)
         levels.append(result)
@@ -219,9 +222,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         key, name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
                                        dtype_name(dtype), max_length, config.vary)
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        saved_to = save_recommendation(config.plan_cache or default_plan_cache_dir(), name, key, recommendation,
+        saved_to = save_recommendation(config.plan_cache, name, key, recommendation,
                                        config.out, created)
     return SweepReport(levels, recommendation, settings, saved_to)
 
 
-_FIELD_OF = {"max-batch-tokens": "max_batch_tokens", "max-batch-rows": "max_batch_rows"}

@@ -26,17 +26,20 @@ import time
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from pipeline.buckets import padding_efficiency
-from pipeline.config import RunConfig
-from pipeline.device import dtype_name
-from pipeline.errors import UsageError
-from pipeline.model import ModelChoice, check_max_length, load_model
-from pipeline.run import ShardRunner, run_claimed
-from pipeline.sink import RunManifest, ShardSink
-from pipeline.source import Shard, WorkerSlot
-from pipeline.summary import RunSummary
+from pipeline.core.buckets import padding_efficiency
+from pipeline.core.device import dtype_name
+from pipeline.core.errors import UsageError
+from pipeline.core.model import ModelChoice, check_max_length, load_model
+from pipeline.core.settings import RunConfig
+from pipeline.engines.claim import run_claimed
+from pipeline.offline.manifest import RunManifest
+from pipeline.offline.runner import ShardRunner
+from pipeline.offline.sink import ShardSink
+from pipeline.offline.source import Shard, WorkerSlot
+from pipeline.offline.summary import RunSummary
 
 log = logging.getLogger(__name__)
+
 
 MAX_SHARD_ATTEMPTS = 3  # a shard whose actor died this many times is failed, as a bad shard is
 

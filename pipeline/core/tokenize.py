@@ -18,8 +18,8 @@ import signal
 import tempfile
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np

@@ -14,22 +14,19 @@ bottom imports torch when it runs.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
 import math
-import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import UsageError
+from pipeline.core.units import format_bytes
 
 log = logging.getLogger(__name__)
+
 
 SAFETY_RANGE = (1.0, 4.0)
 MEMORY_BUCKETS = 8  # lengths probed: max_length/8, 2·max_length/8, …, max_length
@@ -39,27 +36,6 @@ CLEAR_SHARE = 0.85  # a first round peaking at or below this share of the budget
 # rounds guard against run-to-run noise near the limit, which is a few % here, not 15%
 FIT_ROWS = (2, 8)  # batch sizes of the fitting grid
 FIT_LENGTH_FRACTIONS = (0.25, 0.5, 1.0)  # lengths of the fitting grid, as fractions of max_length
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'4GiB', '512MiB', '2GB', '1e9' or an int → bytes."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write e.g. 4GiB, 512MiB or 2GB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(count: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(count) >= size:
-            return f"{count / size:.2f} {unit}"
-    return f"{count:.0f} B"
 
 
 def batch_rows(available_bytes: float, per_sample_bytes: float, safety: float) -> int:
@@ -174,7 +150,11 @@ class MemoryPlan:
 
     @classmethod
     def from_json(cls, text: str) -> MemoryPlan:
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MemoryPlan:
+        data = dict(data)
         data["coefficients"] = MemoryModel(**data["coefficients"])
         data["buckets"] = [BucketPlan(**bucket) for bucket in data["buckets"]]
         return cls(**data)
@@ -209,7 +189,7 @@ def largest_accepted(upper: int, accept: Callable[[int], bool]) -> int:
 
 CORRECTION_AIM = 0.82  # a corrected or fitted size aims at this share of the budget: just under CLEAR_SHARE, so
 # that it passes in one round (3 rounds near the budget cost more probe time than the last 15% of rows gain:
-# throughput is flat beyond the sweep's knee, README "Choosing batch settings")
+# throughput is flat beyond the sweep's knee, docs/tuning.md "Choosing batch settings")
 
 
 def corrected_rows(rows: int, peak_bytes: float, base_bytes: float, available_bytes: float) -> int:
@@ -226,7 +206,7 @@ VERIFIED_LENGTH_FRACTIONS = (1.0, 0.5, 0.25, 0.0)  # buckets run at full size: t
 # a quarter of it, and the shortest; every other bucket lies between two of them
 INTERPOLATION_AIM = CORRECTION_AIM  # a bucket between verified ones aims where a verified size does, by the fit
 # through the full-size measurements (between verified lengths it is within a few %; on the CPU a re-measured peak
-# moves by more than that, README "How batch sizes are chosen"; the OOM split stays behind it)
+# moves by more than that, docs/design.md "How batch sizes are chosen"; the OOM split stays behind it)
 
 
 def verified_lengths(lengths: Sequence[int]) -> list[int]:
@@ -339,180 +319,3 @@ def verify_rows(planned: int, length: int, base_bytes: float, available_bytes: i
         else:
             probed = guess if accept(guess) else largest_accepted(guess - 1, accept)
     return probed, peaks.get(max(probed, 1), 0.0), peaks
-
-
-# ── the probe: runs on the real device (imports torch) ───────────────────────────────────
-
-
-def forward_peak_bytes(job, model, device, rows: int, length: int) -> float:
-    """Peak bytes of one forward pass of `rows` × `length`; infinite if it ran out of memory.
-    Every row has a padded position, as real batches do, so attention takes the same (masked)
-    kernel."""
-    import torch
-
-    from pipeline.device import is_out_of_memory, measure_peak_bytes, release_cached_memory
-
-    vocab_size = getattr(model.config, "vocab_size", 1000)
-    input_ids = torch.randint(0, vocab_size, (rows, length), device=device)  # ids do not change memory
-    attention_mask = torch.ones((rows, length), dtype=torch.long, device=device)
-    if length > 1:
-        attention_mask[:, -1] = 0
-
-    def forward() -> None:
-        with torch.inference_mode():
-            job.forward(model, input_ids, attention_mask)
-
-    try:
-        return measure_peak_bytes(forward, device)
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-    release_cached_memory(device)
-    return math.inf
-
-
-def probe_memory_plan(job, model, device, available_bytes: int, safety: float, max_length: int,
-                      max_batch_rows: int, max_batch_tokens: int | None) -> MemoryPlan:
-    """Fit the memory model from small forward passes of `model`, then check the buckets
-    (`plan_buckets`)."""
-    import time
-
-    from pipeline.device import dtype_name
-
-    started = time.perf_counter()
-
-    def measure(rows: int, length: int) -> float:
-        return forward_peak_bytes(job, model, device, rows, length)
-
-    measure(1, min(8, max_length))  # the first call pays one-off allocations (thread pools, kernels)
-    fit_lengths = sorted({max(1, int(max_length * f)) for f in FIT_LENGTH_FRACTIONS})
-    measurements = [PeakMeasurement(rows, length, measure(rows, length))
-                    for rows in FIT_ROWS for length in fit_lengths]
-    if any(math.isinf(m.peak_bytes) for m in measurements):
-        raise ValueError(f"even the fitting batches ({max(FIT_ROWS)} rows × {max_length} tokens) run out of "
-                         f"memory on {device}; lower --max-length")
-    coefficients = fit_memory_model(measurements)
-    buckets = plan_buckets(coefficients, available_bytes, safety, memory_bucket_lengths(max_length),
-                           max_batch_rows, max_batch_tokens, measure, 1 if device.type == "cuda" else PROBE_ROUNDS,
-                           measurements)
-    return MemoryPlan(available_bytes, safety, coefficients, buckets, str(device),
-                      dtype_name(next(model.parameters()).dtype),
-                      round(time.perf_counter() - started, 2))
-
-
-# ── the plan cache: one JSON file per (model, device, dtype, limits, budget, safety, version) ──
-
-
-def default_plan_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "lengthwise", "plans")
-
-
-def model_memory_fingerprint(model_path: str) -> str:
-    """What decides a model's memory use: its config and the sizes of its weight files
-    (retrained weights of the same shape reuse the plan)."""
-    digest = hashlib.sha256()
-    folder = Path(model_path)
-    digest.update((folder / "config.json").read_bytes())
-    for weights in sorted(folder.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
-    return digest.hexdigest()[:16]
-
-
-def runtime_versions() -> dict:
-    """The software that decides memory use and speed besides the settings: torch (its kernels),
-    CUDA, transformers (its attention and mask code), lengthwise, and the CUDA allocator's
-    configuration (expandable segments change what is reserved)."""
-    import torch
-    import transformers
-
-    from pipeline import __version__
-    from pipeline.device import allocator_config
-
-    return {"lengthwise": __version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "transformers": transformers.__version__, "allocator": allocator_config()}
-
-
-def plan_cache_key(**settings) -> tuple[dict, str]:
-    """The settings a cached plan, dtype choice or recommendation depends on, with the runtime
-    versions, and a short hash of them (the cache file name)."""
-    key = {**settings, **runtime_versions()}
-    return key, hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def load_cached_plan(cache_dir: str, key: dict, name: str) -> MemoryPlan | None:
-    path = Path(cache_dir) / f"{name}.json"
-    try:
-        plan = MemoryPlan.from_json(path.read_text())
-    except (OSError, ValueError, TypeError, KeyError):
-        return None  # missing or unreadable: probe again
-    if plan.key != key:
-        return None
-    plan.source = str(path)
-    return plan
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write to a temporary name beside `path`, then rename, so concurrent readers never see
-    half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    temp.write_text(text)
-    os.replace(temp, path)
-
-
-def save_plan(cache_dir: str, name: str, plan: MemoryPlan) -> str:
-    path = Path(cache_dir) / f"{name}.json"
-    write_text_atomically(path, plan.to_json() + "\n")
-    return str(path)
-
-
-# ── the plan a run uses ─────────────────────────────────────────────────────────────────
-
-
-def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan | None:
-    """The memory plan for these settings: from the plan cache, else probed on the device and
-    cached. Logs which."""
-    from pipeline.device import available_memory_bytes, device_name, dtype_name
-
-    available = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
-    if available <= 0:
-        raise UsageError(f"no memory left for batches on {device} ({available} bytes); "
-                         "lower --memory-reserve or set --memory-budget")
-    dtype = dtype_name(next(model.parameters()).dtype)
-    key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
-                               device=device_name(device), dtype=dtype, max_length=config.max_length,
-                               available_bytes=available, safety=config.safety,
-                               attention=getattr(model.config, "_attn_implementation", None),
-                               max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
-    cache_dir = config.plan_cache or default_plan_cache_dir()
-    plan = load_cached_plan(cache_dir, key, name) if config.use_plan_cache else None
-    if plan is None:
-        try:
-            plan = probe_memory_plan(job, model, device, available, config.safety, config.max_length,
-                                     config.max_batch_rows, config.max_batch_tokens)
-        except (ValueError, RuntimeError) as error:
-            if config.max_batch_tokens is None:
-                raise UsageError(f"the memory probe failed ({error}); give --max-batch-tokens a number") from error
-            log.warning(f"batch plan: the memory probe failed ({error}); using --max-batch-tokens and "
-                        "--max-batch-rows only")
-            return None
-        plan.key = key
-        if config.use_plan_cache:
-            plan.source = f"probed in {plan.probe_s:.1f}s, cached at {save_plan(cache_dir, name, plan)}"
-        else:
-            plan.source = f"probed in {plan.probe_s:.1f}s (plan cache off)"
-    else:
-        plan.source = f"from cache {plan.source}"
-    log.info(f"batch plan: {plan.source}")
-    return plan
-
-
-NO_MEMORY_PLAN = "token and row limits only (no memory plan)"  # a run's batch plan without the probe
-
-
-def describe_plan(plan: MemoryPlan | None) -> str:
-    if plan is None:
-        return NO_MEMORY_PLAN
-    rows = ", ".join(f"≤{b.length}: {b.probed_rows}" for b in plan.buckets)
-    return f"{plan.source}; rows per padded length {rows}"

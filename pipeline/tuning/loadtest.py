@@ -1,5 +1,5 @@
 """The online load test: real texts sent to the DynamicBatcher at a Poisson rate, one batcher
-setting stepped over its levels. (`pipeline/loadtest.py` measures the offline sweep.)
+setting stepped over its levels. (`tuning/sweep.py` measures the offline sweep.)
 
 Per level, a fresh batcher on the one loaded model: warm-up arrivals (not counted), then
 `duration_s` of measured arrivals, then the drain (every measured request answered,
@@ -8,7 +8,7 @@ arrival times are drawn in advance and do not wait for answers; at most `concurr
 requests are in flight, and an arrival that finds them all busy waits for a slot, its
 latency counted from its scheduled time, so a slow server cannot hide its queue (no
 coordinated omission). The CSV, recommendation, comparison and plot are the offline
-sweep's (`pipeline/sweep.py`), read through `ONLINE_MEASURES`.
+sweep's (`tuning/levels.py`), read through `ONLINE_MEASURES`.
 """
 
 from __future__ import annotations
@@ -23,16 +23,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from pipeline.batcher import DynamicBatcher, QueueFull, check_timeouts, set_torch_threads, with_token_budget
-from pipeline.config import OnlineLoadtestConfig
-from pipeline.diagnosis import as_dicts, diagnose_loadtest, falls_behind
-from pipeline.errors import UsageError
-from pipeline.sweep import Measures, Recommendation, percentiles_ms, recommend
+from pipeline.core.errors import UsageError
+from pipeline.core.findings import as_dicts
+from pipeline.core.settings import LOADTEST_VARIES, VARIED_SETTINGS, OnlineLoadtestConfig
+from pipeline.online.batcher import DynamicBatcher, set_torch_threads
+from pipeline.online.rules import QueueFull, check_timeouts, with_token_budget
+from pipeline.tuning.diagnosis import diagnose_loadtest, falls_behind
+from pipeline.tuning.levels import Measures, Recommendation, percentiles_ms, recommend
 
 log = logging.getLogger(__name__)
-
-VARIABLES = {"max-batch-size": "max_batch_size", "batch-timeout-ms": "batch_timeout_ms",
-             "max-batch-tokens": "max_batch_tokens"}
 
 
 @dataclass
@@ -91,9 +90,6 @@ ONLINE_MEASURES = Measures("qps_achieved", "latency_ms_p99", "peak_memory_bytes"
                            knee_by_p99=True)
 
 
-# ── pure pieces ──────────────────────────────────────────────────────────────────────────
-
-
 def poisson_arrivals(qps: float, duration_s: float, rng: np.random.Generator) -> np.ndarray:
     """Arrival offsets in [0, duration_s): exponential gaps with mean 1/qps."""
     if qps <= 0 or duration_s <= 0:
@@ -123,9 +119,6 @@ def markdown_table(levels: Sequence[OnlineLevelResult], vary: str, recommended: 
                      f"{r.latency_ms_max:,.1f} | {r.mean_batch_size:.2f} | {r.rejected} | {r.timed_out} | "
                      f"{r.peak_memory_bytes / 2**20:,.0f} MiB |")
     return "\n".join(lines)
-
-
-# ── the generator ────────────────────────────────────────────────────────────────────────
 
 
 @dataclass
@@ -200,7 +193,7 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
     """Warm-up, measured arrivals and drain for one batcher setting, in a fresh event loop;
     the peak memory is what the whole level added. Every level gets the same arrival times
     and texts (drawn from `config.seed`): only the setting differs."""
-    from pipeline.device import measure_peak_bytes
+    from pipeline.core.device import measure_peak_bytes
 
     rng = np.random.default_rng(config.seed)
     warmup = poisson_arrivals(config.qps, config.warmup_s, rng)
@@ -245,26 +238,23 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
         compute_ms_p99=round(compute["p99"], 2), peak_memory_bytes=int(peak))
 
 
-# ── the whole test ───────────────────────────────────────────────────────────────────────
-
-
 @dataclass
 class OnlineLoadtestReport:
     levels: list[OnlineLevelResult]
-    diagnosis: list[dict]  # pipeline.diagnosis findings, level by level
+    diagnosis: list[dict]  # pipeline.tuning.diagnosis findings, level by level
     recommendation: Recommendation
     settings: dict  # the fixed settings and the sample, as written to <out>.json
 
 
 def level_configs(config: OnlineLoadtestConfig) -> list:
     """The batcher setting of each level, smallest first; bad combinations refused up front."""
-    if config.vary not in VARIABLES:
-        raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(VARIABLES)}")
+    if config.vary not in LOADTEST_VARIES:
+        raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(LOADTEST_VARIES)}")
     if not config.values or min(config.values) < 1:
         raise UsageError("--values must be positive integers, e.g. 1,2,4,8,16,32,64")
     settings = []
     for value in sorted(set(config.values)):
-        level = dataclasses.replace(config.batcher, **{VARIABLES[config.vary]: value})
+        level = dataclasses.replace(config.batcher, **{VARIED_SETTINGS[config.vary]: value})
         try:
             check_timeouts(level.batch_timeout_ms, level.request_timeout_ms)
         except ValueError as error:
@@ -277,14 +267,14 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     """Sample texts, load the model and its memory plan once, then one level per value."""
     import torch
 
-    from pipeline.device import available_memory_bytes, device_name, dtype_name
-    from pipeline.loadtest import read_sample
-    from pipeline.memory import memory_plan_for
-    from pipeline.model import load_model
-    from pipeline.run import BatchLimits
-    from pipeline.source import list_shards
-    from pipeline.sweep import length_distribution
-    from pipeline.tokenize import TokenizerPool
+    from pipeline.core.device import available_memory_bytes, device_name, dtype_name
+    from pipeline.core.forward import BatchLimits
+    from pipeline.core.model import load_model
+    from pipeline.core.probe import memory_plan_for
+    from pipeline.core.tokenize import TokenizerPool
+    from pipeline.offline.source import list_shards
+    from pipeline.tuning.levels import length_distribution
+    from pipeline.tuning.sweep import read_sample
 
     levels_to_run = level_configs(config)
     set_torch_threads(config.batcher.torch_threads)

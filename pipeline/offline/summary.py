@@ -7,41 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.diagnosis import diagnosis_lines
-
-
-@dataclass
-class StageTimes:
-    """Seconds per stage. read/tokenize/collate overlap the device; wait is the device idle."""
-
-    setup: float = 0.0  # listing shards, loading tokenizer and model
-    read: float = 0.0
-    tokenize: float = 0.0  # summed over worker processes
-    collate: float = 0.0
-    wait_for_batch: float = 0.0
-    forward: float = 0.0
-    write: float = 0.0
-
-
-def timed(items: Iterable, times: StageTimes, stage: str) -> Iterator:
-    """Yield from `items`, adding the time spent producing each item to `times.<stage>`."""
-    iterator = iter(items)
-    while True:
-        started = time.perf_counter()
-        try:
-            item = next(iterator)
-        except StopIteration:
-            return
-        finally:
-            setattr(times, stage, getattr(times, stage) + time.perf_counter() - started)
-        yield item
+from pipeline.core.findings import diagnosis_lines
 
 
 @dataclass

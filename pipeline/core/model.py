@@ -9,7 +9,6 @@ then loads the tokenizer and the model once and prepares the device.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,11 +19,18 @@ import torch
 from jobs.base import attention_implementation
 from jobs.registry import get_job, job_options
 from jobs.sentence_transformers_folder import DEFAULT_MAX_LENGTH, read_text_settings, resolve_prompt
-from pipeline.device import (DTYPES, device_name, dtype_name, keep_freed_host_memory, native_bf16_feature,
-                             resolve_device, resolve_dtype)
-from pipeline.errors import UsageError
-from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint, plan_cache_key, write_text_atomically
-from pipeline.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
+from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
+from pipeline.core.device import (
+    DTYPES,
+    device_name,
+    dtype_name,
+    keep_freed_host_memory,
+    native_bf16_feature,
+    resolve_device,
+    resolve_dtype,
+)
+from pipeline.core.errors import UsageError
+from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +88,6 @@ def choose_model(settings) -> ModelChoice:
                        dtype_reason=reason, attention=attention, job_options=options)
 
 
-# ── bf16 on the CPU: only where it is native, measured faster, and agrees with fp32 ────
-
 BF16_MIN_SPEEDUP = 1.2  # below this, the precision is not worth it
 TRIAL_ROWS, TRIAL_LENGTH = 64, 128  # the trial batch: 64 rows of 32…128 tokens, padded
 
@@ -110,13 +114,10 @@ def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None
     key, name = plan_cache_key(kind="cpu-dtype", model=model_memory_fingerprint(path), job=settings.job,
                                device=device_name(torch.device("cpu")), torch=torch.__version__,
                                length=min(TRIAL_LENGTH, max_length))
-    cache = Path(settings.plan_cache or default_plan_cache_dir()) / f"dtype-{name}.json"
-    try:
-        cached = json.loads(cache.read_text())
-        if cached["key"] == key:
-            return DTYPES[cached["dtype"]], cached["reason"] + " (cached)"
-    except (OSError, ValueError, KeyError):
-        pass
+    cache = cache_dir(settings.plan_cache) / f"dtype-{name}.json"
+    cached = read_keyed(cache, key)
+    if cached and cached.get("dtype") in DTYPES:
+        return DTYPES[cached["dtype"]], cached["reason"] + " (cached)"
     job = get_job(settings.job)
     loading = {"allow_pickle": settings.allow_pickle, "trust_remote_code": settings.trust_remote_code,
                "attention": attention}
@@ -125,7 +126,7 @@ def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None
     except Exception as error:  # noqa: BLE001 - out of memory, an op bf16 lacks: float32 is always safe
         return torch.float32, f"float32: the bfloat16 trial failed ({type(error).__name__}: {error})"
     chosen, reason = pick_cpu_dtype(feature, torch.backends.cpu.get_cpu_capability(), speedup, agrees, agreement)
-    write_text_atomically(cache, json.dumps({"key": key, "dtype": chosen, "reason": reason}) + "\n")
+    write_keyed(cache, key, {"dtype": chosen, "reason": reason})
     return DTYPES[chosen], reason
 
 
@@ -175,13 +176,13 @@ def load_model(settings, choice: ModelChoice | None = None) -> LoadedModel:
     model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
                      **choice.job_options, allow_pickle=settings.allow_pickle,
                      trust_remote_code=settings.trust_remote_code, attention=choice.attention)
-    check_max_length(model, choice.max_length)
+    check_max_length(model.config, choice.max_length)
     keep_freed_host_memory(choice.device)
     return LoadedModel(choice, job, model, tokenizer)
 
 
-def check_max_length(model, max_length: int) -> None:
-    positions = getattr(model.config, "max_position_embeddings", None)
+def check_max_length(model_config, max_length: int) -> None:
+    positions = getattr(model_config, "max_position_embeddings", None)
     if positions is not None and max_length > positions:
         raise UsageError(f"--max-length {max_length} is more than the model's {positions} positions; "
                          f"set --max-length {positions} or less")

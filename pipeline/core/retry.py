@@ -1,4 +1,4 @@
-"""Errors a user can fix (exit code 2), and retrying the ones that pass by themselves."""
+"""Retries of named transient errors (object-store timeouts, throttling) with capped exponential backoff."""
 
 from __future__ import annotations
 
@@ -10,16 +10,13 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+
 TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE,
                     errno.EAGAIN}
 # Names and messages of object-store errors that mean "try again later": throttling, 5xx, timeouts.
 TRANSIENT_MARKERS = ("SlowDown", "Throttl", "RequestTimeout", "ServiceUnavailable", "InternalError",
                      "TooManyRequests", "(500)", "(502)", "(503)", "(504)", "timed out", "Timeout",
                      "Connection reset", "RemoteDisconnected")
-
-
-class UsageError(Exception):
-    """A configuration or input problem; the message says what to change."""
 
 
 def is_transient(error: BaseException) -> bool:

@@ -7,18 +7,12 @@ stream on CUDA) and the memory measurement differ.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import os
-import queue
-import threading
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from pipeline.errors import UsageError
+from pipeline.core.errors import UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +38,7 @@ def gpu_auto_dtype(compute_capability: tuple[int, int]) -> str:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto` is bfloat16 on a GPU from Ampere on (float16 before), else float32 (on the CPU
-    the model setup may then measure its way to bfloat16: see `pipeline.model.choose_cpu_dtype`)."""
+    the model setup may then measure its way to bfloat16: see `pipeline.core.model.choose_cpu_dtype`)."""
     if name == "auto":
         if device.type == "cuda":
             return DTYPES[gpu_auto_dtype(torch.cuda.get_device_capability(device))]
@@ -99,109 +93,6 @@ def device_name(device: torch.device) -> str:
     import platform
 
     return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
-
-
-def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded_length: int,
-            pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Padded (rows, padded_length) input ids and attention mask from flat token arrays."""
-    starts = offsets[rows]
-    lengths = offsets[rows + 1] - starts
-    positions = np.arange(padded_length)
-    attention_mask = positions[None, :] < lengths[:, None]
-    gather = np.where(attention_mask, starts[:, None] + positions[None, :], 0)
-    input_ids = np.where(attention_mask, token_ids[gather], pad_token_id).astype(np.int64)
-    return input_ids, attention_mask.astype(np.int64)
-
-
-class DeviceFeeder:
-    """Moves collated batches to the device ahead of use, from the prefetch thread.
-
-    On CUDA the copy goes from pinned memory on a side stream, so it overlaps the forward
-    pass running on the compute stream; the compute stream waits on the copy's event only
-    when it takes the batch. On the CPU the arrays become tensors without a copy.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def send(self, *arrays: np.ndarray) -> tuple[list[torch.Tensor], object]:
-        if self.stream is None:
-            return [torch.from_numpy(a) for a in arrays], None
-        try:
-            # the current device is per thread: the prefetch thread must make cuda:N its own too
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                tensors = [torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True) for a in arrays]
-                copied = torch.cuda.Event()
-                copied.record(self.stream)
-            return tensors, copied
-        except BaseException as error:
-            if not is_out_of_memory(error):
-                raise
-        # no room for the inputs now (the forward holds it): hand them on from the host; the device
-        # loop moves them inside its out-of-memory back-off, which halves the batch if need be
-        return [torch.from_numpy(a) for a in arrays], None
-
-    def receive(self, tensors: list[torch.Tensor], copied) -> list[torch.Tensor]:
-        if copied is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(copied)
-            for tensor in tensors:
-                tensor.record_stream(compute)  # the allocator must not reuse it before compute is done
-        return tensors
-
-
-class _Failure:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-_DONE = object()
-
-
-def prefetch(items: Iterable, depth: int) -> Iterator:
-    """Run `items` on a background thread, at most `depth` items ahead of the consumer.
-
-    Errors in the producer are raised in the consumer. Closing the returned generator
-    (or leaving its loop) stops the producer at its next item.
-    """
-    buffer: queue.Queue = queue.Queue(maxsize=max(1, depth))
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                buffer.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not put(item):
-                    return
-            put(_DONE)
-        except BaseException as error:  # handed to the consumer, which re-raises it
-            put(_Failure(error))
-
-    thread = threading.Thread(target=produce, name="lengthwise-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = buffer.get()
-            if item is _DONE:
-                return
-            if isinstance(item, _Failure):
-                raise item.error
-            yield item
-    finally:
-        stop.set()
-        thread.join(timeout=30)  # a producer stuck in a dead stage must not hang the exit; it is a daemon
-
-
-# ── memory: what is available, what a forward pass peaks at, what to do when it runs out ──
 
 
 def available_memory_bytes(device: torch.device, budget_bytes: int | None, reserve_fraction: float) -> int:
@@ -334,74 +225,3 @@ def release_cached_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-@dataclass
-class SplitForward:
-    """Outputs of a batch run with out-of-memory back-off."""
-
-    outputs: dict  # per row, in batch order, zeros where `failed`: device tensors, numpy once read back
-    failed: np.ndarray  # bool per row: out of memory even alone
-    splits: int  # how many times a batch was halved
-    largest_ok_rows: int  # the largest part that ran
-
-
-def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             device: torch.device) -> SplitForward:
-    """Run `forward(ids, mask) → {name: tensor}`; on out-of-memory halve the batch and retry
-    each half, down to single rows. Every row is computed once; a row that fails alone is
-    reported in `failed` instead of raising. Outputs stay on the device (see `HostCopy`)."""
-    rows = input_ids.shape[0]
-    try:
-        return SplitForward(dict(forward(input_ids, attention_mask)), np.zeros(rows, dtype=bool), 0, rows)
-    except BaseException as error:
-        if not is_out_of_memory(error):
-            raise
-    release_cached_memory(device)
-    if rows == 1:
-        return SplitForward({}, np.ones(1, dtype=bool), 0, 0)
-    half = rows // 2
-    parts = [forward_splitting_on_oom(forward, input_ids[s], attention_mask[s], device)
-             for s in (slice(0, half), slice(half, rows))]
-    shapes = next((p.outputs for p in parts if p.outputs), None)
-    outputs = {}
-    if shapes is not None:
-        for name, values in shapes.items():
-            outputs[name] = torch.cat([p.outputs[name] if p.outputs else
-                                       values.new_zeros((len(p.failed), *values.shape[1:])) for p in parts])
-    return SplitForward(outputs, np.concatenate([p.failed for p in parts]), 1 + sum(p.splits for p in parts),
-                        max(p.largest_ok_rows for p in parts))
-
-
-class HostCopy:
-    """A batch's outputs on their way to the host as float32. On CUDA a non-blocking copy into
-    pinned memory, marked by an event, so the host can launch the next batch before it waits
-    for this one; with CUDA events around the forward, `device_seconds` is the time the
-    device spent on it. On the CPU the copy is the outputs themselves."""
-
-    def __init__(self, result: SplitForward, device: torch.device, started=None):
-        self.result = result
-        self.started, self.done = started, None
-        if device.type != "cuda":
-            self.host = {name: values.float() for name, values in result.outputs.items()}
-            return
-        self.host = {}
-        for name, values in result.outputs.items():
-            host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(values.float(), non_blocking=True)
-            self.host[name] = host
-        self.done = torch.cuda.Event(enable_timing=started is not None)
-        self.done.record()
-
-    def read(self) -> SplitForward:
-        """The outputs as numpy arrays on the host, waiting for the copy if it is still running."""
-        if self.done is not None:
-            self.done.synchronize()
-        outputs = {name: values.numpy() for name, values in self.host.items()}
-        return dataclasses.replace(self.result, outputs=outputs)
-
-    def device_seconds(self) -> float | None:
-        """Device time from `started` to the end of the copy (CUDA, after `read`), else None."""
-        if self.started is None or self.done is None:
-            return None
-        return self.started.elapsed_time(self.done) / 1000

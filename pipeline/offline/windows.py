@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.source import RowBlock
-from pipeline.summary import StageTimes
-from pipeline.tokenize import EncodedRows, TokenizerPool
+from pipeline.core.forward import StageTimes
+from pipeline.core.tokenize import EncodedRows, TokenizerPool
+from pipeline.offline.source import RowBlock
 
 
 def group_into_windows(blocks: Iterable[RowBlock], window_rows: int) -> Iterator[list[RowBlock]]:

@@ -1,7 +1,7 @@
-"""The batch-size sweep, minus the device: the sample, the CSV, the recommendation, the
-regression check and the plot. Pure Python and numpy (no torch); `pipeline/loadtest.py`
-runs the levels on the device and hands back `LevelResult`s. The online load test
-(`pipeline/online_loadtest.py`) reuses the CSV, recommendation, comparison and plot with
+"""Levels of a load test, minus the device: the sample, the CSV, the recommendation, the
+regression check and the plot. Pure Python and numpy (no torch); `tuning/sweep.py` runs the
+offline sweep's levels on the device and hands back `LevelResult`s. The online load test
+(`tuning/loadtest.py`) reuses the CSV, recommendation, comparison and plot with
 its own level results, named by `Measures`.
 
 Throughput rises with batch size and then flattens, latency keeps rising, memory grows until
@@ -13,10 +13,8 @@ knee): the same work for less memory and latency.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import importlib.util
 import io
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -26,7 +24,9 @@ from typing import ClassVar
 
 import numpy as np
 
-VARIABLES = ("max-batch-tokens", "max-batch-rows")
+from pipeline.core.batch_setting import recommendation_path
+from pipeline.core.units import format_bytes
+
 KNEE_TOLERANCE = 0.03  # levels within 3% of the best throughput count as equally fast
 EXIT_REGRESSION = 3
 
@@ -108,9 +108,6 @@ def sample_positions(total_rows: int, sample_rows: int, seed: int) -> np.ndarray
     return rng.choice(total_rows, size=min(sample_rows, total_rows), replace=False)
 
 
-# ── the recommendation ─────────────────────────────────────────────────────────────────
-
-
 @dataclass
 class Recommendation:
     vary: str
@@ -150,8 +147,8 @@ def recommend(levels: Sequence, vary: str, budget_bytes: int, memory_headroom: f
         elif max_p99_ms is not None and p99_ms(result) > max_p99_ms:
             excluded[result.level] = f"{measures.latency} {p99_ms(result):,.0f} ms > {max_p99_ms:,.0f} ms"
         elif peak(result) > memory_limit:
-            excluded[result.level] = (f"peak memory {_gib(peak(result))} leaves less than "
-                                      f"{memory_headroom:.0%} of the {_gib(budget_bytes)} budget free")
+            excluded[result.level] = (f"peak memory {format_bytes(peak(result))} leaves less than "
+                                      f"{memory_headroom:.0%} of the {format_bytes(budget_bytes)} budget free")
         else:
             eligible.append(result)
     if not eligible:
@@ -173,8 +170,8 @@ def recommend(levels: Sequence, vary: str, budget_bytes: int, memory_headroom: f
     limits = f"{measures.latency} {p99_ms(chosen):,.0f} ms"
     if max_p99_ms is not None:
         limits += f" ≤ {max_p99_ms:,.0f} ms"
-    limits += (f"; peak memory {_gib(peak(chosen))} leaves "
-               f"{1 - peak(chosen) / budget_bytes:.0%} of the {_gib(budget_bytes)} budget free")
+    limits += (f"; peak memory {format_bytes(peak(chosen))} leaves "
+               f"{1 - peak(chosen) / budget_bytes:.0%} of the {format_bytes(budget_bytes)} budget free")
     reason = f"{vary} {chosen.level}: {how}; {limits}"
     if excluded:
         reason += ". Not eligible: " + "; ".join(f"{level} ({why})" for level, why in excluded.items())
@@ -182,15 +179,8 @@ def recommend(levels: Sequence, vary: str, budget_bytes: int, memory_headroom: f
                           excluded)
 
 
-def _gib(count: float) -> str:
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.0f} MiB"
-
-
-# ── the CSV and the Markdown table ─────────────────────────────────────────────────────
-
-
 def write_sweep_csv(path: str, levels: Sequence, result_type: type = LevelResult) -> None:
-    from pipeline.memory import write_text_atomically
+    from pipeline.core.cache import write_text_atomically
 
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=result_type.columns())
@@ -229,12 +219,9 @@ def markdown_table(levels: Sequence[LevelResult], recommended: int | None = None
         mark = " ←" if r.level == recommended else ""
         lines.append(f"| {r.level}{mark} | {r.status} | {r.rows_per_s:,.1f} | {r.tokens_per_s:,.0f} | "
                      f"{r.padding_efficiency:.3f} | {r.batch_latency_ms_p50:,.0f} | {r.batch_latency_ms_p99:,.0f} | "
-                     f"{r.row_latency_ms_p50:,.0f} | {r.row_latency_ms_p99:,.0f} | {_gib(r.peak_device_bytes)} | "
+                     f"{r.row_latency_ms_p50:,.0f} | {r.row_latency_ms_p99:,.0f} | {format_bytes(r.peak_device_bytes)} | "
                      f"{r.batches:,} | {r.oom_splits} |")
     return "\n".join(lines)
-
-
-# ── the regression check ───────────────────────────────────────────────────────────────
 
 
 @dataclass
@@ -292,50 +279,16 @@ def comparison_table(changes: Sequence[LevelChange], measures: Measures = ROW_ME
     return "\n".join(lines)
 
 
-# ── the saved recommendation: read by `lengthwise run --max-batch-tokens auto` ──────────
-
-
-def recommendation_key(model_fingerprint: str, job: str, device: str, dtype: str, max_length: int,
-                       vary: str) -> tuple[dict, str]:
-    """What a recommendation holds for: the same model shape, job, device, dtype, max length
-    and varied setting (and lengthwise version); and the file name it is saved under."""
-    from pipeline.memory import plan_cache_key
-
-    return plan_cache_key(kind="sweep", model=model_fingerprint, job=job, device=device, dtype=dtype,
-                          max_length=max_length, vary=vary)
-
-
-def recommendation_path(cache_dir: str, name: str) -> Path:
-    return Path(cache_dir) / f"sweep-{name}.json"
-
-
-def save_recommendation(cache_dir: str, name: str, key: dict, recommendation: Recommendation, csv_path: str,
-                        created: str) -> str:
+def save_recommendation(plan_cache: str | None, name: str, key: dict, recommendation: Recommendation,
+                        csv_path: str, created: str) -> str:
     """Write atomically beside the memory plans; a later run with the same key reads it (its
     level for `auto`, its throughput for the diagnosis)."""
-    from pipeline.memory import write_text_atomically
+    from pipeline.core.cache import write_keyed
 
-    path = recommendation_path(cache_dir, name)
-    write_text_atomically(path, json.dumps({"key": key, "level": recommendation.level, "reason": recommendation.reason,
-                                            "rows_per_s": recommendation.rows_per_s,
-                                            "tokens_per_s": recommendation.tokens_per_s,
-                                            "csv": os.path.abspath(csv_path), "created": created}, indent=2) + "\n")
-    return str(path)
-
-
-def load_recommendation(cache_dir: str, name: str, key: dict) -> dict | None:
-    """The saved recommendation for exactly this key, or None."""
-    path = recommendation_path(cache_dir, name)
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if saved.get("key") != key or not isinstance(saved.get("level"), int):
-        return None
-    return {**saved, "path": str(path)}
-
-
-# ── the plot (matplotlib is an optional extra) ─────────────────────────────────────────
+    return write_keyed(recommendation_path(plan_cache, name), key,
+                       {"level": recommendation.level, "reason": recommendation.reason,
+                        "rows_per_s": recommendation.rows_per_s, "tokens_per_s": recommendation.tokens_per_s,
+                        "csv": os.path.abspath(csv_path), "created": created})
 
 
 def check_plot_available() -> None:
@@ -389,51 +342,3 @@ def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
-
-
-def resolve_batch_setting(config, device_type: str, saved_for: dict[str, dict | None]) -> tuple:
-    """Replace an `auto` token or row limit by the saved sweep recommendation for this model,
-    device, dtype and max length (`saved_for`: `saved_recommendations`), else by the device's
-    default (`DEVICE_BATCH_LIMITS`). Returns the config and where each limit came from."""
-    from pipeline.config import device_batch_limit
-
-    changes, notes = {}, []
-    for vary, name in (("max-batch-tokens", "max_batch_tokens"), ("max-batch-rows", "max_batch_rows")):
-        value = getattr(config, name)
-        if value is not None:
-            notes.append(f"--{vary} {value}")
-            continue
-        saved = saved_for[vary]
-        if saved is not None:
-            changes[name] = saved["level"]
-            notes.append(f"--{vary} {saved['level']} recommended by the sweep of {saved['created']} ({saved['path']})")
-        else:
-            changes[name] = device_batch_limit(device_type, name)
-            notes.append(f"--{vary} {changes[name]} (auto: no sweep recommendation for this model, device and dtype; "
-                         f"the {device_type} default)")
-    return dataclasses.replace(config, **changes), "; ".join(notes)
-
-
-def saved_recommendations(config, model_path: str, device, model) -> dict[str, dict | None]:
-    """The saved recommendation (or None) per varied setting, for this model, job, device,
-    dtype and max length."""
-    from pipeline.device import device_name, dtype_name
-    from pipeline.memory import default_plan_cache_dir, model_memory_fingerprint
-
-    dtype = dtype_name(next(model.parameters()).dtype)
-    fingerprint = model_memory_fingerprint(model_path)
-    saved = {}
-    for vary in VARIABLES:
-        key, file_name = recommendation_key(fingerprint, config.job, device_name(device), dtype, config.max_length,
-                                            vary)
-        saved[vary] = load_recommendation(config.plan_cache or default_plan_cache_dir(), file_name, key)
-    return saved
-
-
-def sweep_reference(saved_for: dict[str, dict | None]) -> dict:
-    """The newest saved recommendation that records its throughput, as the run summary's
-    `sweep_reference` (what the diagnosis compares the run's throughput with); {} if none."""
-    figures = [{"vary": vary, "level": saved["level"], "rows_per_s": saved["rows_per_s"],
-                "tokens_per_s": saved["tokens_per_s"], "created": saved["created"], "path": saved["path"]}
-               for vary, saved in saved_for.items() if saved and saved.get("tokens_per_s")]
-    return max(figures, key=lambda figure: figure["created"], default={})

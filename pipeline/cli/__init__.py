@@ -1,0 +1,66 @@
+"""The `lengthwise` command line.
+
+Every option comes, in this order of precedence, from its flag, from its
+LENGTHWISE_<NAME> environment variable, from the TOML file given with --config, or from
+its default (defined once, in `pipeline/core/settings.py`). Exit codes: 0 done, 1 some shards
+failed, 2 usage or config error (one line saying what to change), 3 a --fail-on-regression gate,
+130/143 interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import click
+
+from pipeline.cli.job_commands import plan, run, status
+from pipeline.cli.options import COMMANDS, configure_logging
+from pipeline.cli.tuning_commands import loadtest, sweep
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="lengthwise")
+def cli() -> None:
+    """Offline batch inference over Parquet shards, with length-bucketed batches."""
+    configure_logging(logging.INFO)
+
+
+for command in (run, plan, sweep, loadtest, status):
+    cli.add_command(command)
+    COMMANDS[command.name] = command
+
+
+EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Interrupted(BaseException):
+    """Raised in the main thread by SIGINT/SIGTERM so that cleanup runs (no partial output)."""
+
+    def __init__(self, signal_number: int):
+        super().__init__(signal.Signals(signal_number).name)
+        self.exit_code = EXIT_INTERRUPTED[signal_number]
+
+
+def _raise_interrupted(signal_number, frame) -> None:
+    signal.signal(signal_number, signal.SIG_DFL)  # a second signal ends the process at once
+    raise Interrupted(signal_number)
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach for a hub
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for signal_number in EXIT_INTERRUPTED:
+        signal.signal(signal_number, _raise_interrupted)
+    try:
+        cli.main(standalone_mode=False)
+    except Interrupted as interrupted:
+        click.echo(f"interrupted by {interrupted}; committed shards are kept, no partial file is left", err=True)
+        sys.exit(interrupted.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(EXIT_INTERRUPTED[signal.SIGINT])
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)

@@ -1,0 +1,191 @@
+"""`lengthwise run`, `plan` and `status`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+
+import click
+
+from pipeline.cli.options import (
+    BATCH_OPTIONS,
+    CONFIG_OPTION,
+    EXIT_SHARDS_FAILED,
+    INPUT_OPTIONS,
+    LOG_OPTIONS,
+    MODEL_OPTIONS,
+    WORKER_OPTIONS,
+    ByteSize,
+    NameList,
+    default_of,
+    env_option,
+    fail,
+    merge_config_table,
+    model_or_default,
+    parse_storage_options,
+    parse_thresholds,
+    with_options,
+)
+from pipeline.core.errors import UsageError
+from pipeline.core.settings import RunConfig
+from pipeline.engines.execute import execute_run
+
+
+@click.command()
+@CONFIG_OPTION
+@env_option("--input", "inputs", env="INPUT", multiple=True,
+            help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable.")
+@env_option("--output", env="OUTPUT", help="Output directory (local or fsspec URL): one Parquet file per shard.")
+@with_options(MODEL_OPTIONS)
+@with_options(INPUT_OPTIONS)
+@env_option("--keep-columns", env="KEEP_COLUMNS", type=NameList(), default=default_of("keep_columns"),
+            help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
+@env_option("--split", env="SPLIT", default=None,
+            help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
+@with_options(BATCH_OPTIONS)
+@env_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
+            help="Size batches by the memory plan (cached, or probed on the device first).")
+@env_option("--window-rows", env="WINDOW_ROWS", type=click.IntRange(1), default=default_of("window_rows"),
+            show_default=True, help="Rows sorted and packed together; bounds the rows in flight.")
+@env_option("--threshold", env="THRESHOLD", multiple=True, callback=merge_config_table,
+            help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
+                 "--config file a [thresholds] table, which a flag overrides label by label.")
+@env_option("--default-threshold", env="DEFAULT_THRESHOLD", type=click.FloatRange(0, 1),
+            default=default_of("default_threshold"), show_default=True,
+            help="--job moderate: the threshold of every flag label without a --threshold.")
+@env_option("--flag-labels", env="FLAG_LABELS", type=NameList(), default=None,
+            help="--job moderate: the labels that can flag a row, comma-separated. Default: all labels of a "
+                 "multi-label (sigmoid) model; a single-label (softmax) model needs it (e.g. all but `normal`).")
+@with_options(WORKER_OPTIONS)
+@env_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
+            help="Redo every shard, even ones done before or under other settings.")
+@env_option("--engine", env="ENGINE", type=click.Choice(["local", "ray"]), default=default_of("engine"),
+            show_default=True,
+            help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster "
+                 "(pip install 'lengthwise[ray]').")
+@env_option("--ray-address", env="RAY_ADDRESS", default=None,
+            help="--engine ray: the cluster, auto or ray://host:10001. Default: RAY_ADDRESS, else a local Ray.")
+@env_option("--workers", env="WORKERS", type=click.IntRange(1), default=None,
+            help="--engine ray: actors. Default: one per GPU of the cluster, else cluster CPUs / --threads-per-worker.")
+@env_option("--threads-per-worker", env="THREADS_PER_WORKER", type=click.IntRange(1), default=None,
+            help="--engine ray: torch threads (and CPUs reserved) per actor. Default: 1 for CPU actors.")
+@env_option("--num-shards", env="NUM_SHARDS", type=click.IntRange(1), default=default_of("num_shards"),
+            show_default=True,
+            help="Run as one of N workers over the same input and output (Kubernetes Indexed Job, Slurm array, "
+                 "Airflow mapped task); worker I takes shards I, I+N, … of the sorted shard list.")
+@env_option("--shard-index", env="SHARD_INDEX", type=int, default=None,
+            help="This worker's index, 0…N-1. Default: JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID.")
+@env_option("--fail-fast", env="FAIL_FAST", is_flag=True, default=False, help="Stop at the first shard that fails.")
+@env_option("--progress/--no-progress", env="PROGRESS", default=True, show_default=True,
+            help="Progress bar on stderr.")
+@env_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
+            help="Also write the run summary to this JSON file.")
+@with_options(LOG_OPTIONS)
+def run(**options) -> None:
+    """Run a job over every input shard and write one output shard per input shard."""
+    try:
+        config = run_config(**options)
+        summary = execute_run(config)
+    except UsageError as error:
+        fail(str(error))
+    click.echo(summary.to_text())
+    if config.summary_json:
+        click.echo(f"summary json    {config.summary_json}")
+    if summary.failed_shards:
+        click.echo(f"error: {len(summary.failed_shards)} shard(s) failed (listed above); the others are committed. "
+                   "Rerun the same command to retry them.", err=True)
+        sys.exit(EXIT_SHARDS_FAILED)
+
+
+def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, keep_columns,
+               **settings) -> RunConfig:
+    """The RunConfig of `run`'s parsed options (the CLI's and `pipeline.api.run`'s)."""
+    if not inputs:
+        raise UsageError("no input; set --input (or `input` in the --config file)")
+    if not output:
+        raise UsageError("no output directory; set --output (or `output` in the --config file)")
+    return RunConfig(input=tuple(inputs), output=output, model=model_or_default(model),
+                     storage_options=parse_storage_options(storage_option), thresholds=parse_thresholds(threshold),
+                     keep_columns=keep_columns, use_plan_cache=not no_plan_cache, **settings)
+
+
+@click.command()
+@CONFIG_OPTION
+@with_options(MODEL_OPTIONS)
+@with_options(BATCH_OPTIONS)
+@env_option("--json", "as_json", env="JSON", is_flag=True, help="Print the plan as JSON.")
+@env_option("--available", env="PLAN_AVAILABLE", type=ByteSize(), default=None,
+            help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
+@env_option("--per-sample", env="PLAN_PER_SAMPLE", type=ByteSize(), default=None,
+            help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
+@with_options(LOG_OPTIONS)
+def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> None:
+    """Show how many rows each length bucket gets, probed on the device (or cached).
+
+    With --available and --per-sample it is a calculator for the bare formula:
+    rows = floor(available / (per_sample x safety)).
+    """
+    from pipeline.core.memory import batch_rows
+
+    if available is not None or per_sample is not None:
+        if available is None or per_sample is None:
+            fail("calculator mode needs both --available and --per-sample")
+        rows = batch_rows(available, per_sample, settings["safety"])
+        click.echo(json.dumps({"available_bytes": available, "per_sample_bytes": per_sample,
+                               "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
+        return
+    from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations
+    from pipeline.core.model import load_model
+    from pipeline.core.probe import memory_plan_for
+
+    try:
+        config = RunConfig(input=(), output="", model=model_or_default(model), use_plan_cache=not no_plan_cache,
+                           **settings)
+        loaded = load_model(config)
+        config = dataclasses.replace(config, max_length=loaded.choice.max_length)
+        saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
+        config, setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for)
+        logging.getLogger("pipeline.cli.options").info(f"batch setting: {setting}")
+        memory_plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
+    except UsageError as error:
+        fail(str(error))
+    if memory_plan is None:
+        fail("no plan: the memory probe failed (see above)")
+    click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
+
+
+@click.command()
+@env_option("--output", env="OUTPUT", required=True, help="The output directory of a run.")
+@env_option("--storage-option", env="STORAGE_OPTION", multiple=True, help="KEY=VALUE for fsspec. Repeatable.")
+@env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
+def status(output, storage_option, as_json) -> None:
+    """How much of a run is done: shards done, failed and pending, and rows done.
+
+    Reads only the run manifest and the input footers; loads no model.
+    """
+    from pipeline.offline.manifest import run_status
+
+    try:
+        report = run_status(output, parse_storage_options(storage_option))
+    except UsageError as error:
+        fail(str(error))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"{report['output']}: {report['done']} of {report['shards']} shards done, {report['failed']} failed, "
+               f"{report['pending']} pending; {report['rows_done']:,} of {report['rows']:,} rows done")
+    for failed in report["failed_shards"]:
+        click.echo(f"failed  {failed['shard']}: {failed['error']}")
+    workers = report["workers"]
+    if len(workers) > 1:
+        for worker in workers:
+            speed = f", last {worker['last_rows_per_s']:,.1f} rows/s" if worker["last_rows_per_s"] else ""
+            click.echo(f"worker {worker['index']}: {worker['done']} of {worker['shards']} shards done, "
+                       f"{worker['failed']} failed, {worker['pending']} pending"
+                       f"{' (running)' if worker['running'] else ''}{speed}")
+    for lock in report["locks"]:
+        state = "running" if lock.get("alive", True) else "stale lock (that process is gone)"
+        who = f"worker {lock['index']} of {lock['count']} " if lock.get("count", 1) > 1 else ""
+        click.echo(f"{who}{state}: pid {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}")

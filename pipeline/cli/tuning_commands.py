@@ -1,0 +1,247 @@
+"""`lengthwise sweep` and `lengthwise loadtest`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from pipeline.cli.options import (
+    CONFIG_OPTION,
+    INPUT_OPTIONS,
+    LOG_OPTIONS,
+    MEMORY_OPTIONS,
+    MODEL_OPTIONS,
+    WORKER_OPTIONS,
+    CountOrAuto,
+    Duration,
+    IntList,
+    batcher_default,
+    default_of,
+    env_option,
+    fail,
+    level_test_options,
+    loadtest_default,
+    model_or_default,
+    parse_storage_options,
+    sweep_default,
+    with_options,
+)
+from pipeline.core.errors import UsageError
+from pipeline.core.settings import (
+    LOADTEST_VARIES,
+    SWEEP_VARIES,
+    BatcherConfig,
+    OnlineLoadtestConfig,
+    SweepConfig,
+    device_batch_limit,
+)
+
+
+@click.command()
+@CONFIG_OPTION
+@env_option("--input", "inputs", env="INPUT", multiple=True, required=True,
+            help="Shards to sample rows from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
+@env_option("--vary", env="SWEEP_VARY", required=True, type=click.Choice(SWEEP_VARIES),
+            help="The one setting that changes between levels.")
+@env_option("--values", env="SWEEP_VALUES", required=True, type=IntList(),
+            help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
+@with_options(MODEL_OPTIONS)
+@with_options(INPUT_OPTIONS)
+@env_option("--max-batch-tokens", env="SWEEP_MAX_BATCH_TOKENS", type=click.IntRange(1), default=None,
+            help="Held fixed while --vary max-batch-rows (default: no token budget).")
+@env_option("--max-batch-rows", env="SWEEP_MAX_BATCH_ROWS", type=click.IntRange(1), default=None,
+            help="Held fixed while --vary max-batch-tokens (default: the device's, as in run: "
+                 f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU, "
+                 f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA).")
+@env_option("--rows", env="SWEEP_ROWS", type=click.IntRange(1), default=sweep_default("rows"), show_default=True,
+            help="Measured rows per level.")
+@env_option("--warmup-rows", env="SWEEP_WARMUP_ROWS", type=click.IntRange(0), default=sweep_default("warmup_rows"),
+            show_default=True, help="Rows run before each level's clock starts (not counted).")
+@env_option("--seed", env="SWEEP_SEED", type=int, default=sweep_default("seed"), show_default=True,
+            help="Which rows the sample takes.")
+@with_options(MEMORY_OPTIONS)
+@with_options(WORKER_OPTIONS)
+@env_option("--no-save", env="SWEEP_NO_SAVE", is_flag=True, help="Do not save the recommendation for `run … auto`.")
+@with_options(level_test_options("SWEEP", "sweep", "rows/s", "p99 row latency", SweepConfig))
+@with_options(LOG_OPTIONS)
+def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, max_throughput_drop, max_p99_rise,
+          fail_on_regression, out, plot, max_batch_tokens, max_batch_rows, **settings) -> None:
+    """Load-test one batch setting over several values on real rows; write a CSV, recommend one.
+
+    Only --vary changes between levels. Each level: warm-up rows, measured rows, drain. The
+    recommendation (highest throughput within the limits, or the smallest level within 3% of
+    it) is saved so that `lengthwise run --max-batch-tokens auto` (or `--max-batch-rows auto`)
+    on the same model, device and dtype uses it.
+    """
+    from pipeline.tuning import levels as analysis
+
+    if (vary == "max-batch-tokens" and max_batch_tokens is not None) or \
+            (vary == "max-batch-rows" and max_batch_rows is not None):
+        fail(f"--{vary} is the varied setting; give its levels with --values, not as a fixed value")
+    try:
+        previous = analysis.read_sweep_csv(compare_with) if compare_with else None
+        if plot:
+            analysis.check_plot_available()
+        config = SweepConfig(input=tuple(inputs), vary=vary, values=values, out=out,
+                             model=model_or_default(model), max_batch_tokens=max_batch_tokens,
+                             max_batch_rows=max_batch_rows,
+                             storage_options=parse_storage_options(storage_option), save_recommendation=not no_save,
+                             **settings)
+        from pipeline.tuning.sweep import run_sweep
+
+        report = run_sweep(config)
+    except (UsageError, ValueError, ImportError) as error:
+        fail(str(error))
+    from pipeline.core.findings import as_dicts, diagnosis_lines
+    from pipeline.tuning.diagnosis import diagnose_sweep
+
+    report.settings["diagnosis"] = as_dicts(diagnose_sweep(report.levels, report.recommendation, report.settings))
+    analysis.write_sweep_csv(out, report.levels)
+    Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
+    click.echo(analysis.markdown_table(report.levels, report.recommendation.level))
+    click.echo("")
+    click.echo(f"recommendation: {report.recommendation.reason}")
+    for line in diagnosis_lines(report.settings["diagnosis"]):
+        click.echo(line)
+    if report.saved_to:
+        click.echo(f"saved for `lengthwise run --{vary} auto` on this model, device and dtype: {report.saved_to}")
+    finish_level_test(report.levels, vary, report.recommendation.level, out, plot,
+                      f"{settings['job']} · {report.settings['device']} · {report.settings['dtype']} · "
+                      f"{report.settings['rows']} rows, max length {report.settings['max_length']}",
+                      analysis.ROW_MEASURES, previous, compare_with, max_throughput_drop, max_p99_rise,
+                      fail_on_regression)
+
+
+@click.command()
+@CONFIG_OPTION
+@env_option("--input", "inputs", env="INPUT", multiple=True, required=True,
+            help="Shards to sample request texts from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
+@env_option("--vary", env="LOADTEST_VARY", required=True, type=click.Choice(LOADTEST_VARIES),
+            help="The one batcher setting that changes between levels.")
+@env_option("--values", env="LOADTEST_VALUES", required=True, type=IntList(), help="Its levels, e.g. 1,2,4,8,16,32,64.")
+@env_option("--qps", env="LOADTEST_QPS", type=click.FloatRange(0, min_open=True), default=loadtest_default("qps"),
+            show_default=True, help="Mean arrival rate, requests per second (Poisson arrivals, open loop).")
+@env_option("--concurrency", env="LOADTEST_CONCURRENCY", type=click.IntRange(1),
+            default=loadtest_default("concurrency"), show_default=True,
+            help="Requests in flight at most; a later arrival waits for a slot and its wait counts in its latency.")
+@env_option("--duration", "duration_s", env="LOADTEST_DURATION", type=Duration(),
+            default=loadtest_default("duration_s"),
+            show_default=True, help="Measured arrivals per level (30s, 2m).")
+@env_option("--warmup", "warmup_s", env="LOADTEST_WARMUP", type=Duration(), default=loadtest_default("warmup_s"),
+            show_default=True, help="Arrivals before each level's measured ones, not counted.")
+@env_option("--max-batch-size", env="BATCHER_MAX_BATCH_SIZE", type=click.IntRange(1),
+            default=batcher_default("max_batch_size"), show_default=True,
+            help="Requests per batch; a batch runs as soon as this many wait.")
+@env_option("--max-batch-tokens", env="BATCHER_MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
+            show_default=True,
+            help="Padded tokens per batch (also a trigger); auto: the device's default, "
+                 f"{device_batch_limit('cpu', 'max_batch_tokens')} on CPU and "
+                 f"{device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it.")
+@env_option("--batch-timeout-ms", env="BATCHER_BATCH_TIMEOUT_MS", type=click.FloatRange(0),
+            default=batcher_default("batch_timeout_ms"), show_default=True,
+            help="The oldest waiting request waits at most this long for others.")
+@env_option("--request-timeout-ms", env="BATCHER_REQUEST_TIMEOUT_MS", type=click.FloatRange(0, min_open=True),
+            default=batcher_default("request_timeout_ms"), show_default=True,
+            help="A request not answered within this fails with a timeout (never computed if still queued).")
+@env_option("--max-queue", env="BATCHER_MAX_QUEUE", type=click.IntRange(1), default=batcher_default("max_queue"),
+            show_default=True, help="Requests waiting; one more is rejected at once.")
+@env_option("--max-queue-tokens", env="BATCHER_MAX_QUEUE_TOKENS", type=click.IntRange(1),
+            default=batcher_default("max_queue_tokens"), show_default=True,
+            help="Padded tokens waiting; one more request is rejected at once.")
+@with_options(MODEL_OPTIONS)
+@with_options(INPUT_OPTIONS)
+@with_options(MEMORY_OPTIONS)
+@env_option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=default_of("safety"), show_default=True,
+            help="Headroom factor of the memory formula.")
+@env_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
+            help="Cap batches by the memory plan (cached, or probed on the device first).")
+@env_option("--no-plan-cache", "no_plan_cache", env="NO_PLAN_CACHE", is_flag=True, default=False,
+            help="Probe again and do not cache the plan.")
+@env_option("--torch-threads", env="BATCHER_TORCH_THREADS", type=click.IntRange(1), default=None,
+            help="Intra-op threads of the forward. Default: torch's (the cores). On a CPU shared with other "
+                 "processes 1 can be many times faster: see docs/online.md.")
+@env_option("--sample-rows", env="LOADTEST_SAMPLE_ROWS", type=click.IntRange(2),
+            default=loadtest_default("sample_rows"),
+            show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")
+@env_option("--seed", env="LOADTEST_SEED", type=int, default=loadtest_default("seed"), show_default=True,
+            help="Which texts the sample takes and the arrival times.")
+@with_options(level_test_options("LOADTEST", "load test", "requests/s", "p99 latency", OnlineLoadtestConfig))
+@with_options(LOG_OPTIONS)
+def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model, storage_option, no_plan_cache,
+             sample_rows, seed, max_p99_ms, memory_headroom, compare_with, max_throughput_drop, max_p99_rise,
+             fail_on_regression, out, plot, id_column, text_column, **batcher_settings) -> None:
+    """Load-test the online batcher: real texts at a Poisson rate, one setting over several values.
+
+    Only --vary changes between levels. Each level: warm-up arrivals, --duration of measured
+    arrivals, then the drain. Latency runs from a request's scheduled arrival to its answer.
+    The recommendation is the highest requests/s within the limits, or the smallest level
+    within 3% of it; a line of diagnosis follows a level that shows a known pattern.
+    """
+    from pipeline.core.findings import diagnosis_lines
+    from pipeline.tuning import levels as analysis
+    from pipeline.tuning import loadtest as online
+
+    if vary == "max-batch-tokens" and batcher_settings["max_batch_tokens"] is not None:
+        fail("--max-batch-tokens is the varied setting; give its levels with --values, not as a fixed value")
+    if duration_s <= 0:
+        fail("--duration must be more than 0")
+    try:
+        previous = analysis.read_sweep_csv(compare_with, online.OnlineLevelResult) if compare_with else None
+        if plot:
+            analysis.check_plot_available()
+        batcher = BatcherConfig(model=model_or_default(model), use_plan_cache=not no_plan_cache, **batcher_settings)
+        config = OnlineLoadtestConfig(input=tuple(inputs), vary=vary, values=values, out=out, batcher=batcher,
+                                      qps=qps, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
+                                      sample_rows=sample_rows, seed=seed, max_p99_ms=max_p99_ms,
+                                      memory_headroom=memory_headroom, id_column=id_column, text_column=text_column,
+                                      storage_options=parse_storage_options(storage_option))
+        report = online.run_online_loadtest(config)
+    except (UsageError, ValueError, ImportError) as error:
+        fail(str(error))
+    analysis.write_sweep_csv(out, report.levels, online.OnlineLevelResult)
+    Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
+    fixed = report.settings
+    click.echo(f"{fixed['job']} · {fixed['device']} · {fixed['dtype']} · max length {fixed['max_length']} · "
+               f"{fixed['qps']:g} requests/s Poisson for {fixed['duration_s']:g} s "
+               f"(+{fixed['warmup_s']:g} s warm-up) · "
+               f"concurrency {fixed['concurrency']} · " + " · ".join(
+                   f"{name} {fixed[name]}" for name in ("max_batch_size", "batch_timeout_ms", "max_batch_tokens",
+                                                        "request_timeout_ms", "max_queue") if fixed[name] is not None))
+    click.echo(online.markdown_table(report.levels, vary, report.recommendation.level))
+    for line in diagnosis_lines(report.diagnosis):
+        click.echo(line)
+    click.echo("")
+    click.echo(f"recommendation: {report.recommendation.reason}")
+    finish_level_test(report.levels, vary, report.recommendation.level, out, plot,
+                      f"online · {fixed['job']} · {fixed['device']} · {fixed['qps']:g} req/s Poisson · "
+                      f"{fixed['duration_s']:g} s per level", online.ONLINE_MEASURES, previous, compare_with,
+                      max_throughput_drop, max_p99_rise, fail_on_regression)
+
+
+def finish_level_test(levels, vary: str, recommended: int | None, out: str, plot: str | None, title: str, measures,
+                      previous, compare_with: str | None, max_throughput_drop: float, max_p99_rise: float,
+                      fail_on_regression: bool) -> None:
+    """What `sweep` and `loadtest` print last: where the CSV went, the plot, and the comparison
+    with an earlier CSV (exit 3 on a regression with --fail-on-regression)."""
+    from pipeline.tuning import levels as analysis
+
+    click.echo(f"csv: {out}  settings: {out}.json")
+    if plot:
+        analysis.plot_sweep(plot, levels, vary, recommended, title, measures)
+        click.echo(f"plot: {plot}")
+    if previous is None:
+        return
+    changes = analysis.compare_sweeps(previous, levels, max_throughput_drop, max_p99_rise, measures)
+    click.echo("")
+    click.echo(f"compared with {compare_with}:")
+    click.echo(analysis.comparison_table(changes, measures))
+    flagged = [change.level for change in changes if change.flags]
+    if not flagged:
+        click.echo("no regression")
+        return
+    click.echo(f"regression at level(s) {', '.join(map(str, flagged))}", err=True)
+    if fail_on_regression:
+        sys.exit(analysis.EXIT_REGRESSION)

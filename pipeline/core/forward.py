@@ -1,0 +1,344 @@
+"""The shared forward: collate rows into padded batches, prefetch them on a thread, run the one
+device loop (`run_on_device`, halving a batch on out-of-memory) and read results back."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.core.buckets import bucket_bounds, plan_batches
+from pipeline.core.device import is_out_of_memory, padding_multiple, release_cached_memory
+from pipeline.core.memory import MemoryPlan
+from pipeline.core.tokenize import EncodedRows
+
+
+def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded_length: int,
+            pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Padded (rows, padded_length) input ids and attention mask from flat token arrays."""
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    positions = np.arange(padded_length)
+    attention_mask = positions[None, :] < lengths[:, None]
+    gather = np.where(attention_mask, starts[:, None] + positions[None, :], 0)
+    input_ids = np.where(attention_mask, token_ids[gather], pad_token_id).astype(np.int64)
+    return input_ids, attention_mask.astype(np.int64)
+
+
+class DeviceFeeder:
+    """Moves collated batches to the device ahead of use, from the prefetch thread.
+
+    On CUDA the copy goes from pinned memory on a side stream, so it overlaps the forward
+    pass running on the compute stream; the compute stream waits on the copy's event only
+    when it takes the batch. On the CPU the arrays become tensors without a copy.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def send(self, *arrays: np.ndarray) -> tuple[list[torch.Tensor], object]:
+        if self.stream is None:
+            return [torch.from_numpy(a) for a in arrays], None
+        try:
+            # the current device is per thread: the prefetch thread must make cuda:N its own too
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                tensors = [torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True) for a in arrays]
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+            return tensors, copied
+        except BaseException as error:
+            if not is_out_of_memory(error):
+                raise
+        # no room for the inputs now (the forward holds it): hand them on from the host; the device
+        # loop moves them inside its out-of-memory back-off, which halves the batch if need be
+        return [torch.from_numpy(a) for a in arrays], None
+
+    def receive(self, tensors: list[torch.Tensor], copied) -> list[torch.Tensor]:
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            for tensor in tensors:
+                tensor.record_stream(compute)  # the allocator must not reuse it before compute is done
+        return tensors
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_DONE = object()
+
+
+def prefetch(items: Iterable, depth: int) -> Iterator:
+    """Run `items` on a background thread, at most `depth` items ahead of the consumer.
+
+    Errors in the producer are raised in the consumer. Closing the returned generator
+    (or leaving its loop) stops the producer at its next item.
+    """
+    buffer: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            put(_Failure(error))
+
+    thread = threading.Thread(target=produce, name="lengthwise-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = buffer.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failure):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=30)  # a producer stuck in a dead stage must not hang the exit; it is a daemon
+
+
+@dataclass
+class SplitForward:
+    """Outputs of a batch run with out-of-memory back-off."""
+
+    outputs: dict  # per row, in batch order, zeros where `failed`: device tensors, numpy once read back
+    failed: np.ndarray  # bool per row: out of memory even alone
+    splits: int  # how many times a batch was halved
+    largest_ok_rows: int  # the largest part that ran
+
+
+def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             device: torch.device) -> SplitForward:
+    """Run `forward(ids, mask) → {name: tensor}`; on out-of-memory halve the batch and retry
+    each half, down to single rows. Every row is computed once; a row that fails alone is
+    reported in `failed` instead of raising. Outputs stay on the device (see `HostCopy`)."""
+    rows = input_ids.shape[0]
+    try:
+        return SplitForward(dict(forward(input_ids, attention_mask)), np.zeros(rows, dtype=bool), 0, rows)
+    except BaseException as error:
+        if not is_out_of_memory(error):
+            raise
+    release_cached_memory(device)
+    if rows == 1:
+        return SplitForward({}, np.ones(1, dtype=bool), 0, 0)
+    half = rows // 2
+    parts = [forward_splitting_on_oom(forward, input_ids[s], attention_mask[s], device)
+             for s in (slice(0, half), slice(half, rows))]
+    shapes = next((p.outputs for p in parts if p.outputs), None)
+    outputs = {}
+    if shapes is not None:
+        for name, values in shapes.items():
+            outputs[name] = torch.cat([p.outputs[name] if p.outputs else
+                                       values.new_zeros((len(p.failed), *values.shape[1:])) for p in parts])
+    return SplitForward(outputs, np.concatenate([p.failed for p in parts]), 1 + sum(p.splits for p in parts),
+                        max(p.largest_ok_rows for p in parts))
+
+
+class HostCopy:
+    """A batch's outputs on their way to the host as float32. On CUDA a non-blocking copy into
+    pinned memory, marked by an event, so the host can launch the next batch before it waits
+    for this one; with CUDA events around the forward, `device_seconds` is the time the
+    device spent on it. On the CPU the copy is the outputs themselves."""
+
+    def __init__(self, result: SplitForward, device: torch.device, started=None):
+        self.result = result
+        self.started, self.done = started, None
+        if device.type != "cuda":
+            self.host = {name: values.float() for name, values in result.outputs.items()}
+            return
+        self.host = {}
+        for name, values in result.outputs.items():
+            host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(values.float(), non_blocking=True)
+            self.host[name] = host
+        self.done = torch.cuda.Event(enable_timing=started is not None)
+        self.done.record()
+
+    def read(self) -> SplitForward:
+        """The outputs as numpy arrays on the host, waiting for the copy if it is still running."""
+        if self.done is not None:
+            self.done.synchronize()
+        outputs = {name: values.numpy() for name, values in self.host.items()}
+        return dataclasses.replace(self.result, outputs=outputs)
+
+    def device_seconds(self) -> float | None:
+        """Device time from `started` to the end of the copy (CUDA, after `read`), else None."""
+        if self.started is None or self.done is None:
+            return None
+        return self.started.elapsed_time(self.done) / 1000
+
+
+def finite_rows(outputs: dict[str, np.ndarray]) -> np.ndarray:
+    """Rows whose every output value is finite: a nan or inf (overflow in half precision, a
+    broken model) becomes the row's error instead of a valid-looking result."""
+    finite = None
+    for values in outputs.values():
+        row_finite = np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+        finite = row_finite if finite is None else finite & row_finite
+    return finite
+
+
+@dataclass
+class ReadyBatch:
+    """A collated batch on its way to the device, with the rows it answers for."""
+
+    rows: np.ndarray  # positions in the encoded rows (of `window`, if any)
+    padded_length: int
+    tensors: list[torch.Tensor]  # input ids and attention mask, on their way to the device
+    copied: object  # the CUDA event of their copy, or None
+    real_tokens: int
+    padded_tokens: int
+    window: object = None  # the offline runner's Window these rows belong to, if any
+    entered: float = 0.0  # when the packer handed these rows on (the sweep's row latency starts here)
+
+
+class BatchLimits:
+    """Rows per padded length from the memory plan, lowered for the rest of the run whenever a
+    batch runs out of memory. Read by the planner thread, lowered by the device loop."""
+
+    def __init__(self, plan: MemoryPlan | None):
+        self.plan = plan
+        self.lowered: dict[int, int] = {}  # padded length → rows that ran after a split
+
+    def rows_for(self, padded_length: int) -> int:
+        rows = self.plan.rows_for(padded_length) if self.plan else np.iinfo(np.int64).max
+        for length, lowered_rows in list(self.lowered.items()):
+            if length <= padded_length:  # a longer batch needs at least as much memory
+                rows = min(rows, lowered_rows)
+        return rows
+
+    def lower(self, padded_length: int, rows: int) -> None:
+        self.lowered[padded_length] = min(rows, self.lowered.get(padded_length, rows))
+
+
+def collate_batches(encoded: EncodedRows, rows: np.ndarray, max_batch_tokens: int | None, max_batch_rows: int,
+                    max_length: int, limits: BatchLimits, pad_token_id: int, feeder: DeviceFeeder,
+                    times: StageTimes | None = None, window: object = None) -> Iterator[ReadyBatch]:
+    """Plan `rows` of `encoded` into batches (longest first, padded to the device's multiple)
+    and collate each for the device."""
+    lengths = encoded.lengths[rows]
+    bounds = bucket_bounds(max_length, padding_multiple(feeder.device))
+    for batch in plan_batches(lengths, max_batch_tokens, max_batch_rows, bounds, limits.rows_for):
+        entered = time.perf_counter()
+        picked = rows[batch.rows]
+        input_ids, attention_mask = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length,
+                                            pad_token_id)
+        tensors, copied = feeder.send(input_ids, attention_mask)
+        ready = ReadyBatch(picked, batch.padded_length, tensors, copied, int(lengths[batch.rows].sum()),
+                           batch.padded_tokens, window, entered)
+        if times is not None:
+            times.collate += time.perf_counter() - entered
+        yield ready
+
+
+def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.device, feeder: DeviceFeeder,
+                  limits: BatchLimits, prefetch_batches: int,
+                  times: StageTimes) -> Iterator[tuple[object, SplitForward | None]]:
+    """The one device loop: take each collated batch from the prefetch thread, receive it on
+    the device, run the job's forward (halving on out-of-memory, lowering `limits` for the
+    rest of the run) and yield it with its outputs on the host. Other items pass through with
+    None, in order, after every batch before them.
+
+    On CUDA one batch stays in flight: batch N+1 is launched before batch N's outputs are read
+    back, so the device never idles while the host stores results, and `times.forward` is
+    device time from CUDA events. On the CPU the forward is synchronous and each batch is
+    yielded at once."""
+    keep_in_flight = device.type == "cuda"
+
+    def forward(input_ids, attention_mask):
+        # inputs still on the host (their copy ran out of memory) move here, under the back-off
+        return job.forward(model, input_ids.to(device, non_blocking=True),
+                           attention_mask.to(device, non_blocking=True))
+
+    def read_back(item: ReadyBatch, copy: HostCopy) -> tuple[ReadyBatch, SplitForward]:
+        result = copy.read()
+        device_seconds = copy.device_seconds()
+        if device_seconds is not None:
+            times.forward += device_seconds
+        return item, result
+
+    in_flight = None
+    with torch.inference_mode():
+        for item in timed(prefetch(items, prefetch_batches), times, "wait_for_batch"):
+            if not isinstance(item, ReadyBatch):
+                if in_flight:
+                    yield read_back(*in_flight)
+                    in_flight = None
+                yield item, None
+                continue
+            started = time.perf_counter()
+            started_event = device_timer_start(device)
+            input_ids, attention_mask = feeder.receive(item.tensors, item.copied)
+            result = forward_splitting_on_oom(forward, input_ids, attention_mask, device)
+            if result.splits:
+                limits.lower(item.padded_length, max(1, result.largest_ok_rows))
+            launched = (item, HostCopy(result, device, started_event))
+            if started_event is None:
+                times.forward += time.perf_counter() - started
+            if in_flight:  # the batch before this one, now that this one is launched
+                yield read_back(*in_flight)
+                in_flight = None
+            if keep_in_flight:
+                in_flight = launched
+            else:
+                yield read_back(*launched)
+        if in_flight:
+            yield read_back(*in_flight)
+
+
+def device_timer_start(device: torch.device):
+    """A recorded CUDA event to time the device's work from (None on the CPU, timed on the host)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+@dataclass
+class StageTimes:
+    """Seconds per stage. read/tokenize/collate overlap the device; wait is the device idle."""
+
+    setup: float = 0.0  # listing shards, loading tokenizer and model
+    read: float = 0.0
+    tokenize: float = 0.0  # summed over worker processes
+    collate: float = 0.0
+    wait_for_batch: float = 0.0
+    forward: float = 0.0
+    write: float = 0.0
+
+
+def timed(items: Iterable, times: StageTimes, stage: str) -> Iterator:
+    """Yield from `items`, adding the time spent producing each item to `times.<stage>`."""
+    iterator = iter(items)
+    while True:
+        started = time.perf_counter()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            setattr(times, stage, getattr(times, stage) + time.perf_counter() - started)
+        yield item

@@ -1,0 +1,139 @@
+"""The memory probe: measure peak memory of real forwards on the device, fit it, and settle (or
+read from the cache) the plan of rows per length bucket."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
+from pipeline.core.errors import UsageError
+from pipeline.core.memory import (
+    FIT_LENGTH_FRACTIONS,
+    FIT_ROWS,
+    PROBE_ROUNDS,
+    MemoryPlan,
+    PeakMeasurement,
+    fit_memory_model,
+    memory_bucket_lengths,
+    plan_buckets,
+)
+
+log = logging.getLogger(__name__)
+
+
+def forward_peak_bytes(job, model, device, rows: int, length: int) -> float:
+    """Peak bytes of one forward pass of `rows` × `length`; infinite if it ran out of memory.
+    Every row has a padded position, as real batches do, so attention takes the same (masked)
+    kernel."""
+    import torch
+
+    from pipeline.core.device import is_out_of_memory, measure_peak_bytes, release_cached_memory
+
+    vocab_size = getattr(model.config, "vocab_size", 1000)
+    input_ids = torch.randint(0, vocab_size, (rows, length), device=device)  # ids do not change memory
+    attention_mask = torch.ones((rows, length), dtype=torch.long, device=device)
+    if length > 1:
+        attention_mask[:, -1] = 0
+
+    def forward() -> None:
+        with torch.inference_mode():
+            job.forward(model, input_ids, attention_mask)
+
+    try:
+        return measure_peak_bytes(forward, device)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+    release_cached_memory(device)
+    return math.inf
+
+
+def probe_memory_plan(job, model, device, available_bytes: int, safety: float, max_length: int,
+                      max_batch_rows: int, max_batch_tokens: int | None) -> MemoryPlan:
+    """Fit the memory model from small forward passes of `model`, then check the buckets
+    (`plan_buckets`)."""
+    import time
+
+    from pipeline.core.device import dtype_name
+
+    started = time.perf_counter()
+
+    def measure(rows: int, length: int) -> float:
+        return forward_peak_bytes(job, model, device, rows, length)
+
+    measure(1, min(8, max_length))  # the first call pays one-off allocations (thread pools, kernels)
+    fit_lengths = sorted({max(1, int(max_length * f)) for f in FIT_LENGTH_FRACTIONS})
+    measurements = [PeakMeasurement(rows, length, measure(rows, length))
+                    for rows in FIT_ROWS for length in fit_lengths]
+    if any(math.isinf(m.peak_bytes) for m in measurements):
+        raise ValueError(f"even the fitting batches ({max(FIT_ROWS)} rows × {max_length} tokens) run out of "
+                         f"memory on {device}; lower --max-length")
+    coefficients = fit_memory_model(measurements)
+    buckets = plan_buckets(coefficients, available_bytes, safety, memory_bucket_lengths(max_length),
+                           max_batch_rows, max_batch_tokens, measure, 1 if device.type == "cuda" else PROBE_ROUNDS,
+                           measurements)
+    return MemoryPlan(available_bytes, safety, coefficients, buckets, str(device),
+                      dtype_name(next(model.parameters()).dtype),
+                      round(time.perf_counter() - started, 2))
+
+
+def load_cached_plan(path: Path, key: dict) -> MemoryPlan | None:
+    record = read_keyed(path, key)
+    try:
+        plan = MemoryPlan.from_dict(record) if record else None
+    except (ValueError, TypeError, KeyError):
+        return None  # unreadable: probe again
+    if plan is not None:
+        plan.source = str(path)
+    return plan
+
+
+def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan | None:
+    """The memory plan for these settings: from the plan cache, else probed on the device and
+    cached. Logs which."""
+    from pipeline.core.device import available_memory_bytes, device_name, dtype_name
+
+    available = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
+    if available <= 0:
+        raise UsageError(f"no memory left for batches on {device} ({available} bytes); "
+                         "lower --memory-reserve or set --memory-budget")
+    dtype = dtype_name(next(model.parameters()).dtype)
+    key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
+                               device=device_name(device), dtype=dtype, max_length=config.max_length,
+                               available_bytes=available, safety=config.safety,
+                               attention=getattr(model.config, "_attn_implementation", None),
+                               max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
+    path = cache_dir(config.plan_cache) / f"{name}.json"
+    plan = load_cached_plan(path, key) if config.use_plan_cache else None
+    if plan is None:
+        try:
+            plan = probe_memory_plan(job, model, device, available, config.safety, config.max_length,
+                                     config.max_batch_rows, config.max_batch_tokens)
+        except (ValueError, RuntimeError) as error:
+            if config.max_batch_tokens is None:
+                raise UsageError(f"the memory probe failed ({error}); give --max-batch-tokens a number") from error
+            log.warning(f"batch plan: the memory probe failed ({error}); using --max-batch-tokens and "
+                        "--max-batch-rows only")
+            return None
+        plan.key = key
+        if config.use_plan_cache:
+            plan.source = f"probed in {plan.probe_s:.1f}s, cached at {write_keyed(path, key, asdict(plan))}"
+        else:
+            plan.source = f"probed in {plan.probe_s:.1f}s (plan cache off)"
+    else:
+        plan.source = f"from cache {plan.source}"
+    log.info(f"batch plan: {plan.source}")
+    return plan
+
+
+NO_MEMORY_PLAN = "token and row limits only (no memory plan)"  # a run's batch plan without the probe
+
+
+def describe_plan(plan: MemoryPlan | None) -> str:
+    if plan is None:
+        return NO_MEMORY_PLAN
+    rows = ", ".join(f"≤{b.length}: {b.probed_rows}" for b in plan.buckets)
+    return f"{plan.source}; rows per padded length {rows}"

@@ -1,0 +1,38 @@
+"""Run a RunConfig on its engine, diagnose what limited it and write --summary-json: what the
+CLI's `run` and `pipeline.api.run` both call."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pipeline.core.errors import UsageError
+from pipeline.core.settings import RunConfig
+
+if sys.version_info >= (3, 11):
+    pass
+else:  # pragma: no cover
+    pass
+
+
+def execute_run(config: RunConfig):
+    """Run `config` on its engine, read what limited it (the diagnosis), write --summary-json;
+    the RunSummary."""
+    from pipeline.core.findings import as_dicts
+    from pipeline.offline.diagnosis import diagnose_run
+
+    if config.engine == "ray":
+        if config.num_shards > 1:
+            raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
+        from pipeline.engines.ray import run_on_ray
+
+        summary = run_on_ray(config)
+    else:
+        from pipeline.engines.local import run_job
+
+        summary = run_job(config)
+    summary.diagnosis = as_dicts(diagnose_run(summary))
+    if config.summary_json:
+        Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.summary_json).write_text(summary.to_json() + "\n")
+    return summary

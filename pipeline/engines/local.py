@@ -1,0 +1,42 @@
+"""The local engine: the shard runner in this process (or worker I of N with --num-shards)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Mapping
+
+from pipeline.core.model import ModelChoice, load_model
+from pipeline.core.settings import RunConfig
+from pipeline.engines.claim import ShardsRunner, run_claimed
+from pipeline.offline.runner import ShardRunner
+from pipeline.offline.source import resolve_worker_slot
+from pipeline.offline.summary import RunSummary
+
+
+def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSummary:
+    """Run `config` over every shard not yet done, in this process, and return the summary.
+    With --num-shards N this process is one worker of N and takes its share of the shards
+    (index from --shard-index or the scheduler's variable in `environ`).
+
+    Raises UsageError on bad settings (nothing written). A shard that fails is recorded in
+    the summary and the manifest and the others go on; the caller decides the exit code.
+    """
+    refuse_while_a_worker_starts()
+    slot = resolve_worker_slot(config.num_shards, config.shard_index, environ)
+    return run_claimed(config, slot, prepare_here)
+
+
+def refuse_while_a_worker_starts() -> None:
+    """A spawned tokenizer worker re-runs the main script while it starts; if that script
+    calls lengthwise without a main guard, stop here (before any lock, model or output is
+    touched) with what to do, instead of starting a run inside the worker."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError("lengthwise was called while a tokenizer worker process was starting: the script that "
+                           "calls it has no `if __name__ == \"__main__\":` guard, so each worker runs it again. "
+                           "Put the call under that guard, or set tokenize_workers=0")
+
+
+def prepare_here(config: RunConfig, choice: ModelChoice) -> ShardsRunner:
+    """The local engine: the model loaded once in this process, one shard runner for all shards."""
+    return ShardRunner(config, load_model(config, choice)).run

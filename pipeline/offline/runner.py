@@ -1,0 +1,172 @@
+"""The shard runner: one job run over a list of shards, wired stage by stage. Read top to
+bottom to see the whole flow:
+
+    shards ─read─▶ row blocks ─window─▶ windows ─tokenize pool─▶ encoded windows
+      ─plan (buckets)─▶ batches ─collate, prefetch thread─▶ device forward
+      ─scatter by row position─▶ window outputs ─write, in input order─▶ output shards
+
+An engine (`pipeline/engines/`) claims the output and loads the model once; a `ShardRunner`
+then turns a list of input shards into committed output shards and a summary. Every engine
+(this process, one indexed worker of N, a Ray actor) calls a ShardRunner; only the hand-out
+of shards differs. Reading, tokenizing, planning and collating run on a background thread
+(tokenizing on worker processes) while `run_on_device` (`core/forward.py`), the one device
+loop that `run` and `sweep` share, keeps the device busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tqdm import tqdm
+
+from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
+from pipeline.core.buckets import padding_efficiency
+from pipeline.core.device import dtype_name
+from pipeline.core.errors import UsageError
+from pipeline.core.forward import (
+    BatchLimits,
+    DeviceFeeder,
+    ReadyBatch,
+    StageTimes,
+    collate_batches,
+    finite_rows,
+    run_on_device,
+    timed,
+)
+from pipeline.core.model import LoadedModel
+from pipeline.core.probe import describe_plan, memory_plan_for
+from pipeline.core.settings import RunConfig, usable_cores
+from pipeline.core.tokenize import TokenizerPool
+from pipeline.offline.manifest import RunManifest
+from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
+from pipeline.offline.source import Shard, read_blocks
+from pipeline.offline.summary import RunSummary
+from pipeline.offline.windows import Window, group_into_windows, tokenize_windows
+
+log = logging.getLogger(__name__)
+
+
+class ShardRunner:
+    """One loaded model on one device, with its batch setting and memory plan settled once;
+    `run` may be called for several lists of shards (a Ray actor gets them one by one)."""
+
+    def __init__(self, config: RunConfig, loaded: LoadedModel):
+        self.loaded = loaded
+        config = dataclasses.replace(config, max_length=loaded.choice.max_length)
+        saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
+        self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for)
+        log.info(f"batch setting: {self.batch_setting}")
+        self.sweep_reference = sweep_reference(saved_for)
+        self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
+                                    loaded.choice.device) if self.config.probe else None
+        self.limits = BatchLimits(self.plan)
+        check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names)
+
+    def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
+            started: float) -> None:
+        """Read, tokenize, batch, forward and write `shards`, adding to `summary`. Time before
+        this call (since `started`) counts as setup."""
+        config, loaded = self.config, self.loaded
+        job, model, device = loaded.job, loaded.model, loaded.choice.device
+        times = StageTimes(setup=time.perf_counter() - started)
+        summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
+        summary.dtype_reason = loaded.choice.dtype_reason
+        summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
+        summary.settings, summary.sweep_reference = diagnosis_settings(config, model), self.sweep_reference
+        count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
+        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged)
+        background = BackgroundWriter(writer)
+        progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
+                        disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
+        try:
+            with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
+                blocks = timed(read_blocks(shards, config.id_column, config.text_column, config.window_rows,
+                                           config.storage_options, config.keep_columns), times, "read")
+                windows = tokenize_windows(pool, group_into_windows(blocks, config.window_rows), times)
+                feeder = DeviceFeeder(device)
+                work = batches_of(windows, config, self.limits, loaded.tokenizer.pad_token_id, feeder, times)
+                for item, result in run_on_device(work, job, model, device, feeder, self.limits,
+                                                  config.prefetch_batches, times):
+                    if isinstance(item, WindowDone):
+                        background.write(item.window)
+                        progress.update(item.window.tokenize_errors)
+                        # a shard that failed to read is seen here; one whose commit failed, up to two windows later
+                        if config.fail_fast and (background.failures or any(b.failure for b in item.window.blocks)):
+                            break
+                        continue
+                    if result.outputs:
+                        item.window.store(item.rows, result.outputs)
+                        broken = ~finite_rows(result.outputs) & ~result.failed
+                        if broken.any():
+                            item.window.fail(item.rows[broken], f"the model gave a non-finite output (nan or inf) "
+                                             f"in {summary.dtype}; rerun with --dtype float32")
+                    if result.failed.any():
+                        item.window.fail(item.rows[result.failed], f"out of memory even alone at padded length "
+                                         f"{item.padded_length}; lower --max-length or use a larger device")
+                    summary.batches += 1
+                    summary.oom_splits += result.splits
+                    summary.real_tokens += item.real_tokens
+                    summary.padded_tokens += item.padded_tokens
+                    progress.update(len(item.rows))
+                    elapsed = progress.format_dict["elapsed"]
+                    if elapsed:
+                        progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)
+            background.close()
+        finally:
+            background.close(raise_error=False)  # on an error: the windows already handed on are still written
+            progress.close()
+            writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
+        wall_s = time.perf_counter() - started
+        summary.padding_efficiency = padding_efficiency(summary.real_tokens, summary.padded_tokens)
+        summary.rows_per_s = summary.rows / wall_s
+        summary.tokens_per_s = summary.real_tokens / wall_s
+        summary.stage_s = {name: round(seconds, 3) for name, seconds in dataclasses.asdict(times).items()}
+        summary.device_busy_fraction = times.forward / max(wall_s - times.setup, 1e-9)
+        summary.lowered_batch_rows = dict(sorted(self.limits.lowered.items()))
+
+    def _columns_of(self, outputs: dict, valid: np.ndarray, rows: int) -> dict:
+        job, model = self.loaded.job, self.loaded.model
+        if outputs:
+            return job.to_columns(model, outputs, valid)
+        # no row of this window could run
+        return {f.name: pa.nulls(rows, f.type) for f in job.output_schema(model)}
+
+
+def diagnosis_settings(config: RunConfig, model: torch.nn.Module) -> dict:
+    """The settings the diagnosis reads and names in its actions."""
+    return {"max_length": config.max_length, "max_positions": getattr(model.config, "max_position_embeddings", None),
+            "window_rows": config.window_rows, "tokenize_workers": config.tokenize_workers, "cores": usable_cores(),
+            "safety": config.safety, "max_batch_tokens": config.max_batch_tokens,
+            "max_batch_rows": config.max_batch_rows}
+
+
+def check_kept_columns(keep_columns, job_columns: list[str]) -> None:
+    """Kept input columns must not take a name the output already has."""
+    taken = [name for name in keep_columns if name in ("id", *job_columns, "truncated", "error")]
+    if taken:
+        raise UsageError(f"--keep-columns {', '.join(taken)}: the output already has a column of that name "
+                         f"(id, {', '.join(job_columns)}, truncated, error); rename it in the input")
+
+
+@dataclass
+class WindowDone:
+    window: Window
+
+
+def batches_of(windows: Iterable[Window], config: RunConfig, limits: BatchLimits, pad_token_id: int,
+               feeder: DeviceFeeder, times: StageTimes) -> Iterator[ReadyBatch | WindowDone]:
+    """Each window's valid rows as collated batches, then a marker that the window is complete."""
+    for window in windows:
+        yield from collate_batches(window.encoded, np.flatnonzero(window.valid), config.max_batch_tokens,
+                                   config.max_batch_rows, config.max_length, limits, pad_token_id, feeder, times,
+                                   window)
+        yield WindowDone(window)
