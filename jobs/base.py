@@ -31,8 +31,10 @@ class Job(Protocol):
                 attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-row float32 outputs of one batch, each shaped (rows, …)."""
 
-    def agreement(self, reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor]) -> tuple[bool, str]:
-        """Whether `candidate` (the same batch in another dtype) is as good as `reference`, and how close."""
+    def agreement(self, reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
+                  strict: bool = False) -> tuple[bool, str]:
+        """Whether `candidate` (the same batch in another dtype, or `strict`ly: compiled in the
+        same dtype) is as good as `reference`, and how close."""
 
     def output_schema(self, model: torch.nn.Module) -> pa.Schema:
         """The job's output columns (the pipeline adds id, truncated and error)."""

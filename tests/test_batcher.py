@@ -24,7 +24,7 @@ from tests.conftest import read_outputs, write_shards
 from tests.test_backoff import OutOfMemoryAbove
 
 LONG_WINDOW_MS = 30_000  # a window no test waits for: a batch must come from another trigger
-
+JITTER_S = 0.5  # how late a busy 2-core machine may wake a task: CI and development machines are shared
 
 @pytest.fixture(scope="module")
 def minilm(minilm_path):
@@ -111,7 +111,7 @@ def test_a_lone_request_returns_within_the_window_plus_one_forward(minilm):
     latency, answer, stats = asyncio.run(serve())
     assert answer["error"] is None and len(answer["embedding"]) == 384
     assert list(stats.batch_sizes) == [1, 1] and stats.triggers == {"timeout": 2}
-    assert window_s <= latency < window_s + stats.compute_s[-1] + 0.15  # 0.15 s: this shared machine's jitter
+    assert window_s <= latency < window_s + stats.compute_s[-1] + JITTER_S
 
 
 def test_a_burst_of_max_batch_size_runs_as_one_batch_without_waiting_for_the_window(minilm):
@@ -205,7 +205,7 @@ def test_an_expired_request_is_never_computed_and_its_deadline_fires_during_a_fo
 
     timed_out, still_busy, stats = asyncio.run(serve())
     assert still_busy, "the big batch should still run when the deadline fires"
-    assert deadline_s <= timed_out < deadline_s + 0.15  # on time, not after the forward
+    assert deadline_s <= timed_out < deadline_s + min(JITTER_S, busy_s / 2)  # on time, not after the forward
     assert stats.timed_out_in_queue == 1 and stats.rows_computed == 33 and list(stats.batch_sizes) == [32, 1]
 
 

@@ -256,3 +256,12 @@ def test_compare_with_a_file_that_is_not_a_sweep_fails_before_running(tmp_path):
                                       "--out", str(tmp_path / "s.csv")])
     assert result.exit_code == 2 and "not a lengthwise sweep CSV" in result.output
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_a_sweep_too_thin_to_trust_saves_no_recommendation():
+    from pipeline.tuning.sweep import why_not_saved
+
+    thin = [{"code": "sweep-sample-too-thin", "evidence": "", "action": ""}]
+    assert "not saved for `lengthwise run --max-batch-rows auto`" in why_not_saved(thin, "max-batch-rows")
+    assert why_not_saved([{"code": "sweep-knee", "evidence": "", "action": ""}], "max-batch-rows") is None
+    assert why_not_saved([], "max-batch-tokens") is None

@@ -266,6 +266,11 @@ MODEL_OPTIONS = [
                default=default_of("dtype"), show_default=True,
                help="auto = bfloat16 on a GPU from Ampere on (float16 before); on a CPU bfloat16 only where it is "
                     "native and measured faster, else float32."),
+    env_option("--compile", env="COMPILE", type=click.Choice(["auto", "on", "off"]), default="auto",
+               show_default=True,
+               help="Run a compiled forward (torch.compile, frozen weights). auto = where a trial on this device and "
+                    "dtype measured it faster with the same outputs and the job is large enough to pay the compile "
+                    "back; the verdict and inductor's caches are kept under --plan-cache."),
     env_option("--allow-pickle", env="ALLOW_PICKLE", is_flag=True, default=False,
                help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only."),
     env_option("--trust-remote-code", env="TRUST_REMOTE_CODE", is_flag=True, default=False,

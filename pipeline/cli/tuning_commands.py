@@ -95,10 +95,8 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
         report = run_sweep(config)
     except (UsageError, ValueError, ImportError) as error:
         fail(str(error))
-    from pipeline.core.findings import as_dicts, diagnosis_lines
-    from pipeline.tuning.diagnosis import diagnose_sweep
+    from pipeline.core.findings import diagnosis_lines
 
-    report.settings["diagnosis"] = as_dicts(diagnose_sweep(report.levels, report.recommendation, report.settings))
     analysis.write_sweep_csv(out, report.levels)
     Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
     click.echo(analysis.markdown_table(report.levels, report.recommendation.level))
@@ -108,6 +106,8 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
         click.echo(line)
     if report.saved_to:
         click.echo(f"saved for `lengthwise run --{vary} auto` on this model, device and dtype: {report.saved_to}")
+    if report.not_saved:
+        click.echo(report.not_saved)
     finish_level_test(report.levels, vary, report.recommendation.level, out, plot,
                       f"{settings['job']} · {report.settings['device']} · {report.settings['dtype']} · "
                       f"{report.settings['rows']} rows, max length {report.settings['max_length']}",

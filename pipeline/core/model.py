@@ -1,16 +1,19 @@
-"""The one model setup that `run`, `sweep` and `plan` share.
+"""The one model setup that `run`, `plan`, `sweep`, `loadtest`, the batcher and Ray actors share.
 
 `choose_model` settles everything about the model a run needs before loading it (the
 folder, the device and dtype, the max length and prompt from the folder's
 sentence-transformers files), so the output fingerprint can be checked first; `load_model`
-then loads the tokenizer and the model once and prepares the device.
+then loads the tokenizer and the model once, prepares the device and settles whether the
+forward runs compiled (`core/compile.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,19 @@ from pipeline.core.device import (
     native_bf16_feature,
     resolve_device,
     resolve_dtype,
+)
+from pipeline.core.compile import (
+    CompileChoice,
+    CompileVerdict,
+    compile_model,
+    compile_trial,
+    compiled_graphs,
+    eager_tokens_per_s,
+    first_call_s,
+    pick_compile,
+    trial_batches,
+    use_inductor_cache,
+    worth_a_trial,
 )
 from pipeline.core.errors import UsageError
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
@@ -160,13 +176,17 @@ def bf16_trial(job, path: str, loading: dict, length: int) -> tuple[float, bool,
 class LoadedModel:
     choice: ModelChoice
     job: object  # jobs.base.Job
-    model: torch.nn.Module
+    model: torch.nn.Module  # what runs: compiled when `compile.compiled`
     tokenizer: TokenizerSpec
+    compile: CompileChoice = CompileChoice(False, "eager")
 
 
-def load_model(settings, choice: ModelChoice | None = None) -> LoadedModel:
-    """Tokenizer and model loaded once, the max length checked against the model, and the
-    host allocator set up for the device (see `keep_freed_host_memory`)."""
+def load_model(settings, choice: ModelChoice | None = None,
+               workload: Callable[[TokenizerSpec], float] | None = None) -> LoadedModel:
+    """Tokenizer and model loaded once, the max length checked against the model, the host
+    allocator set up for the device (see `keep_freed_host_memory`), and the forward compiled
+    where `settings.compile` and a measurement say so. `workload(tokenizer)` estimates the
+    job's tokens (None: unknown, a sweep or a service, counted as large)."""
     choice = choice or choose_model(settings)
     if choice.device.type == "cuda":
         torch.cuda.set_device(choice.device)  # cuda:N current for the main thread (kernels, caches, streams)
@@ -178,7 +198,50 @@ def load_model(settings, choice: ModelChoice | None = None) -> LoadedModel:
                      trust_remote_code=settings.trust_remote_code, attention=choice.attention)
     check_max_length(model.config, choice.max_length)
     keep_freed_host_memory(choice.device)
-    return LoadedModel(choice, job, model, tokenizer)
+    model, compile_choice = settle_compile(settings, choice, job, model, workload(tokenizer) if workload else None)
+    log.info(compile_choice.reason + (f" ({compile_choice.compile_s:.1f} s to compile)" if compile_choice.compiled
+                                      else ""))
+    return LoadedModel(choice, job, model, tokenizer, compile_choice)
+
+
+COLD_COMPILE_S = 30.0  # a first compile of a MiniLM-sized encoder on a 2-core CPU (19-47 s measured); a trial
+# is worth running only for a job that could pay this back
+
+
+def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float | None):
+    """(the model that runs, why): eager or compiled, by `settings.compile` and, for `auto`, the
+    cached verdict of a compile trial on this model, job, device and dtype (a trial runs when
+    there is none and the job is large enough to pay a compile back)."""
+    setting = getattr(settings, "compile", "off")
+    cache = cache_dir(settings.plan_cache)
+    key, name = plan_cache_key(kind="compile", model=model_memory_fingerprint(choice.path), job=settings.job,
+                               device=device_name(choice.device), dtype=dtype_name(choice.dtype),
+                               attention=choice.attention)
+    path = cache / f"compile-{name}.json"
+    record = read_keyed(path, key) if setting != "off" else None
+    verdict = CompileVerdict(**{f: record[f] for f in CompileVerdict.__dataclass_fields__}) if record else None
+    if setting != "off":
+        use_inductor_cache(cache)
+    if setting == "auto" and verdict is None and job_tokens is not None:
+        if not worth_a_trial(job_tokens, eager_tokens_per_s(job, model, choice.device), COLD_COMPILE_S):
+            return model, CompileChoice(False, f"eager: {job_tokens:,.0f} tokens are too few to try a compile")
+        graphs_before = compiled_graphs()
+        verdict, compiled = compile_trial(job, model, choice.device)
+        write_keyed(path, key, {**dataclasses.asdict(verdict), "last_compile_s": verdict.compile_s})
+        use, reason = pick_compile(setting, verdict, job_tokens, expected_compile_s=0.0)  # already compiled
+        if not use:
+            return model, CompileChoice(False, reason)
+        return compiled, CompileChoice(True, reason, verdict.compile_s, graphs_before)
+    expected = record.get("last_compile_s", verdict.compile_s) if record else COLD_COMPILE_S
+    use, reason = pick_compile(setting, verdict, job_tokens, expected)
+    if not use:
+        return model, CompileChoice(False, reason)
+    graphs_before = compiled_graphs()
+    compiled = compile_model(model)
+    compile_s = first_call_s(job, compiled, trial_batches(model, choice.device, shapes=((2, 16),)))
+    if record:
+        write_keyed(path, key, {**record, "last_compile_s": compile_s})
+    return compiled, CompileChoice(True, reason, compile_s, graphs_before)
 
 
 def check_max_length(model_config, max_length: int) -> None:
@@ -193,7 +256,8 @@ def model_content_hash(model_path: str) -> str:
     sentence-transformers modules (1_Pooling/config.json …): names and bytes."""
     digest = hashlib.sha256()
     folder = Path(model_path)
-    top = [p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".txt", ".model", ".bin")]
+    suffixes = (".json", ".safetensors", ".txt", ".model", ".bin")
+    top = [p for p in folder.iterdir() if p.is_file() and p.suffix in suffixes]
     for path in sorted(top + list(folder.glob("*/config.json"))):
         digest.update(path.relative_to(folder).as_posix().encode())
         with open(path, "rb") as f:

@@ -66,6 +66,7 @@ class RunConfig:
     tokenize_workers: int = field(default_factory=usable_cores)  # 0 = in-process
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
     prefetch_batches: int = 4  # collated batches waiting ahead of the device
     storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
     overwrite: bool = False  # redo every shard, even under a different fingerprint
@@ -111,6 +112,7 @@ class SweepConfig:
     memory_reserve: float = 0.10
     device: str = "auto"
     dtype: str = "auto"
+    compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
     tokenize_workers: int = field(default_factory=usable_cores)
     prefetch_batches: int = 4
     storage_options: dict = field(default_factory=dict)
@@ -144,6 +146,7 @@ class BatcherConfig:
     use_plan_cache: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
     torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     allow_pickle: bool = False
     trust_remote_code: bool = False

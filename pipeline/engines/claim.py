@@ -22,14 +22,15 @@ log = logging.getLogger(__name__)
 
 # Runs a list of shards into the sink: (todo, sink, manifest, summary, started) → None
 ShardsRunner = Callable[[list[Shard], ShardSink, RunManifest, RunSummary, float], None]
-# An engine: loads and checks what it runs for (config, model choice), before the output is touched
-PrepareEngine = Callable[[RunConfig, ModelChoice], ShardsRunner]
+# An engine: loads and checks what it runs for (config, model choice, the shards to do) before the output is
+# touched; returns its shards runner and the config as it settled it (e.g. --compile auto → on or off)
+PrepareEngine = Callable[[RunConfig, ModelChoice, list[Shard]], tuple[ShardsRunner, RunConfig]]
 
 
 def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngine) -> RunSummary:
     """What every engine shares: list this slot's shards, settle the model and check the
-    output's recorded settings, let `prepare_engine(config, choice)` load and check what it
-    runs, and only then create the output, hold this slot's lock and claim the output; run
+    output's recorded settings, let `prepare_engine(config, choice, todo)` load and check what
+    it runs, and only then create the output, hold this slot's lock and claim the output; run
     the pending shards with what the engine prepared and record this worker's summary.
     Every usage error comes before the first write, so it leaves the output untouched."""
     started = time.perf_counter()
@@ -39,11 +40,14 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
-    config = keep_recorded_dtype(config, manifest)
+    config = keep_recorded_choices(config, manifest)
     choice = choose_model(config)
     fingerprint = output_fingerprint(config, choice)
     refuse_other_settings(config, manifest.read_run(), fingerprint)
-    run_shards = prepare_engine(config, choice) if config.overwrite or pending_shards(shards, manifest) else None
+    todo = shards if config.overwrite else pending_shards(shards, manifest)
+    run_shards = None
+    if todo:
+        run_shards, config = prepare_engine(config, choice, todo)
     sink.create()
     lock_note = manifest.acquire_lock(slot)
     if lock_note:
@@ -52,7 +56,8 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         todo = claim_output(config, fingerprint, shards, sink, manifest, slot)
         summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
         if todo:
-            run_shards = run_shards or prepare_engine(config, choice)
+            if run_shards is None:  # done shards can only become pending again under --overwrite
+                run_shards, config = prepare_engine(config, choice, todo)
             run_shards(todo, sink, manifest, summary, started)
         summary.wall_s = time.perf_counter() - started
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
@@ -61,16 +66,23 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         manifest.release_lock(slot)
 
 
-def keep_recorded_dtype(config: RunConfig, manifest: RunManifest) -> RunConfig:
-    """`--dtype auto` on an output that already holds results keeps the dtype they were made
-    with: a rerun on another node, or a bf16 trial landing on the other side of its threshold,
-    must not turn a resume into a refusal or split one output across two dtypes."""
+def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> RunConfig:
+    """`--dtype auto` and `--compile auto` on an output that already holds results keep what
+    they were made with: a rerun on another node, or a trial landing on the other side of its
+    threshold, must not turn a resume into a refusal, split one output across two dtypes, or
+    compile a resume of a few rows (or not compile a long one)."""
     recorded = manifest.read_run()
-    dtype = recorded and recorded["fingerprint"].get("dtype")
-    if config.dtype != "auto" or config.overwrite or dtype not in DTYPES:
+    if not recorded or config.overwrite:
         return config
-    log.info(f"dtype {dtype}: what {config.output} was made with (--dtype auto)")
-    return dataclasses.replace(config, dtype=dtype)
+    dtype = recorded["fingerprint"].get("dtype")
+    if config.dtype == "auto" and dtype in DTYPES:
+        log.info(f"dtype {dtype}: what {config.output} was made with (--dtype auto)")
+        config = dataclasses.replace(config, dtype=dtype)
+    compiled = recorded.get("config", {}).get("compile")
+    if config.compile == "auto" and compiled in ("on", "off"):
+        log.info(f"compile {compiled}: what {config.output} was made with (--compile auto)")
+        config = dataclasses.replace(config, compile=compiled)
+    return config
 
 
 def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 from collections.abc import Mapping
@@ -10,8 +11,10 @@ from pipeline.core.model import ModelChoice, load_model
 from pipeline.core.settings import RunConfig
 from pipeline.engines.claim import ShardsRunner, run_claimed
 from pipeline.offline.runner import ShardRunner
-from pipeline.offline.source import resolve_worker_slot
+from pipeline.core.tokenize import TokenizerSpec
+from pipeline.offline.source import Shard, resolve_worker_slot
 from pipeline.offline.summary import RunSummary
+from pipeline.offline.workload import estimate_tokens
 
 
 def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSummary:
@@ -37,6 +40,12 @@ def refuse_while_a_worker_starts() -> None:
                            "Put the call under that guard, or set tokenize_workers=0")
 
 
-def prepare_here(config: RunConfig, choice: ModelChoice) -> ShardsRunner:
-    """The local engine: the model loaded once in this process, one shard runner for all shards."""
-    return ShardRunner(config, load_model(config, choice)).run
+def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard]) -> tuple[ShardsRunner, RunConfig]:
+    """The local engine: the model loaded once in this process (compiled if that pays back over
+    `todo`), one shard runner for all shards; the config with --compile settled."""
+    def workload(spec: TokenizerSpec) -> float:
+        return estimate_tokens(todo, config.id_column, config.text_column, spec, config.storage_options)
+
+    loaded = load_model(config, choice, workload)
+    settled = dataclasses.replace(config, compile="on" if loaded.compile.compiled else "off")
+    return ShardRunner(settled, loaded).run, settled

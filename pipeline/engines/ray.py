@@ -85,11 +85,12 @@ def run_on_ray(config: RunConfig) -> RunSummary:
     return run_claimed(config, WorkerSlot(), prepare_actors)
 
 
-def prepare_actors(config: RunConfig, choice: ModelChoice):
-    """What the driver can check before the output is touched (the actors load the model)."""
+def prepare_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard]):
+    """What the driver can check before the output is touched (the actors load the model, and
+    each settles --compile auto from the cached verdict on its own device)."""
     check_max_length(AutoConfig.from_pretrained(choice.path, trust_remote_code=config.trust_remote_code),
                      choice.max_length)
-    return functools.partial(run_on_actors, config, choice)
+    return functools.partial(run_on_actors, config, choice), config
 
 
 def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,

@@ -80,6 +80,7 @@ class ShardRunner:
         times = StageTimes(setup=time.perf_counter() - started)
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
         summary.dtype_reason = loaded.choice.dtype_reason
+        summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
         summary.settings, summary.sweep_reference = diagnosis_settings(config, model), self.sweep_reference
         count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
@@ -132,6 +133,7 @@ class ShardRunner:
         summary.stage_s = {name: round(seconds, 3) for name, seconds in dataclasses.asdict(times).items()}
         summary.device_busy_fraction = times.forward / max(wall_s - times.setup, 1e-9)
         summary.lowered_batch_rows = dict(sorted(self.limits.lowered.items()))
+        summary.compiled_graphs = loaded.compile.graphs()
 
     def _columns_of(self, outputs: dict, valid: np.ndarray, rows: int) -> dict:
         job, model = self.loaded.job, self.loaded.model

@@ -44,6 +44,9 @@ class RunSummary:
     device: str = ""
     dtype: str = ""
     dtype_reason: str = ""  # why this dtype (e.g. bfloat16: avx512_bf16, 1.7x faster, min cosine 0.9999 …)
+    compile: str = ""  # eager or compiled, and why (--compile; e.g. compiled: 1.4x faster, min cosine 1.00000)
+    compile_s: float = 0.0  # seconds this process spent compiling (in setup)
+    compiled_graphs: int = 0  # graphs the compiled forward ran on (more than one: it recompiled for new shapes)
     model: str = ""
     output: str = ""
     workers: list = field(default_factory=list)  # engine ray: per actor pid, host, shards, rows, rows/s
@@ -69,6 +72,8 @@ class RunSummary:
             f"stages          {stages}",
             f"device busy     {self.device_busy_fraction:.1%} of the time after setup ({self.device}, {self.dtype})",
             f"dtype           {self.dtype_reason or self.dtype}",
+            f"compile         {self.compile}" + (f"; {self.compile_s:.1f}s to compile, {self.compiled_graphs} graph(s)"
+                                                 if self.compile.startswith("compiled") else ""),
             f"batch setting   {self.batch_setting}",
             f"batch plan      {self.batch_plan}" + (f"; {self.oom_splits} out-of-memory splits, rows lowered to "
                                                     f"{self.lowered_batch_rows}" if self.oom_splits else ""),

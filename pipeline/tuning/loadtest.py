@@ -301,6 +301,7 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     settings = {
         "vary": config.vary, "values": [value for value, _ in levels_to_run], "job": fixed.job,
         "model": loaded.choice.path, "device": device_name(device), "dtype": dtype_name(loaded.choice.dtype),
+        "compile": loaded.compile.reason,
         "max_length": fixed.max_length, "qps": config.qps, "concurrency": config.concurrency,
         "duration_s": config.duration_s, "warmup_s": config.warmup_s,
         "max_batch_size": None if config.vary == "max-batch-size" else fixed.max_batch_size,

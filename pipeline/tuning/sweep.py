@@ -18,14 +18,16 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.core.batch_setting import recommendation_key
+from pipeline.core.batch_setting import recommendation_key, resolve_batch_setting
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import is_out_of_memory, measure_peak_bytes, peak_rss_bytes, reset_peak_rss
 from pipeline.core.errors import UsageError
+from pipeline.core.findings import as_dicts
 from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, run_on_device
 from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, SweepConfig
 from pipeline.core.tokenize import EncodedRows
 from pipeline.offline.source import Shard, read_blocks
+from pipeline.tuning.diagnosis import diagnose_sweep
 from pipeline.tuning.levels import (
     LevelResult,
     Recommendation,
@@ -35,7 +37,6 @@ from pipeline.tuning.levels import (
     sample_positions,
     save_recommendation,
 )
-from pipeline.core.batch_setting import resolve_batch_setting
 
 BLOCK_ROWS = 8192
 
@@ -149,6 +150,16 @@ class SweepReport:
     recommendation: Recommendation
     settings: dict  # the fixed settings and the sample, as written to <out>.json
     saved_to: str | None  # where `run … auto` finds the recommendation
+    not_saved: str | None = None  # why a recommendation was not saved, when it was not for a reason
+
+
+def why_not_saved(findings: list[dict], vary: str) -> str | None:
+    """Why a sweep's recommendation must not steer later runs (None: it may): a sample too thin
+    to fill the larger batches measures them with more padding than a run has."""
+    if any(finding["code"] == "sweep-sample-too-thin" for finding in findings):
+        return (f"not saved for `lengthwise run --{vary} auto`: the sample is too thin to steer later runs "
+                "(sweep-sample-too-thin); rerun with more --rows to save one")
+    return None
 
 
 def run_sweep(config: SweepConfig) -> SweepReport:
@@ -196,7 +207,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, max_length, config.prefetch_batches)
     settings = {
         "vary": config.vary, "values": sorted(config.values), "job": config.job, "model": model_path,
-        "device": device_name(device), "dtype": dtype_name(dtype), "max_length": max_length,
+        "device": device_name(device), "dtype": dtype_name(dtype), "compile": loaded.compile.reason,
+        "max_length": max_length,
         "max_batch_tokens": None if config.vary == "max-batch-tokens" else config.max_batch_tokens,
         "max_batch_rows": None if config.vary == "max-batch-rows" else config.max_batch_rows,
         "prefetch_batches": config.prefetch_batches, "torch_threads": torch.get_num_threads(),
@@ -217,13 +229,14 @@ def run_sweep(config: SweepConfig) -> SweepReport:
             break
     recommendation = recommend(levels, config.vary, budget, config.memory_headroom, config.max_p99_ms)
     settings["recommendation"] = recommendation.to_dict()
-    saved_to = None
-    if config.save_recommendation and recommendation.level is not None:
+    settings["diagnosis"] = as_dicts(diagnose_sweep(levels, recommendation, settings))
+    saved_to, not_saved = None, why_not_saved(settings["diagnosis"], config.vary)
+    if config.save_recommendation and recommendation.level is not None and not_saved is None:
         key, name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
                                        dtype_name(dtype), max_length, config.vary)
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         saved_to = save_recommendation(config.plan_cache, name, key, recommendation,
                                        config.out, created)
-    return SweepReport(levels, recommendation, settings, saved_to)
+    return SweepReport(levels, recommendation, settings, saved_to, not_saved)
 
 

@@ -1,0 +1,31 @@
+"""How much work a run has: rows from the shards' footers × the mean tokens of a sample of
+their texts, tokenized as the model will see them. `--compile auto` weighs a compile against it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pipeline.core.tokenize import TokenizerSpec, encode_texts
+from pipeline.offline.source import Shard, read_blocks
+
+SAMPLE_ROWS = 1000  # texts tokenized for the mean length: a fraction of a second
+
+
+def estimate_tokens(shards: Sequence[Shard], id_column: str, text_column: str, spec: TokenizerSpec,
+                    storage_options: dict | None = None) -> float:
+    """Estimated real tokens of `shards`: their rows × the mean token length of the first
+    SAMPLE_ROWS rows of the first readable shard (0 when they hold no rows)."""
+    readable = [shard for shard in shards if not shard.problem]
+    rows = sum(shard.num_rows for shard in readable)
+    if rows == 0:
+        return 0.0
+    from tokenizers import Tokenizer
+
+    for block in read_blocks(readable[:1], id_column, text_column, SAMPLE_ROWS, storage_options):
+        if block.failure or not block.num_rows:
+            break
+        encoded = encode_texts(block.texts.to_pylist(), Tokenizer.from_str(spec.tokenizer_json), spec)
+        return rows * float(np.mean(encoded.lengths))
+    return rows * spec.max_length / 2  # the sample could not be read: assume half-full rows

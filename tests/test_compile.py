@@ -1,0 +1,134 @@
+"""--compile: the verdict (pure), a compiled run that equals eager without a recompile storm,
+the cached verdict, a resume that keeps the recorded choice, and a compiled forward that
+disagrees falling back to eager."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import jobs.registry
+import pipeline.core.model
+from jobs.embed import EmbedJob
+from pipeline.core.compile import CompileVerdict, job_pays_back, pick_compile, worth_a_trial
+from pipeline.core.settings import RunConfig
+from pipeline.engines.local import run_job
+from tests.conftest import read_outputs, write_shards
+
+FAST = CompileVerdict(speedup=1.5, agrees=True, agreement="min cosine 1.00000", eager_tokens_per_s=10_000.0,
+                      compile_s=20.0)
+
+
+def test_compiling_pays_back_when_the_forward_time_it_saves_beats_the_compile():
+    # 1M tokens at 10k tokens/s is 100 s of forward; 1.5x saves a third of it, 33 s
+    assert job_pays_back(1_000_000, 10_000.0, 1.5, compile_s=30.0)
+    assert not job_pays_back(1_000_000, 10_000.0, 1.5, compile_s=40.0)
+    assert not job_pays_back(1_000_000, 10_000.0, 1.0, compile_s=0.1)  # no gain, nothing saved
+    assert job_pays_back(None, 10_000.0, 1.5, compile_s=1e9)  # a sweep or a service: long enough
+    # a trial is worth it only if even a 2x gain could pay a cold compile back: 60 s of forward saves 30 s
+    assert worth_a_trial(600_000, 10_000.0, cold_compile_s=29.0)
+    assert not worth_a_trial(600_000, 10_000.0, cold_compile_s=31.0)
+    assert not worth_a_trial(None, 10_000.0, cold_compile_s=1.0)
+
+
+@pytest.mark.parametrize("setting, verdict, tokens, expected, why", [
+    ("off", FAST, 1e9, False, "eager: --compile off"),
+    ("on", None, 10, True, "compiled: --compile on"),
+    ("auto", None, 1e9, False, "eager: no compile trial"),
+    ("auto", CompileVerdict(1.5, False, "min cosine 0.99000", 1e4, 20.0), 1e9, False, "disagrees with eager"),
+    ("auto", CompileVerdict(1.05, True, "min cosine 1.00000", 1e4, 20.0), 1e9, False, "only 1.05x as fast"),
+    ("auto", FAST, 100_000, False, "too few to pay back a 20 s compile"),
+    ("auto", FAST, 10_000_000, True, "compiled: 1.50x faster, min cosine 1.00000"),
+])
+def test_the_verdict_says_why(setting, verdict, tokens, expected, why):
+    compiled, reason = pick_compile(setting, verdict, tokens, expected_compile_s=20.0)
+    assert compiled is expected
+    assert why in reason
+
+
+@pytest.fixture
+def shards(tmp_path, sample_table):
+    write_shards(tmp_path / "in", sample_table.slice(0, 120), [60, 60])
+    return tmp_path / "in"
+
+
+def run(tmp_path, shards, model, output="out", **settings):
+    settings = {"tokenize_workers": 0, "dtype": "float32", "max_length": 128, "max_batch_tokens": 512,
+                "plan_cache": str(tmp_path / "cache"), **settings}
+    summary = run_job(RunConfig(input=(str(shards),), output=str(tmp_path / output), model=model, progress=False,
+                                **settings))
+    return read_outputs(tmp_path / output), json.loads(summary.to_json())
+
+
+@pytest.mark.slow
+def test_a_compiled_run_equals_eager_on_one_graph_for_every_bucket(tmp_path, shards, tiny_encoder_path):
+    eager, eager_summary = run(tmp_path, shards, tiny_encoder_path, "eager", compile="off")
+    compiled, summary = run(tmp_path, shards, tiny_encoder_path, "compiled", compile="on")
+    assert eager_summary["compile"] == "eager: --compile off"
+    assert summary["compile"] == "compiled: --compile on" and summary["compile_s"] > 0
+    assert summary["batches"] >= 4  # several bucket shapes ran …
+    assert 1 <= summary["compiled_graphs"] <= 2  # … on at most two graphs: no recompile per shape
+    assert compiled["id"].to_pylist() == eager["id"].to_pylist()
+    a = torch.tensor(eager["embedding"].to_pylist())
+    b = torch.tensor(compiled["embedding"].to_pylist())
+    assert float(torch.nn.functional.cosine_similarity(a, b).min()) >= 0.9999
+    recorded = json.loads((tmp_path / "compiled" / ".lengthwise" / "run.json").read_text())
+    assert recorded["config"]["compile"] == "on"
+
+
+@pytest.mark.slow
+def test_auto_trials_once_caches_the_verdict_and_a_resume_keeps_the_recorded_choice(tmp_path, shards,
+                                                                                    tiny_encoder_path, monkeypatch):
+    monkeypatch.setattr(pipeline.core.model, "COLD_COMPILE_S", 0.0)  # this small job counts as large enough
+    _, first = run(tmp_path, shards, tiny_encoder_path, "first")
+    cached = list((tmp_path / "cache").glob("compile-*.json"))
+    assert len(cached) == 1
+    verdict = json.loads(cached[0].read_text())
+    assert verdict["agrees"] and verdict["speedup"] > 0 and verdict["compile_s"] > 0
+    assert first["compile"].startswith("compiled" if verdict["speedup"] >= 1.1 else "eager")
+
+    def no_second_trial(*args):
+        raise AssertionError("the cached verdict should have been used")
+
+    monkeypatch.setattr(pipeline.core.model, "compile_trial", no_second_trial)
+    _, second = run(tmp_path, shards, tiny_encoder_path, "second")
+    assert second["compile"].split(":")[0] == first["compile"].split(":")[0]
+
+    # a resume of an output keeps what it was made with, whatever auto would say now
+    (tmp_path / "third-in").mkdir()
+    pq.write_table(pq.read_table(shards / "part-00000.parquet"), tmp_path / "third-in" / "part-00000.parquet")
+    _, made = run(tmp_path, tmp_path / "third-in", tiny_encoder_path, "third", compile="off")
+    pq.write_table(pq.read_table(shards / "part-00001.parquet"), tmp_path / "third-in" / "part-00001.parquet")
+    _, resumed = run(tmp_path, tmp_path / "third-in", tiny_encoder_path, "third")
+    assert made["compile"] == "eager: --compile off"
+    assert resumed["rows"] == 60 and resumed["compile"] == "eager: --compile off"
+
+
+class DriftsWhenCompiled(torch.nn.Module):
+    """An embedder whose compiled graph adds an offset: a compiled forward that disagrees with eager."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config, self.embedding_width = inner, inner.config, inner.embedding_width
+
+    def forward(self, input_ids, attention_mask):
+        outputs = self.inner(input_ids, attention_mask)
+        return outputs + 0.05 * torch.arange(outputs.shape[1]) if torch.compiler.is_compiling() else outputs
+
+
+class DriftingEmbedJob(EmbedJob):
+    name = "embed-drifts"
+
+    def load(self, model_path, device, dtype, prompt_tokens=0, **loading):
+        return DriftsWhenCompiled(super().load(model_path, device, dtype, prompt_tokens, **loading))
+
+
+@pytest.mark.slow
+def test_a_compiled_forward_that_disagrees_falls_back_to_eager(tmp_path, shards, tiny_encoder_path, monkeypatch):
+    monkeypatch.setitem(jobs.registry.JOBS, "embed-drifts", DriftingEmbedJob())
+    monkeypatch.setattr(pipeline.core.model, "COLD_COMPILE_S", 0.0)
+    eager, _ = run(tmp_path, shards, tiny_encoder_path, "eager", job="embed", compile="off")
+    ours, summary = run(tmp_path, shards, tiny_encoder_path, "auto", job="embed-drifts")
+    assert summary["compile"].startswith("eager: the compiled forward disagrees with eager (min cosine")
+    assert ours["embedding"].to_pylist() == eager["embedding"].to_pylist()
