@@ -204,6 +204,8 @@ def load_model(settings, choice: ModelChoice | None = None,
     return LoadedModel(choice, job, model, tokenizer, compile_choice)
 
 
+FASTEST_EAGER_TOKENS_PER_S = 50_000.0  # MiniLM's eager bf16 forward on AMX at its best: a job too small even
+# at this speed is decided without timing anything
 COLD_COMPILE_S = 30.0  # a first compile of a MiniLM-sized encoder on a 2-core CPU (19-47 s measured); a trial
 # is worth running only for a job that could pay this back
 
@@ -223,10 +225,16 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     if setting != "off":
         use_inductor_cache(cache)
     if setting == "auto" and verdict is None and job_tokens is not None:
-        if not worth_a_trial(job_tokens, eager_tokens_per_s(job, model, choice.device), COLD_COMPILE_S):
-            return model, CompileChoice(False, f"eager: {job_tokens:,.0f} tokens are too few to try a compile")
+        too_few = f"eager: {job_tokens:,.0f} tokens are too few to try a compile"
+        if not worth_a_trial(job_tokens, FASTEST_EAGER_TOKENS_PER_S, COLD_COMPILE_S):
+            return model, CompileChoice(False, too_few)  # not even worth timing the eager forward
         graphs_before = compiled_graphs()
-        verdict, compiled = compile_trial(job, model, choice.device)
+        try:
+            if not worth_a_trial(job_tokens, eager_tokens_per_s(job, model, choice.device), COLD_COMPILE_S):
+                return model, CompileChoice(False, too_few)
+            verdict, compiled = compile_trial(job, model, choice.device)
+        except Exception as error:  # noqa: BLE001 - out of memory, an op inductor lacks: eager is always safe
+            return model, CompileChoice(False, f"eager: the compile trial failed ({type(error).__name__}: {error})")
         write_keyed(path, key, {**dataclasses.asdict(verdict), "last_compile_s": verdict.compile_s})
         use, reason = pick_compile(setting, verdict, job_tokens, expected_compile_s=0.0)  # already compiled
         if not use:
