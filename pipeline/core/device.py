@@ -18,15 +18,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` is the first CUDA device when there is one, else the CPU."""
+    """`auto` is the current CUDA device when there is one, else the CPU. A CUDA device always
+    carries its index (`cuda` is `cuda:N`, N the current device): `torch.cuda.set_device` and
+    `set_per_process_memory_fraction` refuse a device without one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as error:
         raise UsageError(f"unknown device {name!r}; set --device to auto, cpu or cuda[:N]") from error
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise UsageError(f"--device {name} asked for CUDA but torch sees no GPU; use --device cpu")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1}; set --device cuda or one of those")
     return device
 
 
