@@ -75,9 +75,9 @@ class SentenceEmbedder(torch.nn.Module):
     def embedding_width(self) -> int:
         return self.config.hidden_size * len(self.recipe.pooling)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids,
-                              attention_mask=model_attention_mask(self.encoder, attention_mask)).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, padded: bool = True) -> torch.Tensor:
+        mask = model_attention_mask(self.encoder, attention_mask, padded)
+        hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
         return pool(hidden, attention_mask, self.recipe, self.prompt_tokens)
 
 
@@ -97,11 +97,12 @@ class EmbedJob:
             encoder.pooler = NoPooler()
         return SentenceEmbedder(encoder, recipe, prompt_tokens).eval()
 
-    def forward(self, model, input_ids, attention_mask):
-        return {"embedding": model(input_ids, attention_mask)}
+    def forward(self, model, input_ids, attention_mask, padded: bool = True):
+        return {"embedding": model(input_ids, attention_mask, padded)}
 
     def agreement(self, reference, candidate) -> tuple[bool, str]:
-        """Whether `candidate` outputs (another dtype) are as good as `reference`: cosine ≥ MIN_COSINE on every row."""
+        """Whether `candidate` outputs (another dtype) are as good as `reference`: cosine ≥ MIN_COSINE on
+        every row."""
         a, b = reference["embedding"].float(), candidate["embedding"].float()
         cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=1).min())
         return cosine >= MIN_COSINE, f"min cosine {cosine:.5f}"

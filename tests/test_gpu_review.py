@@ -45,3 +45,83 @@ def test_without_a_gpu_cuda_is_a_usage_error_and_auto_the_cpu(monkeypatch):
     assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(UsageError, match="--device cpu"):
         resolve_device("cuda")
+
+
+def tiny_modernbert():
+    """A 3-layer ModernBERT with random weights: one global layer, two attending within 8 tokens."""
+    import transformers
+
+    config = transformers.ModernBertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                           intermediate_size=64, max_position_embeddings=512, local_attention=8,
+                                           global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=1,
+                                           eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    torch.manual_seed(0)
+    return transformers.ModernBertModel._from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_sliding_window_settings_are_recognised_on_configs():
+    from types import SimpleNamespace
+
+    import transformers
+
+    from jobs.base import attends_locally
+
+    assert attends_locally(transformers.BertConfig()) is False
+    assert attends_locally(transformers.MistralConfig(sliding_window=4096)) is True
+    assert attends_locally(SimpleNamespace(layer_types=["full_attention", "sliding_attention"])) is True
+    assert attends_locally(SimpleNamespace(layer_types=["full_attention"], sliding_window=None)) is False
+
+
+@pytest.mark.slow
+def test_a_sliding_window_encoder_keeps_its_own_mask(monkeypatch):
+    """The 8-token check cannot tell: the prepared mask passes it, then changes 64-token rows by
+    attending globally in the local layers. lengthwise must not prepare the mask for such a model."""
+    import jobs.base
+    from jobs.base import model_attention_mask, prepared_mask, takes_prepared_mask
+
+    model = tiny_modernbert()
+    assert takes_prepared_mask(model) is False
+    monkeypatch.setattr(jobs.base, "attends_locally", lambda config: False)
+    assert takes_prepared_mask(model) is True  # blind at 8 tokens, within one window
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(5, 1000, (2, 64), generator=generator)
+    attention_mask = torch.ones(2, 64, dtype=torch.long)
+    attention_mask[1, 40:] = 0
+    kept = attention_mask.bool()
+    with torch.inference_mode():
+        plain = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        prepared = model(input_ids=input_ids, attention_mask=prepared_mask(attention_mask)).last_hidden_state
+        ours = model(input_ids=input_ids, attention_mask=model_attention_mask(model, attention_mask)).last_hidden_state
+    assert float((plain - prepared)[kept].abs().max()) > 1e-3  # the wrong vectors the review found
+    torch.testing.assert_close(ours[kept], plain[kept], rtol=0, atol=0)  # model.takes_prepared_mask is False
+
+
+def test_a_batch_without_padding_runs_without_a_mask_and_gives_the_same_outputs(tiny_encoder_path):
+    from jobs.base import model_attention_mask
+    from jobs.embed import EmbedJob
+
+    model = EmbedJob().load(tiny_encoder_path, torch.device("cpu"), torch.float32, attention="sdpa")
+    input_ids = torch.randint(1000, 30000, (3, 16), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(input_ids)
+    assert model_attention_mask(model.encoder, attention_mask, padded=False) is None
+    with torch.inference_mode():
+        masked = EmbedJob().forward(model, input_ids, attention_mask, padded=True)["embedding"]
+        unmasked = EmbedJob().forward(model, input_ids, attention_mask, padded=False)["embedding"]
+    torch.testing.assert_close(unmasked, masked, rtol=1e-5, atol=1e-6)
+
+
+def test_the_collate_tells_which_batches_hold_padding():
+    import numpy as np
+
+    from pipeline.core.forward import BatchLimits, DeviceFeeder, collate_batches, has_padding
+    from pipeline.core.tokenize import EncodedRows
+
+    lengths = np.array([6, 6, 6, 3])
+    encoded = EncodedRows(token_ids=np.arange(lengths.sum(), dtype=np.int32) + 100,
+                          offsets=np.concatenate([[0], np.cumsum(lengths)]), truncated=np.zeros(4, dtype=bool),
+                          errors=[None] * 4, encode_s=0.0)
+    batches = list(collate_batches(encoded, np.arange(4), max_batch_tokens=18, max_batch_rows=3, max_length=8,
+                                   limits=BatchLimits(None), pad_token_id=0, feeder=DeviceFeeder(torch.device("cpu"))))
+    assert [(sorted(b.rows.tolist()), b.padded_length, b.padded) for b in batches] == [([0, 1, 2], 6, False),
+                                                                                        ([3], 3, False)]
+    assert has_padding(np.array([6, 3]), 6) is True and has_padding(np.array([8, 8]), 8) is False
