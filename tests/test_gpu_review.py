@@ -125,3 +125,24 @@ def test_the_collate_tells_which_batches_hold_padding():
     assert [(sorted(b.rows.tolist()), b.padded_length, b.padded) for b in batches] == [([0, 1, 2], 6, False),
                                                                                         ([3], 3, False)]
     assert has_padding(np.array([6, 3]), 6) is True and has_padding(np.array([8, 8]), 8) is False
+
+
+@pytest.mark.parametrize("mode", ["weightedmean", "mean", "mean_sqrt_len_tokens"])
+def test_float16_pooling_of_512_tokens_stays_finite_and_matches_float32(mode):
+    """Weighted-mean weights alone add up to 131,328 at 512 tokens, more than float16 holds
+    (65,504); states near 200 overflow a plain float16 mean too."""
+    from jobs.embed import pool
+    from jobs.sentence_transformers_folder import EmbeddingRecipe
+
+    generator = torch.Generator().manual_seed(4)
+    hidden = (200 + torch.randn(2, 512, 16, generator=generator)).half()
+    attention_mask = torch.ones(2, 512, dtype=torch.long)
+    attention_mask[1, 300:] = 0
+    positions = torch.arange(1, 513, dtype=torch.float16)
+    raw_sum = torch.bmm((attention_mask.half() * positions).unsqueeze(1), hidden)
+    assert not torch.isfinite(raw_sum).all()  # what the float16 matmul of unscaled weights gave
+    recipe = EmbeddingRecipe(pooling=(mode,), normalize=False)
+    half = pool(hidden, attention_mask, recipe)
+    single = pool(hidden.float(), attention_mask, recipe)
+    assert half.dtype == torch.float32 and torch.isfinite(half).all()
+    torch.testing.assert_close(half, single, rtol=2e-3, atol=0)
