@@ -146,3 +146,20 @@ def test_float16_pooling_of_512_tokens_stays_finite_and_matches_float32(mode):
     single = pool(hidden.float(), attention_mask, recipe)
     assert half.dtype == torch.float32 and torch.isfinite(half).all()
     torch.testing.assert_close(half, single, rtol=2e-3, atol=0)
+
+
+def test_the_default_cuda_token_budget_grows_as_the_model_shrinks():
+    import transformers
+
+    from pipeline.core.settings import cuda_batch_tokens, device_batch_limit
+
+    assert cuda_batch_tokens(768, 12) == 32768  # BERT-base: the flat default it replaces
+    assert cuda_batch_tokens(384, 6) == 262144  # all-MiniLM-L6-v2: 8x less work per token
+    assert cuda_batch_tokens(384, 12) == 131072  # all-MiniLM-L12-v2
+    assert cuda_batch_tokens(1024, 24) == 16384  # BERT-large: the floor
+    assert cuda_batch_tokens(32, 2) == 262144  # the ceiling
+    minilm = transformers.BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12)
+    assert device_batch_limit("cuda", "max_batch_tokens", minilm) == 262144
+    assert device_batch_limit("cuda", "max_batch_tokens") == 32768  # no model: the flat default
+    assert device_batch_limit("cpu", "max_batch_tokens", minilm) == 2048  # the CPU default does not scale
+    assert device_batch_limit("cuda", "max_batch_rows", minilm) == 4096
