@@ -163,3 +163,26 @@ def test_the_default_cuda_token_budget_grows_as_the_model_shrinks():
     assert device_batch_limit("cuda", "max_batch_tokens") == 32768  # no model: the flat default
     assert device_batch_limit("cpu", "max_batch_tokens", minilm) == 2048  # the CPU default does not scale
     assert device_batch_limit("cuda", "max_batch_rows", minilm) == 4096
+
+
+def test_the_allocator_setting_recorded_is_the_one_in_effect_once_cuda_has_started(monkeypatch):
+    """The variable's text says nothing once CUDA has started without it (or ignored it): the
+    plan key holds what torch reports, including whether its segments really are expandable."""
+    from pipeline.core.cache import plan_cache_key
+    from pipeline.core.device import allocator_config
+
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert allocator_config() == ""  # nothing in effect before CUDA starts
+    before = plan_cache_key(kind="test")[1]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"is_expandable": False}])
+    assert allocator_config() == "native; settings ; expandable segments no"  # the variable was not applied
+    ignored = plan_cache_key(kind="test")
+    assert ignored[0]["allocator"] == "native; settings ; expandable segments no" and ignored[1] != before
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:True")
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"is_expandable": True}])
+    assert allocator_config() == "native; settings expandable_segments:True; expandable segments yes"
+    assert plan_cache_key(kind="test")[1] != ignored[1]

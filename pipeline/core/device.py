@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 
 import torch
 
@@ -75,10 +74,24 @@ def native_bf16_feature(cpu_flags: str | None = None) -> str | None:
 
 
 def allocator_config() -> str:
-    """The CUDA caching allocator's configuration this process runs with (see `pipeline/__init__`)."""
-    from pipeline import ALLOCATOR_VARIABLES
+    """The CUDA caching allocator's configuration in effect, read from torch once CUDA has started
+    ("" before: nothing is in effect yet, and the CPU path never uses it). Not the variable's
+    text: it is read once when CUDA starts, so a caller that started CUDA before importing
+    lengthwise runs without it, and torch 2.9 ignored PYTORCH_ALLOC_CONF for CUDA."""
+    if not torch.cuda.is_initialized():
+        return ""
+    read_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch ≥ 2.9
+    segments = torch.cuda.memory_snapshot()
+    return describe_allocator(torch.cuda.get_allocator_backend(), read_settings() if read_settings else None,
+                              any(segment.get("is_expandable") for segment in segments) if segments else None)
 
-    return next((os.environ[name] for name in ALLOCATOR_VARIABLES if os.environ.get(name)), "")
+
+def describe_allocator(backend: str, settings: str | None, expandable_segments: bool | None) -> str:
+    """One line for the plan key and the environment report: the allocator backend, the
+    settings torch parsed, and whether the segments it holds are expandable (None: it holds
+    none yet, so cannot tell)."""
+    seen = {True: "yes", False: "no", None: "none held yet"}[expandable_segments]
+    return f"{backend}; settings {settings if settings is not None else 'unknown'}; expandable segments {seen}"
 
 
 def padding_multiple(device: torch.device) -> int:
