@@ -27,9 +27,10 @@ class Job(Protocol):
         every row are the run's prompt (a job may leave them out of its output); `loading` goes
         to load_pretrained (allow_pickle, trust_remote_code)."""
 
-    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-row float32 outputs of one batch, each shaped (rows, …)."""
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                padded: bool = True) -> dict[str, torch.Tensor]:
+        """Per-row float32 outputs of one batch, each shaped (rows, …); `padded` False says, from
+        the host, that no row of the batch has padding (see `model_attention_mask`)."""
 
     def agreement(self, reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
                   strict: bool = False) -> tuple[bool, str]:
@@ -98,18 +99,34 @@ def prepared_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.bool()[:, None, None, :]
 
 
-def model_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The mask to give the transformer. Under SDPA, transformers checks `mask.all()` on every
-    forward to see whether it may drop a 2-D mask: a host-device sync per batch, which stalls
-    the host until the GPU has finished all queued work. A prepared 4-D mask is used as it is,
-    without that check, where `takes_prepared_mask` found it gives the same outputs."""
+def model_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor,
+                         padded: bool = True) -> torch.Tensor | None:
+    """The mask to give the transformer. None for a batch without padding (the host knows it
+    from the collate): any mask rules out SDPA's flash kernel, and there is nothing to mask.
+    Under SDPA, transformers checks `mask.all()` on every forward to see whether it may drop a
+    2-D mask: a host-device sync per batch, which stalls the host until the GPU has finished all
+    queued work. A prepared 4-D mask is used as it is, without that check, where
+    `takes_prepared_mask` found it gives the same outputs."""
+    if not padded:
+        return None
     return prepared_mask(attention_mask) if getattr(model, "takes_prepared_mask", False) else attention_mask
+
+
+def attends_locally(config) -> bool:
+    """Whether some layers of the model attend within a sliding window (ModernBERT's local
+    attention, Mistral-style sliding windows). Their model code builds the window from the 2-D
+    mask; handed a prepared 4-D mask, ModernBERT (transformers 5) uses it unchanged in those
+    layers, which then attend globally."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    return bool(getattr(config, "sliding_window", None) or getattr(config, "local_attention", None)
+                or "sliding_attention" in layer_types)
 
 
 def takes_prepared_mask(model: torch.nn.Module) -> bool:
     """Whether `model` under SDPA accepts a prepared 4-D mask and gives the same outputs as with
-    the 2-D mask, on a two-row batch with padding (older model code rejects 4-D masks)."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    the 2-D mask, on a two-row batch with padding (older model code rejects 4-D masks). Never for
+    a model with sliding-window layers: an 8-token check cannot see a window that is not kept."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or attends_locally(model.config):
         return False
     device = next(model.parameters()).device
     input_ids = torch.full((2, 8), min(1000, model.config.vocab_size - 1), device=device)

@@ -28,8 +28,8 @@ class ClassifyJob:
     def load(self, model_path, device, dtype, prompt_tokens: int = 0, **loading):
         return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype, **loading)
 
-    def forward(self, model, input_ids, attention_mask):
-        mask = model_attention_mask(model, attention_mask)
+    def forward(self, model, input_ids, attention_mask, padded: bool = True):
+        mask = model_attention_mask(model, attention_mask, padded)
         logits = model(input_ids=input_ids, attention_mask=mask).logits.float()
         scores = logits.sigmoid() if uses_sigmoid(model.config) else logits.softmax(dim=-1)
         return {"scores": scores}

@@ -20,7 +20,10 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, recipe: EmbeddingRe
          prompt_tokens: int = 0) -> torch.Tensor:
     """(rows, width × modes) float32 sentence vectors from right-padded (rows, length, width)
     states, pooled in the states' own dtype (sums as a masked matmul, which accumulates in
-    float32 on the device) so that no float32 copy of all the states is made.
+    float32 on the device) so that no float32 copy of all the states is made. The matmul's
+    weights are divided by their total first: its result is stored in the states' dtype, and
+    a float16 sum overflows at 65,504 (weighted-mean weights alone add up to 131,328 at 512
+    tokens).
 
     `prompt_tokens` leading positions are left out of the pooling when the recipe excludes
     the prompt (sentence-transformers' `include_prompt: false`)."""
@@ -29,21 +32,20 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, recipe: EmbeddingRe
         mask = mask.clone()
         mask[:, :prompt_tokens] = 0
     rows = torch.arange(hidden.shape[0], device=hidden.device)
-    count = mask.float().sum(dim=1, keepdim=True).clamp(min=1e-9)
     vectors = []
     for mode in recipe.pooling:
         if mode == "cls":  # the first position the mask keeps
             vectors.append(hidden[rows, mask.argmax(dim=1)].float())
         elif mode == "max":
             vectors.append(hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values.float())
-        elif mode in ("mean", "mean_sqrt_len_tokens"):
-            summed = torch.bmm(mask.unsqueeze(1), hidden).squeeze(1).float()
-            vectors.append(summed / (count if mode == "mean" else count.sqrt()))
-        elif mode == "weightedmean":  # position i (from 1) weighs i
-            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=torch.float32)
-            weights = mask.float() * positions
-            summed = torch.bmm(weights.to(hidden.dtype).unsqueeze(1), hidden).squeeze(1).float()
-            vectors.append(summed / weights.sum(dim=1, keepdim=True).clamp(min=1e-9))
+        elif mode in ("mean", "mean_sqrt_len_tokens", "weightedmean"):
+            weights = mask.float()
+            if mode == "weightedmean":  # position i (from 1) weighs i
+                weights = weights * torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=torch.float32)
+            total = weights.sum(dim=1, keepdim=True).clamp(min=1e-9)
+            # mean_sqrt_len_tokens divides the sum by √count, not count
+            weights = weights / (total.sqrt() if mode == "mean_sqrt_len_tokens" else total)
+            vectors.append(torch.bmm(weights.to(hidden.dtype).unsqueeze(1), hidden).squeeze(1).float())
         elif mode == "lasttoken":  # the last position the mask keeps (the last one if none)
             kept, offset = mask.flip(1).max(dim=1)
             last = torch.where(kept == 0, hidden.shape[1] - 1, hidden.shape[1] - 1 - offset)
@@ -75,9 +77,9 @@ class SentenceEmbedder(torch.nn.Module):
     def embedding_width(self) -> int:
         return self.config.hidden_size * len(self.recipe.pooling)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids,
-                              attention_mask=model_attention_mask(self.encoder, attention_mask)).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, padded: bool = True) -> torch.Tensor:
+        mask = model_attention_mask(self.encoder, attention_mask, padded)
+        hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
         return pool(hidden, attention_mask, self.recipe, self.prompt_tokens)
 
 
@@ -98,8 +100,8 @@ class EmbedJob:
             encoder.pooler = NoPooler()
         return SentenceEmbedder(encoder, recipe, prompt_tokens).eval()
 
-    def forward(self, model, input_ids, attention_mask):
-        return {"embedding": model(input_ids, attention_mask)}
+    def forward(self, model, input_ids, attention_mask, padded: bool = True):
+        return {"embedding": model(input_ids, attention_mask, padded)}
 
     def agreement(self, reference, candidate, strict: bool = False) -> tuple[bool, str]:
         """Whether `candidate` outputs are as good as `reference`: cosine ≥ MIN_COSINE on every row

@@ -70,7 +70,7 @@ class Moderator(torch.nn.Module):
         # the classifier's verdict on a prepared mask (jobs.base.model_attention_mask)
         self.takes_prepared_mask = getattr(classifier, "takes_prepared_mask", False)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         return self.classifier(input_ids=input_ids, attention_mask=attention_mask)
 
 

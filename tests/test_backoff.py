@@ -20,12 +20,12 @@ class OutOfMemoryAbove(EmbedJob):
         self.max_rows, self.max_padded_length = max_rows, max_padded_length
         self.rows_computed = 0
 
-    def forward(self, model, input_ids, attention_mask):
+    def forward(self, model, input_ids, attention_mask, padded=True):
         rows, length = input_ids.shape
         if rows > self.max_rows or length > self.max_padded_length:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows * length} units")
         self.rows_computed += rows
-        return super().forward(model, input_ids, attention_mask)
+        return super().forward(model, input_ids, attention_mask, padded)
 
 
 @pytest.fixture
@@ -115,8 +115,8 @@ class NonFiniteForSomeRows(EmbedJob):
 
     name = "embed-nan"
 
-    def forward(self, model, input_ids, attention_mask):
-        outputs = super().forward(model, input_ids, attention_mask)
+    def forward(self, model, input_ids, attention_mask, padded=True):
+        outputs = super().forward(model, input_ids, attention_mask, padded)
         overflowing = input_ids[:, 1] % 2 == 1
         outputs["embedding"][overflowing] = float("nan")
         return outputs

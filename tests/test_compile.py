@@ -112,8 +112,8 @@ class DriftsWhenCompiled(torch.nn.Module):
         super().__init__()
         self.inner, self.config, self.embedding_width = inner, inner.config, inner.embedding_width
 
-    def forward(self, input_ids, attention_mask):
-        outputs = self.inner(input_ids, attention_mask)
+    def forward(self, input_ids, attention_mask, padded=True):
+        outputs = self.inner(input_ids, attention_mask, padded)
         return outputs + 0.05 * torch.arange(outputs.shape[1]) if torch.compiler.is_compiling() else outputs
 
 

@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 from pipeline.cli import cli
 from pipeline.core.settings import RunConfig
-from pipeline.engines.ray import actor_layout
+from pipeline.core.errors import UsageError
+from pipeline.engines.ray import actor_device_and_dtype, actor_layout
 from tests.conftest import assert_equal_outputs, read_outputs, write_shards
 
 BIN = Path(sys.executable).parent
@@ -54,15 +55,52 @@ def local_reference(tmp_path: Path, table: pa.Table, sizes: list[int], model: st
 
 
 def test_actors_follow_the_cluster():
-    config = RunConfig(input=(), output="")
-    assert actor_layout(config, {"GPU": 4.0, "CPU": 64.0}, 100) == (4, {"num_gpus": 1, "num_cpus": 1}, None)
-    assert actor_layout(config, {"GPU": 4.0, "CPU": 64.0}, 3)[0] == 3  # never more actors than shards
-    assert actor_layout(config, {"CPU": 8.0}, 100) == (8, {"num_cpus": 1}, 1)
-    four_threads = RunConfig(input=(), output="", threads_per_worker=4)
-    assert actor_layout(four_threads, {"CPU": 8.0}, 100) == (2, {"num_cpus": 4}, 4)
-    assert actor_layout(RunConfig(input=(), output="", workers=3), {"CPU": 8.0}, 100)[0] == 3
+    config = RunConfig(input=(), output="", tokenize_workers=64)
+    four_gpu_nodes = [{"GPU": 2.0, "CPU": 32.0}, {"GPU": 2.0, "CPU": 24.0}, {"CPU": 8.0}]  # and a CPU-only head
+    # one actor per GPU, each with the smallest node's share of CPUs; its tokenizer pool is that share less one
+    assert actor_layout(config, four_gpu_nodes, 100) == (4, {"num_gpus": 1, "num_cpus": 12}, 1, 11, "")
+    assert actor_layout(config, four_gpu_nodes, 3).count == 3  # never more actors than shards
+    assert actor_layout(RunConfig(input=(), output="", tokenize_workers=2), four_gpu_nodes, 100).tokenize_workers == 2
+    assert actor_layout(config, [{"CPU": 8.0}], 100) == (8, {"num_cpus": 1}, 1, 0, "")
+    four_threads = RunConfig(input=(), output="", threads_per_worker=4, tokenize_workers=64)
+    assert actor_layout(four_threads, [{"CPU": 8.0}], 100) == (2, {"num_cpus": 4}, 4, 3, "")
+    assert actor_layout(four_threads, [{"CPU": 6.0}, {"CPU": 6.0}], 100).count == 2  # 4 CPUs fit once per node
+    assert actor_layout(RunConfig(input=(), output="", workers=3), [{"CPU": 8.0}], 100).count == 3
     cpu_only = RunConfig(input=(), output="", device="cpu")
-    assert actor_layout(cpu_only, {"GPU": 2.0, "CPU": 8.0}, 100) == (8, {"num_cpus": 1}, 1)
+    assert actor_layout(cpu_only, [{"GPU": 2.0, "CPU": 8.0}], 100)[:3] == (8, {"num_cpus": 1}, 1)
+
+
+def test_more_workers_than_the_cluster_places_are_capped_with_a_warning_not_left_waiting():
+    layout = actor_layout(RunConfig(input=(), output="", workers=8), [{"GPU": 2.0, "CPU": 16.0}], 100)
+    assert layout.count == 2 and layout.note == "--workers 8 is more than the cluster's 2 GPU(s); running 2 actor(s)"
+    layout = actor_layout(RunConfig(input=(), output="", workers=5, threads_per_worker=2), [{"CPU": 8.0}], 100)
+    assert layout.count == 4 and "cluster's 4 slot(s) of 2 CPU(s)" in layout.note
+
+
+def test_actors_settle_device_and_dtype_from_the_cluster_not_the_driver():
+    h200s = {"CPU": 64.0, "GPU": 8.0, "accelerator_type:H200": 8.0}
+    assert actor_device_and_dtype("auto", "auto", h200s) == ("cuda", "bfloat16",
+                                                             "bfloat16: the default on the cluster's GPUs (H200)")
+    assert actor_device_and_dtype("cuda", "auto", {"GPU": 4.0, "accelerator_type:T4": 4.0})[:2] == ("cuda", "float16")
+    assert actor_device_and_dtype("auto", "float32", h200s) == ("cuda", "float32", "float32: --dtype")
+    assert actor_device_and_dtype("cpu", "auto", h200s) == ("cpu", None, "")
+    assert actor_device_and_dtype("auto", "auto", {"CPU": 8.0}) == ("cpu", None, "")
+    with pytest.raises(UsageError, match="no GPU"):
+        actor_device_and_dtype("cuda", "auto", {"CPU": 8.0})
+    with pytest.raises(UsageError, match="use --device cuda or auto"):
+        actor_device_and_dtype("cuda:1", "auto", h200s)
+    with pytest.raises(UsageError, match="set --dtype"):
+        actor_device_and_dtype("auto", "auto", {"GPU": 2.0, "accelerator_type:T4": 1.0, "accelerator_type:A100": 1.0})
+
+
+def test_a_cpu_only_driver_records_the_gpu_actors_dtype_in_the_fingerprint(tiny_encoder_path):
+    from pipeline.engines.claim import output_fingerprint
+    from pipeline.engines.ray import choose_on_cluster
+
+    config = RunConfig(input=("x",), output="y", model=tiny_encoder_path, device="cuda")  # refused locally here
+    choice = choose_on_cluster({"CPU": 16.0, "GPU": 2.0, "accelerator_type:A100": 2.0}, config)
+    assert (choice.device.type, str(choice.dtype)) == ("cuda", "torch.bfloat16")
+    assert output_fingerprint(config, choice)["dtype"] == "bfloat16"
 
 
 def test_engine_ray_without_ray_is_a_usage_error_saying_what_to_install(tmp_path, monkeypatch, sample_table,

@@ -146,7 +146,8 @@ def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> No
         loaded = load_model(config)
         config = dataclasses.replace(config, max_length=loaded.choice.max_length)
         saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
-        config, setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for)
+        config, setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
+                                                        model_config=loaded.model.config)
         logging.getLogger("pipeline.cli.options").info(f"batch setting: {setting}")
         memory_plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
     except UsageError as error:

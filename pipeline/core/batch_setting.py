@@ -37,11 +37,13 @@ def load_recommendation(plan_cache: str | None, name: str, key: dict) -> dict | 
 
 
 def resolve_batch_setting(config, device_type: str, saved_for: dict[str, dict | None] | None = None,
-                          fields: tuple[str, ...] = ("max_batch_tokens", "max_batch_rows")) -> tuple:
+                          fields: tuple[str, ...] = ("max_batch_tokens", "max_batch_rows"),
+                          model_config=None) -> tuple:
     """The one `auto` resolver: replace each of `fields` that is None (`auto`) in `config` (a run's,
     sweep's or batcher's) by the saved sweep recommendation for this model, device, dtype and
     max length (`saved_for`: `saved_recommendations`), else by the device's default
-    (`DEVICE_BATCH_LIMITS`). Returns the config and where each limit came from."""
+    (`device_batch_limit`: on CUDA the token budget follows `model_config`'s size). Returns the
+    config and where each limit came from."""
     from pipeline.core.settings import device_batch_limit
 
     changes, notes = {}, []
@@ -55,7 +57,7 @@ def resolve_batch_setting(config, device_type: str, saved_for: dict[str, dict | 
             changes[name] = saved["level"]
             notes.append(f"--{vary} {saved['level']} recommended by the sweep of {saved['created']} ({saved['path']})")
         else:
-            changes[name] = device_batch_limit(device_type, name)
+            changes[name] = device_batch_limit(device_type, name, model_config)
             notes.append(f"--{vary} {changes[name]} (auto: no sweep recommendation for this model, device and dtype; "
                          f"the {device_type} default)")
     return dataclasses.replace(config, **changes), "; ".join(notes)

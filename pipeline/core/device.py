@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 
 import torch
 
@@ -18,15 +17,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` is the first CUDA device when there is one, else the CPU."""
+    """`auto` is the current CUDA device when there is one, else the CPU. A CUDA device always
+    carries its index (`cuda` is `cuda:N`, N the current device): `torch.cuda.set_device` and
+    `set_per_process_memory_fraction` refuse a device without one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as error:
         raise UsageError(f"unknown device {name!r}; set --device to auto, cpu or cuda[:N]") from error
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise UsageError(f"--device {name} asked for CUDA but torch sees no GPU; use --device cpu")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1}; set --device cuda or one of those")
     return device
 
 
@@ -66,10 +74,24 @@ def native_bf16_feature(cpu_flags: str | None = None) -> str | None:
 
 
 def allocator_config() -> str:
-    """The CUDA caching allocator's configuration this process runs with (see `pipeline/__init__`)."""
-    from pipeline import ALLOCATOR_VARIABLES
+    """The CUDA caching allocator's configuration in effect, read from torch once CUDA has started
+    ("" before: nothing is in effect yet, and the CPU path never uses it). Not the variable's
+    text: it is read once when CUDA starts, so a caller that started CUDA before importing
+    lengthwise runs without it, and torch 2.9 ignored PYTORCH_ALLOC_CONF for CUDA."""
+    if not torch.cuda.is_initialized():
+        return ""
+    read_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch ≥ 2.9
+    segments = torch.cuda.memory_snapshot()
+    return describe_allocator(torch.cuda.get_allocator_backend(), read_settings() if read_settings else None,
+                              any(segment.get("is_expandable") for segment in segments) if segments else None)
 
-    return next((os.environ[name] for name in ALLOCATOR_VARIABLES if os.environ.get(name)), "")
+
+def describe_allocator(backend: str, settings: str | None, expandable_segments: bool | None) -> str:
+    """One line for the plan key and the environment report: the allocator backend, the
+    settings torch parsed, and whether the segments it holds are expandable (None: it holds
+    none yet, so cannot tell)."""
+    seen = {True: "yes", False: "no", None: "none held yet"}[expandable_segments]
+    return f"{backend}; settings {settings if settings is not None else 'unknown'}; expandable segments {seen}"
 
 
 def padding_multiple(device: torch.device) -> int:

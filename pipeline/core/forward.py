@@ -4,6 +4,7 @@ device loop (`run_on_device`, halving a batch on out-of-memory) and read results
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -29,6 +30,12 @@ def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded
     gather = np.where(attention_mask, starts[:, None] + positions[None, :], 0)
     input_ids = np.where(attention_mask, token_ids[gather], pad_token_id).astype(np.int64)
     return input_ids, attention_mask.astype(np.int64)
+
+
+def has_padding(lengths: np.ndarray, padded_length: int) -> bool:
+    """Whether a batch of rows of `lengths` padded to `padded_length` holds any padding: known on
+    the host, so the device never has to be asked (a sync) whether its mask may be dropped."""
+    return bool((np.asarray(lengths) < padded_length).any())
 
 
 class DeviceFeeder:
@@ -212,6 +219,7 @@ class ReadyBatch:
     padded_tokens: int
     window: object = None  # the offline runner's Window these rows belong to, if any
     entered: float = 0.0  # when the packer handed these rows on (the sweep's row latency starts here)
+    padded: bool = True  # some row is shorter than padded_length (else the encoder runs without a mask)
 
 
 class BatchLimits:
@@ -246,8 +254,9 @@ def collate_batches(encoded: EncodedRows, rows: np.ndarray, max_batch_tokens: in
         input_ids, attention_mask = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length,
                                             pad_token_id)
         tensors, copied = feeder.send(input_ids, attention_mask)
-        ready = ReadyBatch(picked, batch.padded_length, tensors, copied, int(lengths[batch.rows].sum()),
-                           batch.padded_tokens, window, entered)
+        batch_lengths = lengths[batch.rows]
+        ready = ReadyBatch(picked, batch.padded_length, tensors, copied, int(batch_lengths.sum()), batch.padded_tokens,
+                           window, entered, has_padding(batch_lengths, batch.padded_length))
         if times is not None:
             times.collate += time.perf_counter() - entered
         yield ready
@@ -267,10 +276,10 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
     yielded at once."""
     keep_in_flight = device.type == "cuda"
 
-    def forward(input_ids, attention_mask):
+    def forward(input_ids, attention_mask, padded=True):
         # inputs still on the host (their copy ran out of memory) move here, under the back-off
         return job.forward(model, input_ids.to(device, non_blocking=True),
-                           attention_mask.to(device, non_blocking=True))
+                           attention_mask.to(device, non_blocking=True), padded)
 
     def read_back(item: ReadyBatch, copy: HostCopy) -> tuple[ReadyBatch, SplitForward]:
         result = copy.read()
@@ -291,7 +300,8 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
             started = time.perf_counter()
             started_event = device_timer_start(device)
             input_ids, attention_mask = feeder.receive(item.tensors, item.copied)
-            result = forward_splitting_on_oom(forward, input_ids, attention_mask, device)
+            result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded), input_ids,
+                                              attention_mask, device)
             if result.splits:
                 limits.lower(item.padded_length, max(1, result.largest_ok_rows))
             launched = (item, HostCopy(result, device, started_event))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -9,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 # memory plan caps them further. CPU: the sweep's knee on 2 cores (1,024–2,048 tokens within 3%,
 # docs/tuning.md "Choosing batch settings"). CUDA: 2,048 tokens starve a large GPU; 32k padded tokens is
 # the order where an encoder's matmuls fill an H100/H200 (TEI's default budget is 16k), and a
-# cap keeps one batch's latency and its out-of-memory back-off bounded. A GPU sweep should try
-# 8k–128k tokens (docs/tuning.md).
+# cap keeps one batch's latency and its out-of-memory back-off bounded; a smaller model gets more
+# (`cuda_batch_tokens`). A GPU sweep should try 8k–256k tokens (docs/tuning.md).
 DEVICE_BATCH_LIMITS = {"cpu": {"max_batch_tokens": 2048, "max_batch_rows": 512},
                        "cuda": {"max_batch_tokens": 32768, "max_batch_rows": 4096}}
 
@@ -22,8 +23,26 @@ SWEEP_VARIES = ("max-batch-tokens", "max-batch-rows")  # `lengthwise sweep --var
 LOADTEST_VARIES = ("max-batch-size", "batch-timeout-ms", "max-batch-tokens")  # `lengthwise loadtest --vary` (batcher)
 
 
-def device_batch_limit(device_type: str, name: str) -> int:
-    """The default `name` (max_batch_tokens, max_batch_rows) on a device type."""
+CUDA_TOKENS_AT_BERT_BASE = 32768  # DEVICE_BATCH_LIMITS' CUDA tokens hold for hidden 768 × 12 layers
+CUDA_TOKEN_RANGE = (16384, 262144)
+
+
+def cuda_batch_tokens(hidden_size: int, layers: int) -> int:
+    """The default CUDA token budget for a model of this size: the same work per batch as
+    32,768 tokens of BERT-base (a token costs ≈ hidden² × layers), as a power of two within
+    16k–256k. A batch of a smaller model is otherwise over in the time the host takes to launch
+    its kernels: all-MiniLM-L6-v2 (384 × 6) at 32k tokens is ≈0.7 TFLOP, 2–3 ms on an H200."""
+    tokens = CUDA_TOKENS_AT_BERT_BASE * (768 * 768 * 12) / max(1, hidden_size * hidden_size * layers)
+    low, high = CUDA_TOKEN_RANGE
+    return min(high, max(low, 2 ** math.floor(math.log2(max(1.0, tokens)))))
+
+
+def device_batch_limit(device_type: str, name: str, model_config=None) -> int:
+    """The default `name` (max_batch_tokens, max_batch_rows) on a device type; on CUDA the
+    token budget follows the model's size when its config is given (`cuda_batch_tokens`)."""
+    hidden, layers = getattr(model_config, "hidden_size", None), getattr(model_config, "num_hidden_layers", None)
+    if device_type == "cuda" and name == "max_batch_tokens" and isinstance(hidden, int) and isinstance(layers, int):
+        return cuda_batch_tokens(hidden, layers)
     return DEVICE_BATCH_LIMITS.get(device_type, DEVICE_BATCH_LIMITS["cpu"])[name]
 
 

@@ -27,11 +27,13 @@ ShardsRunner = Callable[[list[Shard], ShardSink, RunManifest, RunSummary, float]
 PrepareEngine = Callable[[RunConfig, ModelChoice, list[Shard]], tuple[ShardsRunner, RunConfig]]
 
 
-def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngine) -> RunSummary:
-    """What every engine shares: list this slot's shards, settle the model and check the
-    output's recorded settings, let `prepare_engine(config, choice, todo)` load and check what
-    it runs, and only then create the output, hold this slot's lock and claim the output; run
-    the pending shards with what the engine prepared and record this worker's summary.
+def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngine,
+                choose: Callable[[RunConfig], ModelChoice] = choose_model) -> RunSummary:
+    """What every engine shares: list this slot's shards, settle the model (`choose`: the Ray
+    engine settles it for its actors) and check the output's recorded settings, let
+    `prepare_engine(config, choice, todo)` load and check what it runs, and only then create the
+    output, hold this slot's lock and claim the output; run the pending shards with what the
+    engine prepared and record this worker's summary.
     Every usage error comes before the first write, so it leaves the output untouched."""
     started = time.perf_counter()
     shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot,
@@ -41,7 +43,7 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     sink = ShardSink(config.output, config.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
     config = keep_recorded_choices(config, manifest)
-    choice = choose_model(config)
+    choice = choose(config)
     fingerprint = output_fingerprint(config, choice)
     refuse_other_settings(config, manifest.read_run(), fingerprint)
     todo = shards if config.overwrite else pending_shards(shards, manifest)

@@ -22,14 +22,16 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from typing import NamedTuple
 
 from tqdm import tqdm
 from transformers import AutoConfig
 
 from pipeline.core.buckets import padding_efficiency
-from pipeline.core.device import dtype_name
+from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
 from pipeline.core.errors import UsageError
-from pipeline.core.model import ModelChoice, check_max_length, load_model
+from pipeline.core.model import ModelChoice, check_max_length, choose_model, load_model
 from pipeline.core.settings import RunConfig
 from pipeline.engines.claim import run_claimed
 from pipeline.offline.manifest import RunManifest
@@ -62,11 +64,14 @@ class ShardWorker:
             torch.set_num_threads(threads)
         started = time.perf_counter()
         self.config = config
-        self.runner = ShardRunner(config, load_model(config))
+        loaded = load_model(config)  # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
+        self.device, self.dtype = str(loaded.choice.device), dtype_name(loaded.choice.dtype)
+        self.runner = ShardRunner(config, loaded)
         self.setup_s = time.perf_counter() - started
 
     def where(self) -> dict:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "setup_s": round(self.setup_s, 2)}
+        return {"pid": os.getpid(), "host": socket.gethostname(), "setup_s": round(self.setup_s, 2),
+                "device": self.device, "dtype": self.dtype}
 
     def run_shard(self, shard: Shard) -> dict:
         """Run one shard to its committed output (or its failure marker); its summary as a dict."""
@@ -80,9 +85,72 @@ class ShardWorker:
 
 
 def run_on_ray(config: RunConfig) -> RunSummary:
-    """`lengthwise run --engine ray`: claim the output here, run the pending shards on actors."""
-    import_ray()
-    return run_claimed(config, WorkerSlot(), prepare_actors)
+    """`lengthwise run --engine ray`: connect, settle the actors' device and dtype from the
+    cluster, claim the output here, run the pending shards on actors."""
+    ray = import_ray()
+    with ray_connection(ray, config.ray_address):
+        cluster = ray.cluster_resources()
+        return run_claimed(config, WorkerSlot(), prepare_actors, choose=functools.partial(choose_on_cluster, cluster))
+
+
+@contextmanager
+def ray_connection(ray, address: str | None):
+    """Connected to Ray (unless this process already is) for the block; disconnected after if
+    connected here. Ray installs its own SIGINT/SIGTERM handlers; ours stop the run cleanly."""
+    connected_here = not ray.is_initialized()
+    if connected_here:
+        handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        if threading.current_thread() is threading.main_thread():
+            for number, handler in handlers.items():
+                signal.signal(number, handler)
+    try:
+        yield
+    finally:
+        if connected_here:
+            ray.shutdown()
+
+
+PRE_AMPERE_GPUS = frozenset({"K80", "M60", "P4", "P40", "P100", "V100", "T4"})  # Ray's accelerator_type names
+
+
+def actor_device_and_dtype(device: str, dtype: str, cluster: dict) -> tuple[str, str | None, str]:
+    """(device, dtype, why) of the actors, from the cluster's resources rather than the driver's
+    own hardware: a CPU-only head (KubeRay's `num-gpus: "0"`) must neither put GPU actors in
+    float32 nor refuse --device cuda. Every actor gets the same explicit dtype, so the output
+    fingerprint recorded here holds for all of them. dtype None: CPU actors, whose `auto` the
+    driver settles as a local run does."""
+    gpus = int(cluster.get("GPU", 0))
+    if device == "cpu" or not gpus:
+        if device.startswith("cuda"):
+            raise UsageError(f"--device {device}: the Ray cluster has no GPU; use --device cpu or auto")
+        return "cpu", None, ""
+    if device not in ("auto", "cuda"):
+        raise UsageError(f"--device {device} names one GPU, but each Ray actor has a GPU of its own; "
+                         "use --device cuda or auto")
+    if dtype != "auto":
+        return "cuda", dtype, f"{dtype}: --dtype"
+    kinds = sorted(name.removeprefix("accelerator_type:") for name in cluster if name.startswith("accelerator_type:"))
+    older = [kind for kind in kinds if kind in PRE_AMPERE_GPUS]
+    if older and len(older) < len(kinds):
+        raise UsageError(f"the Ray cluster mixes GPUs before Ampere ({', '.join(older)}) with later ones "
+                         f"({', '.join(k for k in kinds if k not in older)}), whose --dtype auto differ; "
+                         "set --dtype float16 or bfloat16")
+    chosen = gpu_auto_dtype((7, 0) if older else (8, 0))
+    return "cuda", chosen, f"{chosen}: the default on the cluster's GPUs ({', '.join(kinds) or 'type not reported'})"
+
+
+def choose_on_cluster(cluster: dict, config: RunConfig) -> ModelChoice:
+    """The run's model choice with the device and dtype its actors will run in (see
+    `actor_device_and_dtype`); everything else is settled on the driver as for a local run."""
+    device, dtype, reason = actor_device_and_dtype(config.device, config.dtype, cluster)
+    if device == "cpu":
+        return choose_model(dataclasses.replace(config, device="cpu"))
+    import torch
+
+    choice = choose_model(dataclasses.replace(config, device="cpu", dtype="float32"))  # the driver needs no GPU
+    log.info(f"actors: dtype {reason}")
+    return dataclasses.replace(choice, device=torch.device("cuda"), dtype=DTYPES[dtype], dtype_reason=reason)
 
 
 def prepare_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard]):
@@ -95,39 +163,46 @@ def prepare_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard]):
 
 def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,
                   summary: RunSummary, started: float) -> None:
-    """The Ray engine: connect (unless this process already is), hand `todo` to actors, then
-    remove what attempts whose actor died left behind."""
+    """The Ray engine: hand `todo` to actors, then remove what attempts whose actor died left behind."""
     ray = import_ray()
-    # every actor runs what the fingerprint says, whatever its node's CPU would pick for `auto`
-    config = dataclasses.replace(config, dtype=dtype_name(choice.dtype))
-    connected_here = not ray.is_initialized()
-    if connected_here:
-        handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
-        ray.init(address=config.ray_address, logging_level=logging.WARNING, log_to_driver=True)
-        if threading.current_thread() is threading.main_thread():
-            for number, handler in handlers.items():  # Ray installs its own; ours stop the run cleanly
-                signal.signal(number, handler)
-    try:
-        ActorPool(ray, config, len(todo)).run(todo, manifest, summary, config.progress)
-    finally:
-        if connected_here:
-            ray.shutdown()
+    # every actor runs on the device type and in the dtype the fingerprint says, whatever its node would pick
+    config = dataclasses.replace(config, device=choice.device.type, dtype=dtype_name(choice.dtype))
+    ActorPool(ray, config, len(todo)).run(todo, manifest, summary, config.progress)
     sink.remove_stale_temporaries([shard.stem for shard in todo])
     wall_s = time.perf_counter() - started
     summary.rows_per_s = summary.rows / wall_s
     summary.tokens_per_s = summary.real_tokens / wall_s
 
 
-def actor_layout(config: RunConfig, cluster: dict, shards: int) -> tuple[int, dict, int | None]:
-    """(actors, options, torch threads): one actor per GPU of the cluster with num_gpus=1, or
-    CPU actors of --threads-per-worker each where there are none; never more than shards."""
-    gpus = int(cluster.get("GPU", 0))
-    if gpus and config.device != "cpu":
-        workers = config.workers or gpus
-        return min(workers, shards), {"num_gpus": 1, "num_cpus": 1}, config.threads_per_worker
-    threads = config.threads_per_worker or 1
-    workers = config.workers or max(1, int(cluster.get("CPU", 1)) // threads)
-    return min(workers, shards), {"num_cpus": threads}, threads
+class ActorLayout(NamedTuple):
+    count: int  # actors
+    options: dict  # Ray resources of each: num_gpus, num_cpus
+    threads: int | None  # torch threads per actor
+    tokenize_workers: int  # tokenizer processes per actor (0: in the actor's process)
+    note: str = ""  # why fewer actors than --workers asked for
+
+
+def actor_layout(config: RunConfig, nodes: list[dict], shards: int) -> ActorLayout:
+    """One actor per GPU with num_gpus=1 and its share of its node's CPUs (node CPUs / GPUs,
+    the smallest share over the GPU nodes) and torch threads 1 unless --threads-per-worker; or
+    CPU actors of --threads-per-worker CPUs each where there are no GPUs. The tokenizer pool is
+    the share less the CPU the actor's own loop runs on. Never more actors than shards, nor
+    than the nodes can place at once: Ray would hold the others back until one ends, and an
+    actor never ends. `nodes`: each live node's resources."""
+    gpu_nodes = [node for node in nodes if int(node.get("GPU", 0))]
+    if gpu_nodes and config.device != "cpu":
+        share = min(int(node.get("CPU", 0)) // int(node["GPU"]) for node in gpu_nodes)
+        fits, unit = sum(int(node["GPU"]) for node in gpu_nodes), "GPU(s)"
+        options, threads = {"num_gpus": 1, "num_cpus": share}, config.threads_per_worker or 1
+    else:
+        share = threads = config.threads_per_worker or 1
+        fits, unit = max(1, sum(int(node.get("CPU", 0)) // threads for node in nodes)), f"slot(s) of {threads} CPU(s)"
+        options = {"num_cpus": threads}
+    workers, note = config.workers or fits, ""
+    if workers > fits:
+        note = f"--workers {workers} is more than the cluster's {fits} {unit}; running {fits} actor(s)"
+        workers = fits
+    return ActorLayout(min(workers, shards), options, threads, max(0, min(config.tokenize_workers, share - 1)), note)
 
 
 class ActorPool:
@@ -135,8 +210,12 @@ class ActorPool:
 
     def __init__(self, ray, config: RunConfig, shards: int):
         self.ray = ray
-        self.config = dataclasses.replace(config, progress=False)  # one bar, the driver's
-        self.count, self.options, self.threads = actor_layout(config, ray.cluster_resources(), shards)
+        layout = actor_layout(config, [node["Resources"] for node in ray.nodes() if node["Alive"]], shards)
+        if layout.note:
+            log.warning(layout.note)
+        self.count, self.options, self.threads = layout.count, layout.options, layout.threads
+        # one bar, the driver's; a tokenizer pool from the actor's share of its node's CPUs
+        self.config = dataclasses.replace(config, progress=False, tokenize_workers=layout.tokenize_workers)
         self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **self.options)
         self.replacements_left = self.count * MAX_SHARD_ATTEMPTS
         self.actors: list = []
@@ -152,6 +231,12 @@ class ActorPool:
         except self.ray.exceptions.RayActorError as error:
             raise UsageError(f"a Ray actor could not start: {error}") from error
         for slot, where in zip(actors, found):
+            if (where["device"].split(":")[0], where["dtype"]) != (self.config.device, self.config.dtype):
+                for actor in actors.values():
+                    self.ray.kill(actor)
+                raise UsageError(f"Ray actor {slot} on {where['host']} runs on {where['device']} in {where['dtype']}, "
+                                 f"not {self.config.device} in {self.config.dtype} as the output records; "
+                                 "set --device and --dtype")
             self.where[slot] = where
             log.info(f"actor {slot}: pid {where['pid']} on {where['host']}, model loaded in {where['setup_s']}s")
         return actors

@@ -63,7 +63,8 @@ class ShardRunner:
         self.loaded = loaded
         config = dataclasses.replace(config, max_length=loaded.choice.max_length)
         saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
-        self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for)
+        self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
+                                                                   model_config=loaded.model.config)
         log.info(f"batch setting: {self.batch_setting}")
         self.sweep_reference = sweep_reference(saved_for)
         self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
