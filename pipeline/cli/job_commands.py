@@ -13,6 +13,7 @@ from pipeline.cli.options import (
     BATCH_OPTIONS,
     CONFIG_OPTION,
     EXIT_SHARDS_FAILED,
+    EXIT_STORAGE,
     INPUT_OPTIONS,
     LOG_OPTIONS,
     MODEL_OPTIONS,
@@ -28,7 +29,7 @@ from pipeline.cli.options import (
     parse_thresholds,
     with_options,
 )
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.settings import RunConfig
 from pipeline.engines.execute import execute_run
 
@@ -90,6 +91,9 @@ def run(**options) -> None:
         summary = execute_run(config)
     except UsageError as error:
         fail(str(error))
+    except StorageError as error:  # one line; the traceback only with --verbose
+        logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
+        fail(str(error), EXIT_STORAGE)
     click.echo(summary.to_text())
     if config.summary_json:
         click.echo(f"summary json    {config.summary_json}")
