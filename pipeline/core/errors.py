@@ -20,6 +20,7 @@ class StorageError(Exception):
 
 NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 DENIED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+MORE_S3_RETRIES = """--storage-option 'config_kwargs={"retries": {"max_attempts": 10, "mode": "adaptive"}}'"""
 RERUN = "then rerun the same command: committed shards are kept and it resumes"
 
 
@@ -39,5 +40,5 @@ def as_storage_error(error: BaseException, path: str) -> StorageError | None:
                             f"choose another --output, {RERUN}")
     if is_transient(error):
         return StorageError(f"{path}: the object store kept failing through its retries ({cause}); wait for it to "
-                            f"recover (or raise the retries: --storage-option retries=N for s3), {RERUN}")
+                            f"recover (or allow more retries, for s3: {MORE_S3_RETRIES}), {RERUN}")
     return None

@@ -31,6 +31,11 @@ def manifest_root(fs: fsspec.AbstractFileSystem, output_dir: str) -> str:
     return legacy if fs.exists(f"{legacy}/run.json") else f"{output_dir}/{MANIFEST_DIR}"
 
 
+def shown_path(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """`path` as the user wrote it: with its protocol (s3://…) unless it is a local file."""
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+
+
 def pending(shard_stems: list[str], done_stems: set[str]) -> list[str]:
     """The shards a run still has to do, in input order (failed ones are retried)."""
     return [stem for stem in shard_stems if stem not in done_stems]
@@ -69,7 +74,7 @@ class RunManifest:
         try:
             retry_transient(write, f"writing {path}", log=log.warning)
         except Exception as error:
-            raise as_storage_error(error, path) or error
+            raise as_storage_error(error, shown_path(self.fs, path)) or error
 
     def _read_json(self, path: str) -> dict | None:
         try:
@@ -147,7 +152,7 @@ class RunManifest:
         try:
             self.fs.makedirs(f"{self.root}/shards", exist_ok=True)
         except OSError as error:
-            raise as_storage_error(error, f"{self.root}/shards") or error
+            raise as_storage_error(error, shown_path(self.fs, f"{self.root}/shards")) or error
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now(), "index": slot.index,
                 "count": slot.count}
         note = None
@@ -155,7 +160,7 @@ class RunManifest:
             try:
                 created = self._create_exclusive(path, mine)
             except OSError as error:
-                raise as_storage_error(error, path) or error
+                raise as_storage_error(error, shown_path(self.fs, path)) or error
             if created:
                 return note
             holder = self._read_json(path)

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import StorageError, UsageError, as_storage_error
 from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
-from pipeline.offline.manifest import RunManifest
+from pipeline.offline.manifest import RunManifest, shown_path
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RowStats, RunSummary
 from pipeline.offline.windows import Window
@@ -71,7 +71,7 @@ class ShardWriter:
                 self._writer = pq.ParquetWriter(self._file, table.schema, compression="zstd")
             self._writer.write_table(table)
         except Exception as error:
-            raise as_storage_error(error, self.temp_path) or error
+            raise as_storage_error(error, shown_path(self.fs, self.temp_path)) or error
         self.rows_written += table.num_rows
 
     def commit(self, manifest: RunManifest | None = None) -> str:
@@ -89,11 +89,14 @@ class ShardWriter:
                                f"attempt {holder}")
         try:
             self._writer.close()
-            self._file.close()
+            self._file.close()  # an object store uploads here
+        except Exception as error:
+            raise as_storage_error(error, shown_path(self.fs, self.temp_path)) or error
+        try:
             retry_transient(lambda: self.fs.mv(self.temp_path, self.final_path), f"committing {self.final_path}",
                             log=log.warning)
         except Exception as error:
-            raise as_storage_error(error, self.final_path) or error
+            raise as_storage_error(error, shown_path(self.fs, self.final_path)) or error
         return self.final_path
 
     def abort(self) -> None:
