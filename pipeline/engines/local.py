@@ -39,4 +39,8 @@ def refuse_while_a_worker_starts() -> None:
 
 def prepare_here(config: RunConfig, choice: ModelChoice) -> ShardsRunner:
     """The local engine: the model loaded once in this process, one shard runner for all shards."""
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
     return ShardRunner(config, load_model(config, choice)).run

@@ -201,7 +201,7 @@ class WindowWriter:
     whole: its temporary file is deleted and nothing of it is committed."""
 
     def __init__(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], columns_of: ColumnsOf,
-                 times: StageTimes, count_flagged: CountFlagged | None = None):
+                 times: StageTimes, count_flagged: CountFlagged | None = None, ids: IdTracker | None = None):
         self.sink, self.manifest, self.shards = sink, manifest, shards
         self.columns_of = columns_of
         self.count_flagged = count_flagged
@@ -209,7 +209,7 @@ class WindowWriter:
         self.times = times
         self.failures: dict[int, str] = {}  # shard index → why it failed
         self.counts: dict[int, np.ndarray] = {}  # shard index → rows, error rows, truncated rows written
-        self.ids = IdTracker()
+        self.ids = ids or IdTracker()  # an engine's own tracker counts duplicate ids across its runners
         self.row_stats = RowStats()
 
     def write(self, window: Window) -> None:
