@@ -172,8 +172,8 @@ class ActorPool:
         if self.replacements_left >= 0:
             self._launch(slot)
         else:
-            log.warning(f"actor {slot} is not replaced: Ray actors died {self.count * MAX_SHARD_ATTEMPTS} times "
-                        f"in this run")
+            log.warning(f"actor {slot} is not replaced: the run's {self.count * MAX_SHARD_ATTEMPTS} actor "
+                        f"replacements are spent")
 
     def _started(self, ref) -> int | None:
         """The slot whose actor has loaded its model, or None when it could not (it is replaced).
@@ -185,14 +185,14 @@ class ActorPool:
             log.warning(f"actor {slot} died while loading the model ({first_line(error)}); starting another")
             self._replace(slot, f"died while loading the model: {first_line(error)}")
             return None
-        if where["start_error"]:
+        load_error = where.pop("start_error")
+        if load_error:
             self.ray.kill(self.actors[slot])
-            error = where["start_error"]
-            self.start_errors[error] = self.start_errors.get(error, 0) + 1
-            if self.start_errors[error] >= 2:
-                raise UsageError(f"the Ray actors could not load the model: {error}")
-            log.warning(f"actor {slot} could not load the model ({error}); trying another actor")
-            self._replace(slot, f"could not load the model: {error}")
+            self.start_errors[load_error] = self.start_errors.get(load_error, 0) + 1
+            if self.start_errors[load_error] >= 2:
+                raise UsageError(f"the Ray actors could not load the model: {load_error}")
+            log.warning(f"actor {slot} could not load the model ({load_error}); trying another actor")
+            self._replace(slot, f"could not load the model: {load_error}")
             return None
         self.where[slot] = where
         log.info(f"actor {slot}: pid {where['pid']} on {where['host']}, model loaded in {where['setup_s']}s")
@@ -230,8 +230,8 @@ class ActorPool:
                     break
                 finished = ray.wait([*self.starting, *running], num_returns=1)[0][0]
                 if finished in self.starting:
-                    started_slot = self._started(finished)
-                    idle.extend([] if started_slot is None else [started_slot])
+                    if (started := self._started(finished)) is not None:
+                        idle.append(started)
                     continue
                 slot, shard, dispatched = running.pop(finished)
                 try:
@@ -278,8 +278,8 @@ class ActorPool:
 
     def _fail_left(self, queue, manifest, summary) -> None:
         """No actor is left to run the queued shards: fail them (a rerun retries them)."""
-        reason = f"no Ray actor left to run it: actors died {self.count * MAX_SHARD_ATTEMPTS + 1} times (last: " \
-                 f"{self.last_death})"
+        reason = (f"no Ray actor left to run it: the run's {self.count * MAX_SHARD_ATTEMPTS} actor replacements are "
+                  f"spent (last: {self.last_death})")
         log.warning(f"{reason}; {len(queue)} shard(s) not run")
         for shard in queue:
             manifest.mark(shard.stem, "failed", input=shard.url, error=reason)
