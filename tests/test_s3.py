@@ -222,7 +222,8 @@ def test_an_object_store_down_for_good_is_one_line_exit_4_and_a_rerun_resumes(bu
     assert result.exit_code == 4, result.output
     [line] = [line for line in result.stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
     assert line.startswith(f"error: s3://{name}/out/.part-00001.parquet.") and "the object store kept failing" in line
-    assert "Please reduce your request rate" in line and line.endswith("then rerun the same command: committed shards are kept and it resumes")
+    assert "Please reduce your request rate" in line
+    assert line.endswith("then rerun the same command: committed shards are kept and it resumes")
     fs.invalidate_cache()
     assert sorted(read_outputs(fs, name)) == ["part-00000.parquet"] and not fs.glob(f"{name}/out/.*.tmp")
     down.shutdown()

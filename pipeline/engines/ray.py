@@ -228,7 +228,7 @@ class ActorPool:
                 if not running and not self.starting:  # every actor died and none may replace it
                     self._fail_left(queue, manifest, summary)
                     break
-                finished = ray.wait([*self.starting, *running], num_returns=1)[0][0]
+                finished = wait_for_one(ray, [*self.starting, *running])
                 if finished in self.starting:
                     if (started := self._started(finished)) is not None:
                         idle.append(started)
@@ -285,6 +285,18 @@ class ActorPool:
             manifest.mark(shard.stem, "failed", input=shard.url, error=reason)
             summary.failed_shards.append({"shard": shard.url, "error": reason})
         queue.clear()
+
+
+def wait_for_one(ray, refs: list):
+    """The first of `refs` to finish. A signal handler that raises (SIGTERM → the CLI's
+    Interrupted) while Ray waits comes out of Ray's wait as a SystemError caused by it: raise the
+    interruption itself, so the run stops as it does anywhere else (exit 143/130)."""
+    try:
+        return ray.wait(refs, num_returns=1)[0][0]
+    except SystemError as error:
+        if error.__cause__ is not None and not isinstance(error.__cause__, Exception):
+            raise error.__cause__ from None
+        raise
 
 
 def first_line(error: BaseException) -> str:

@@ -28,10 +28,11 @@ LENGTH_STEP = 8  # a suggested --max-length is rounded up to a multiple of this 
 
 def diagnose_run(summary) -> list[Finding]:
     """Findings for a run summary (a RunSummary or its JSON dict), in the practice's order:
-    memory, throughput, the input pipeline, padding and truncation, ids, row errors."""
+    memory, a machine shared with other jobs, throughput, the input pipeline, padding and truncation, ids,
+    row errors."""
     s = as_record(summary)
-    checks = (_oom_splits, _oversubscribed, _below_sweep, _preprocessing_bound, _low_padding, _truncated_rows, _duplicate_ids,
-              _row_errors)
+    checks = (_oom_splits, _oversubscribed, _below_sweep, _preprocessing_bound, _low_padding, _truncated_rows,
+              _duplicate_ids, _row_errors)
     return [finding for check in checks if (finding := check(s)) is not None]
 
 
