@@ -3,7 +3,7 @@
 The options are `lengthwise run`'s flags with underscores (`max_length=128`, `keep_columns=["label"]`,
 `threshold={"toxic": 0.8}`, `config="configs/nightly_moderation.toml"`), parsed by the same command,
 so defaults, LENGTHWISE_* variables, TOML files and checks are the CLI's. Errors are exceptions,
-never an exit: UsageError (exit 2 on the CLI) and ShardsFailed (exit 1).
+never an exit: UsageError (exit 2 on the CLI), ShardsFailed (exit 1) and StorageError (exit 4).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class ShardsFailed(RuntimeError):
 def run(input: str | list[str], output: str | None = None, job: str = "embed", **options) -> dict:
     """Run `job` over `input` into `output` and return the summary (the keys of --summary-json).
 
-    Raises UsageError on bad settings (nothing written) and ShardsFailed when shards failed.
+    Raises UsageError on bad settings (nothing written), ShardsFailed when shards failed and
+    StorageError when the output's storage refused a write (committed shards stay; rerun).
     A script that calls this must do so under `if __name__ == "__main__":` unless
     tokenize_workers=0 (the tokenizer workers are spawned and re-run the main script)."""
     arguments = ["--job", job, *_flag_arguments("input", [input] if isinstance(input, str) else list(input))]

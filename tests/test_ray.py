@@ -230,3 +230,81 @@ def test_sigterm_to_the_driver_stops_the_actors_and_exits_143(tmp_path, ray_clus
         time.sleep(0.2)
     assert not Path(f"/proc/{actor}").exists() or "zombie" in Path(f"/proc/{actor}/status").read_text().lower()
     assert not (tmp_path / "out" / ".lengthwise" / "lock").exists()
+
+
+def actor_pids(title: str) -> list[int]:
+    """The processes whose title (Ray sets `ray::ShardWorker.__init__` while an actor loads) starts with `title`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(title.encode()):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def every_id_once(output: Path, table: pa.Table) -> None:
+    ids = read_outputs(output)["id"].to_pylist()
+    assert sorted(ids, key=str) == sorted(table["id"].to_pylist(), key=str)
+    assert not list(output.glob(".*.tmp")), "a temporary file is visible"
+
+
+@pytest.mark.slow
+def test_an_actor_killed_while_loading_the_model_is_replaced(tmp_path, ray_cluster, sample_table,
+                                                             tiny_encoder_path):
+    """SIGKILL of a `ray::ShardWorker.__init__` process (its probe runs: --no-plan-cache); the
+    ids repeat across shards, and duplicates are counted across them as a local run counts them."""
+    table = pa.concat_tables([sample_table.slice(0, 60), sample_table.slice(0, 60)])  # 60 ids twice
+    write_shards(tmp_path / "in", table, [30, 30, 30, 30])
+    driver = Driver(ray_args(tmp_path / "in", tmp_path / "out", tiny_encoder_path, "--no-plan-cache",
+                             "--summary-json", str(tmp_path / "s.json")))
+    deadline = time.monotonic() + 120
+    while not (loading := actor_pids("ray::ShardWorker.__init__")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert loading, "no actor was seen loading its model"
+    os.kill(loading[0], signal.SIGKILL)
+    assert driver.finish() == 0, "".join(driver.lines)
+    assert any("died while loading the model" in line for line in driver.lines), "".join(driver.lines)
+    every_id_once(tmp_path / "out", table)
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert (summary["rows"], summary["duplicate_ids"]) == (120, 60)
+    examples = summary["duplicate_id_examples"]
+    assert len(examples) == 5 and set(examples) <= set(sample_table["id"].to_pylist()[:60])
+
+
+@pytest.mark.slow
+def test_an_actor_killed_while_writing_is_replaced_and_the_new_attempt_commits(tmp_path, ray_cluster, longer_rows,
+                                                                                tiny_encoder_path):
+    write_shards(tmp_path / "in", longer_rows.slice(0, 1200), [400, 400, 400])
+    output = tmp_path / "out"
+    driver = Driver(ray_args(tmp_path / "in", output, tiny_encoder_path, *SLOW_SETTINGS))
+    deadline = time.monotonic() + 180
+    while not (writing := list(output.glob(".*.parquet.*.tmp"))) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert writing, "no temporary output was seen"
+    shard = writing[0].name[1:writing[0].name.index(".parquet.")]  # .part-00001.parquet.<random>.tmp
+    took = driver.wait_for(f"{shard}.parquet (attempt ")
+    victim, first_attempt = int(took.split("(pid ")[1].split(")")[0]), took.split("(attempt ")[1].split(")")[0]
+    os.kill(victim, signal.SIGKILL)
+    assert driver.finish() == 0, "".join(driver.lines)
+    assert any(f"(pid {victim}) died running" in line for line in driver.lines), "".join(driver.lines)
+    every_id_once(output, longer_rows.slice(0, 1200))
+    marker = json.loads((output / ".lengthwise" / "shards" / f"{shard}.json").read_text())
+    assert marker["status"] == "done" and marker["pid"] != victim and marker["attempt"] != first_attempt
+
+
+@pytest.mark.slow
+def test_the_same_load_error_in_two_actors_is_a_usage_error(tmp_path, ray_cluster, sample_table, tiny_encoder_path):
+    import shutil
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_encoder_path, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors at all")  # the config still reads
+    write_shards(tmp_path / "in", sample_table.slice(0, 20), [10, 10])
+    result = CliRunner().invoke(cli, ray_args(tmp_path / "in", tmp_path / "out", str(broken)))
+    assert result.exit_code == 2, result.output
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: the Ray actors could not load the model: SafetensorError: Error while "
+                           "deserializing header")
+    assert not list((tmp_path / "out").glob("*.parquet"))

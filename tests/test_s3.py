@@ -1,12 +1,16 @@
 """Input and output on S3 through fsspec/s3fs, against a real S3-compatible server (moto) on
 loopback: a full run, a kill and resume, and a corrupt shard."""
 
+import http.client
+import http.server
 import json
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -123,3 +127,106 @@ def test_kill_and_resume_on_s3(bucket, endpoint, tiny_encoder_path):
     assert rerun.returncode == 0, rerun.stderr
     assert "already done, resuming" in rerun.stderr
     assert read_outputs(fs, name) == expected
+
+
+class FlakyProxy(http.server.ThreadingHTTPServer):
+    """A real HTTP proxy in front of moto that answers `503 SlowDown` to the requests
+    `fails(method, path, count)` picks (count: the requests of that method and path so far)."""
+
+    daemon_threads = True
+
+    def __init__(self, target: str, fails):
+        self.target, self.fails, self.seen, self.refused = urllib.parse.urlsplit(target), fails, {}, []
+        super().__init__(("127.0.0.1", 0), ProxyHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+             b'<Message>Please reduce your request rate.</Message><RequestId>1</RequestId></Error>')
+
+
+class ProxyHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        proxy = self.server
+        key = (self.command, self.path.split("?")[0])
+        proxy.seen[key] = proxy.seen.get(key, 0) + 1
+        if proxy.fails(self.command, self.path, proxy.seen[key]):
+            proxy.refused.append(key)
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(SLOW_DOWN)))
+            self.end_headers()
+            self.wfile.write(SLOW_DOWN)
+            return
+        connection = http.client.HTTPConnection(proxy.target.hostname, proxy.target.port, timeout=30)
+        connection.request(self.command, self.path, body, dict(self.headers))
+        answer = connection.getresponse()
+        data = answer.read()
+        self.send_response(answer.status)
+        for name, value in answer.getheaders():
+            if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(name, value)
+        # a HEAD answer has no body but the object's length
+        self.send_header("Content-Length", answer.getheader("Content-Length", "0") if self.command == "HEAD"
+                         else str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        connection.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+
+FEW_RETRIES = ("--storage-option", 'config_kwargs={"retries": {"max_attempts": 2}}')
+
+
+@pytest.mark.slow
+def test_throttling_on_s3_is_retried_and_the_run_completes(bucket, endpoint, tiny_encoder_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    fs, name = bucket
+    proxy = FlakyProxy(endpoint, lambda method, path, count: method == "PUT" and "/out/.part-" in path and count <= 2)
+    args = run_args(endpoint, name, tiny_encoder_path)
+    args[args.index(f"endpoint_url={endpoint}")] = f"endpoint_url={proxy.url}"
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert len(proxy.refused) == 6  # every output shard's upload was refused twice first
+    outputs = read_outputs(fs, name)
+    assert [len(rows) for rows in outputs.values()] == [40, 40, 40]
+    proxy.shutdown()
+
+
+@pytest.mark.slow
+def test_an_object_store_down_for_good_is_one_line_exit_4_and_a_rerun_resumes(bucket, endpoint, tiny_encoder_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    fs, name = bucket
+    down = FlakyProxy(endpoint, lambda method, path, count: method == "PUT" and "/out/.part-00001" in path)
+    args = [*run_args(endpoint, name, tiny_encoder_path), *FEW_RETRIES]
+    args[args.index(f"endpoint_url={endpoint}")] = f"endpoint_url={down.url}"
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 4, result.output
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
+    assert line.startswith(f"error: s3://{name}/out/.part-00001.parquet.") and "the object store kept failing" in line
+    assert "Please reduce your request rate" in line
+    assert line.endswith("then rerun the same command: committed shards are kept and it resumes")
+    fs.invalidate_cache()
+    assert sorted(read_outputs(fs, name)) == ["part-00000.parquet"] and not fs.glob(f"{name}/out/.*.tmp")
+    down.shutdown()
+    rerun = CliRunner().invoke(cli, run_args(endpoint, name, tiny_encoder_path))
+    assert rerun.exit_code == 0 and "1 of 3 shards already done, resuming" in rerun.stderr, rerun.output
+    assert [len(rows) for rows in read_outputs(fs, name).values()] == [40, 40, 40]

@@ -4,7 +4,8 @@ Every option comes, in this order of precedence, from its flag, from its
 LENGTHWISE_<NAME> environment variable, from the TOML file given with --config, or from
 its default (defined once, in `pipeline/core/settings.py`). Exit codes: 0 done, 1 some shards
 failed, 2 usage or config error (one line saying what to change), 3 a --fail-on-regression gate,
-130/143 interrupted.
+4 the output's storage refused a write (no space, no permission, an object store down), 130/143
+interrupted.
 """
 
 from __future__ import annotations

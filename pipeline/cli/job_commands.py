@@ -13,6 +13,7 @@ from pipeline.cli.options import (
     BATCH_OPTIONS,
     CONFIG_OPTION,
     EXIT_SHARDS_FAILED,
+    EXIT_STORAGE,
     INPUT_OPTIONS,
     LOG_OPTIONS,
     MODEL_OPTIONS,
@@ -28,7 +29,7 @@ from pipeline.cli.options import (
     parse_thresholds,
     with_options,
 )
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.settings import RunConfig
 from pipeline.engines.execute import execute_run
 
@@ -71,6 +72,9 @@ from pipeline.engines.execute import execute_run
             help="--engine ray: actors. Default: one per GPU of the cluster, else cluster CPUs / --threads-per-worker.")
 @env_option("--threads-per-worker", env="THREADS_PER_WORKER", type=click.IntRange(1), default=None,
             help="--engine ray: torch threads (and CPUs reserved) per actor. Default: 1 for CPU actors.")
+@env_option("--torch-threads", env="TORCH_THREADS", type=click.IntRange(1), default=None,
+            help="Torch threads of the forward in this process. Default: torch's (the cores); two jobs on one machine "
+                 "should split the cores between them.")
 @env_option("--num-shards", env="NUM_SHARDS", type=click.IntRange(1), default=default_of("num_shards"),
             show_default=True,
             help="Run as one of N workers over the same input and output (Kubernetes Indexed Job, Slurm array, "
@@ -90,6 +94,9 @@ def run(**options) -> None:
         summary = execute_run(config)
     except UsageError as error:
         fail(str(error))
+    except StorageError as error:  # one line; the traceback only with --verbose
+        logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
+        fail(str(error), EXIT_STORAGE)
     click.echo(summary.to_text())
     if config.summary_json:
         click.echo(f"summary json    {config.summary_json}")

@@ -23,6 +23,7 @@ else:  # pragma: no cover
 
 EXIT_SHARDS_FAILED = 1
 EXIT_USAGE = 2
+EXIT_STORAGE = 4  # the output's storage refused a write for good: no space, no permission, an object store down
 
 
 def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
@@ -382,6 +383,6 @@ def loadtest_default(name: str):
     return default_of(name, OnlineLoadtestConfig)
 
 
-def fail(message: str) -> None:
+def fail(message: str, exit_code: int = EXIT_USAGE) -> None:
     click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_USAGE)
+    sys.exit(exit_code)

@@ -11,12 +11,13 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+# EBUSY: what s3fs makes of SlowDown, ServiceUnavailable and OperationAborted
 TRANSIENT_ERRNOS = {errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE,
-                    errno.EAGAIN}
+                    errno.EAGAIN, errno.EBUSY}
 # Names and messages of object-store errors that mean "try again later": throttling, 5xx, timeouts.
 TRANSIENT_MARKERS = ("SlowDown", "Throttl", "RequestTimeout", "ServiceUnavailable", "InternalError",
                      "TooManyRequests", "(500)", "(502)", "(503)", "(504)", "timed out", "Timeout",
-                     "Connection reset", "RemoteDisconnected")
+                     "Connection reset", "RemoteDisconnected", "reduce your request rate")
 
 
 def is_transient(error: BaseException) -> bool:

@@ -93,6 +93,8 @@ class RunConfig:
     ray_address: str | None = None  # engine ray: auto, ray://host:10001; None = RAY_ADDRESS or a local cluster
     workers: int | None = None  # engine ray: actors; None = one per GPU, else CPUs // threads_per_worker
     threads_per_worker: int | None = None  # engine ray: torch threads per actor (CPU actors: 1 when None)
+    torch_threads: int | None = None  # intra-op threads of the forward in this process; None = torch's default
+    # (the cores): two jobs on one machine each set it to their share
     num_shards: int = 1  # this process is one of N workers over the same input and output
     shard_index: int | None = None  # which of them (0…N-1); None = JOB_COMPLETION_INDEX / SLURM_ARRAY_TASK_ID
     fail_fast: bool = False  # stop at the first failed shard

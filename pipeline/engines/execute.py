@@ -21,6 +21,9 @@ def execute_run(config: RunConfig):
     from pipeline.core.findings import as_dicts
     from pipeline.offline.diagnosis import diagnose_run
 
+    from pipeline.offline.machine import machine_load
+
+    before = machine_load()
     if config.engine == "ray":
         if config.num_shards > 1:
             raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
@@ -31,6 +34,9 @@ def execute_run(config: RunConfig):
         from pipeline.engines.local import run_job
 
         summary = run_job(config)
+    after = machine_load()  # other jobs seen at the start or the end, and the load average at the end
+    summary.settings = {**summary.settings, "load_average": after["load_average"],
+                        "other_jobs": sorted(set(before["other_jobs"]) | set(after["other_jobs"]))}
     summary.diagnosis = as_dicts(diagnose_run(summary))
     if config.summary_json:
         Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,11 @@ def refuse_while_a_worker_starts() -> None:
 def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard]) -> tuple[ShardsRunner, RunConfig]:
     """The local engine: the model loaded once in this process (compiled if that pays back over
     `todo`), one shard runner for all shards; the config with --compile settled."""
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+
     def workload(spec: TokenizerSpec) -> float:
         return estimate_tokens(todo, config.id_column, config.text_column, spec, config.storage_options)
 

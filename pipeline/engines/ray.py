@@ -3,11 +3,13 @@
 The driver claims the output (lock, fingerprint, pending shards) as a local run does, then
 feeds the pending shards, longest first, to K actors. Each actor loads the model once and
 runs the shard runner on one shard at a time, reading its input and writing its output
-itself: no rows travel through Ray's object store, only shards and summaries. An actor that
-dies mid-shard (node lost, OOM-killed) is replaced and its shard handed to another actor, at
-most MAX_SHARD_ATTEMPTS times; the dead attempt's temporary file is never committed and is
-removed at the end. Exactly-once comes from the commit (temporary name → fixed name → marker),
-so a shard committed twice by a zombie attempt is the same file with the same content.
+itself: no rows travel through Ray's object store, only shards, summaries and id hashes. An
+actor that dies at any moment (while loading the model, mid-shard, while committing: node
+lost, OOM-killed) is replaced, and its shard handed to another actor, at most
+MAX_SHARD_ATTEMPTS times; actors are replaced at most MAX_SHARD_ATTEMPTS × K times a run. The
+same Python exception from loading the model in two actors is a usage error. Each attempt
+carries a token the driver grants before handing the shard out; the commit checks it, so a
+zombie attempt that comes back never commits over a newer one (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -30,15 +33,15 @@ from transformers import AutoConfig
 
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.model import ModelChoice, check_max_length, choose_model, load_model
 from pipeline.core.settings import RunConfig
 from pipeline.engines.claim import run_claimed
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.runner import ShardRunner
-from pipeline.offline.sink import ShardSink
+from pipeline.offline.sink import ShardSink, output_paths
 from pipeline.offline.source import Shard, WorkerSlot
-from pipeline.offline.summary import RunSummary
+from pipeline.offline.summary import IdTracker, RunSummary
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,9 @@ def import_ray():
 
 
 class ShardWorker:
-    """The body of a Ray actor: one model on one device, shards in, summaries out."""
+    """The body of a Ray actor: one model on one device, shards in, summaries out. A Python
+    exception while loading the model is kept and reported by `where`, so that the driver can
+    tell it (the same in every actor: a usage error) from an actor killed while it loads."""
 
     def __init__(self, config: RunConfig, threads: int | None):
         import torch
@@ -64,24 +69,31 @@ class ShardWorker:
             torch.set_num_threads(threads)
         started = time.perf_counter()
         self.config = config
-        loaded = load_model(config)  # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
-        self.device, self.dtype = str(loaded.choice.device), dtype_name(loaded.choice.dtype)
-        self.runner = ShardRunner(config, loaded)
+        self.start_error, self.device, self.dtype = None, None, None
+        try:
+            loaded = load_model(config)  # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
+            self.device, self.dtype = str(loaded.choice.device), dtype_name(loaded.choice.dtype)
+            self.runner = ShardRunner(config, loaded)
+        except Exception as error:
+            self.start_error = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {error}"
         self.setup_s = time.perf_counter() - started
 
     def where(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "setup_s": round(self.setup_s, 2),
-                "device": self.device, "dtype": self.dtype}
+                "device": self.device, "dtype": self.dtype, "start_error": self.start_error}
 
-    def run_shard(self, shard: Shard) -> dict:
-        """Run one shard to its committed output (or its failure marker); its summary as a dict."""
+    def run_shard(self, shard: Shard, attempt: str) -> dict:
+        """Run one shard to its committed output (or its failure marker) as attempt `attempt`;
+        its summary as a dict and its rows' id hashes."""
         started = time.perf_counter()
-        sink = ShardSink(self.config.output, self.config.storage_options)
+        sink = ShardSink(self.config.output, self.config.storage_options, attempt)
         manifest = RunManifest(sink.fs, sink.output_dir)
         summary = RunSummary(shards=1, output=self.config.output)
-        self.runner.run([shard], sink, manifest, summary, started)
+        ids = IdTracker()
+        self.runner.run([shard], sink, manifest, summary, started, ids)
         summary.wall_s = time.perf_counter() - started
-        return dataclasses.asdict(summary)
+        return {"summary": dataclasses.asdict(summary), "id_hashes": ids.hashes(),
+                "committed": bool(sink.committed)}
 
 
 def run_on_ray(config: RunConfig) -> RunSummary:
@@ -167,7 +179,7 @@ def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sin
     ray = import_ray()
     # every actor runs on the device type and in the dtype the fingerprint says, whatever its node would pick
     config = dataclasses.replace(config, device=choice.device.type, dtype=dtype_name(choice.dtype))
-    ActorPool(ray, config, len(todo)).run(todo, manifest, summary, config.progress)
+    ActorPool(ray, config, len(todo)).run(todo, sink, manifest, summary, config.progress)
     sink.remove_stale_temporaries([shard.stem for shard in todo])
     wall_s = time.perf_counter() - started
     summary.rows_per_s = summary.rows / wall_s
@@ -206,7 +218,8 @@ def actor_layout(config: RunConfig, nodes: list[dict], shards: int) -> ActorLayo
 
 
 class ActorPool:
-    """K shard actors fed longest shard first; a dead actor is replaced and its shard retried."""
+    """K shard actors fed longest shard first; an actor that dies is replaced and its shard
+    retried, within the budgets; every hand-out is a fenced attempt."""
 
     def __init__(self, ray, config: RunConfig, shards: int):
         self.ray = ray
@@ -218,68 +231,119 @@ class ActorPool:
         self.config = dataclasses.replace(config, progress=False, tokenize_workers=layout.tokenize_workers)
         self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **self.options)
         self.replacements_left = self.count * MAX_SHARD_ATTEMPTS
-        self.actors: list = []
+        self.actors: dict = {}  # actor slot → its current actor
+        self.starting: dict = {}  # object ref of `where` → actor slot, while its model loads
+        self.start_errors: dict[str, int] = {}  # a Python exception from loading the model → actors it stopped
+        self.last_death = ""
+        self.run_token = uuid.uuid4().hex[:8]  # this driver's attempts: RUN.1, RUN.2, …
+        self.attempts_made = 0
         self.where: dict[int, dict] = {}  # actor slot → pid, host, setup time
         self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0})
 
-    def start(self, slots: list[int]) -> dict:
-        """New actors for `slots`, created together; returns once every one has its model loaded.
-        An actor that cannot start (no model folder on its node, a bad setting) is a usage error."""
-        actors = {slot: self.actor_class.remote(self.config, self.threads) for slot in slots}
-        try:
-            found = self.ray.get([actor.where.remote() for actor in actors.values()])
-        except self.ray.exceptions.RayActorError as error:
-            raise UsageError(f"a Ray actor could not start: {error}") from error
-        for slot, where in zip(actors, found):
-            if (where["device"].split(":")[0], where["dtype"]) != (self.config.device, self.config.dtype):
-                for actor in actors.values():
-                    self.ray.kill(actor)
-                raise UsageError(f"Ray actor {slot} on {where['host']} runs on {where['device']} in {where['dtype']}, "
-                                 f"not {self.config.device} in {self.config.dtype} as the output records; "
-                                 "set --device and --dtype")
-            self.where[slot] = where
-            log.info(f"actor {slot}: pid {where['pid']} on {where['host']}, model loaded in {where['setup_s']}s")
-        return actors
+    def _launch(self, slot: int) -> None:
+        self.actors[slot] = self.actor_class.remote(self.config, self.threads)
+        self.starting[self.actors[slot].where.remote()] = slot
 
-    def run(self, todo: list[Shard], manifest: RunManifest, summary: RunSummary, progress: bool) -> None:
+    def _replace(self, slot: int, why: str) -> None:
+        """Start another actor in `slot`, unless the run's replacements are spent."""
+        self.last_death = why
+        self.replacements_left -= 1
+        if self.replacements_left >= 0:
+            self._launch(slot)
+        else:
+            log.warning(f"actor {slot} is not replaced: the run's {self.count * MAX_SHARD_ATTEMPTS} actor "
+                        f"replacements are spent")
+
+    def _started(self, ref) -> int | None:
+        """The slot whose actor has loaded its model, or None when it could not (it is replaced).
+        The same Python exception in two actors is a usage error: a bad model folder or setting."""
+        slot = self.starting.pop(ref)
+        try:
+            where = self.ray.get(ref)
+        except self.ray.exceptions.RayActorError as error:  # killed while loading: node lost, OOM, preempted
+            log.warning(f"actor {slot} died while loading the model ({first_line(error)}); starting another")
+            self._replace(slot, f"died while loading the model: {first_line(error)}")
+            return None
+        load_error = where.pop("start_error")
+        if load_error:
+            self.ray.kill(self.actors[slot])
+            self.start_errors[load_error] = self.start_errors.get(load_error, 0) + 1
+            if self.start_errors[load_error] >= 2:
+                raise UsageError(f"the Ray actors could not load the model: {load_error}")
+            log.warning(f"actor {slot} could not load the model ({load_error}); trying another actor")
+            self._replace(slot, f"could not load the model: {load_error}")
+            return None
+        if (where["device"].split(":")[0], where["dtype"]) != (self.config.device, self.config.dtype):
+            for actor in self.actors.values():
+                self.ray.kill(actor)
+            raise UsageError(f"Ray actor {slot} on {where['host']} runs on {where['device']} in {where['dtype']}, "
+                             f"not {self.config.device} in {self.config.dtype} as the output records; "
+                             "set --device and --dtype")
+        self.where[slot] = where
+        log.info(f"actor {slot}: pid {where['pid']} on {where['host']}, model loaded in {where['setup_s']}s")
+        return slot
+
+    def _dispatch(self, slot: int, shard: Shard, manifest: RunManifest, running: dict) -> None:
+        """Grant `shard` to a new attempt (the fence), then hand it to the actor in `slot`."""
+        self.attempts_made += 1
+        token = f"{self.run_token}.{self.attempts_made}"
+        manifest.grant_attempt(shard.stem, token)
+        log.info(f"actor {slot} (pid {self.where[slot]['pid']}) took {shard.url} (attempt {token})")
+        running[self.actors[slot].run_shard.remote(shard, token)] = (slot, shard, time.perf_counter())
+
+    def run(self, todo: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
+            progress: bool) -> None:
         ray = self.ray
         log.info(f"ray: {len(todo)} shard(s) on {self.count} actor(s) ({self.options})")
         queue = collections.deque(sorted(todo, key=lambda shard: shard.num_rows, reverse=True))
         attempts: collections.Counter = collections.Counter()
-        actors = self.start(list(range(self.count)))
-        idle = list(actors)
+        ids, committed = IdTracker(), []
+        for slot in range(self.count):
+            self._launch(slot)
+        idle: list[int] = []
         running: dict = {}  # object ref → (actor slot, shard, dispatched at)
         bar = tqdm(total=sum(shard.num_rows for shard in todo), unit="rows", file=sys.stderr, disable=not progress,
                    dynamic_ncols=True, smoothing=0.1)
         try:
             while queue or running:
                 while queue and idle:
-                    slot, shard = idle.pop(), queue.popleft()
+                    shard = queue.popleft()
                     attempts[shard.stem] += 1
-                    log.info(f"actor {slot} (pid {self.where[slot]['pid']}) took {shard.url}")
-                    running[actors[slot].run_shard.remote(shard)] = (slot, shard, time.perf_counter())
-                finished, _ = ray.wait(list(running), num_returns=1)
-                slot, shard, dispatched = running.pop(finished[0])
+                    self._dispatch(idle.pop(), shard, manifest, running)
+                if not running and not self.starting:  # every actor died and none may replace it
+                    self._fail_left(queue, manifest, summary)
+                    break
+                finished = wait_for_one(ray, [*self.starting, *running])
+                if finished in self.starting:
+                    if (started := self._started(finished)) is not None:
+                        idle.append(started)
+                    continue
+                slot, shard, dispatched = running.pop(finished)
                 try:
-                    result = ray.get(finished[0])
+                    result = ray.get(finished)
                 except ray.exceptions.RayActorError as error:
                     self._lost(slot, shard, attempts, queue, manifest, summary, error)
-                    actors.update(self.start([slot]))
-                    idle.append(slot)
+                    self._replace(slot, f"died running {shard.url}: {first_line(error)}")
                     continue
-                except ray.exceptions.RayTaskError as error:  # not a bad shard: a bug or a bad setting
+                except ray.exceptions.RayTaskError as error:  # not a bad shard: storage, a bug or a bad setting
+                    if isinstance(error.cause, StorageError):
+                        raise StorageError(str(error.cause)) from None
                     raise RuntimeError(f"{shard.url} raised on actor {slot}: {error}") from error
-                merge_summary(summary, result)
+                merge_summary(summary, result["summary"])
+                ids.add_hashes(result["id_hashes"])
+                if result["committed"]:
+                    committed.append(output_paths(sink.output_dir, shard.stem)[0])
                 stats = self.stats[slot]
                 stats["shards"] += 1
-                stats["rows"] += result["rows"]
+                stats["rows"] += result["summary"]["rows"]
                 stats["busy_s"] += time.perf_counter() - dispatched
                 bar.update(shard.num_rows)
                 idle.append(slot)
         finally:
             bar.close()
-            for actor in actors.values():
+            for actor in self.actors.values():
                 ray.kill(actor)  # an interrupt stops the actors too; their temporaries are cleaned up
+        summary.duplicate_ids, summary.duplicate_id_examples = ids.duplicates(sink.fs, committed)
         summary.workers = [{"actor": slot, **self.where[slot], **stats,
                             "rows_per_s": round(stats["rows"] / stats["busy_s"], 2) if stats["busy_s"] else 0.0}
                            for slot, stats in sorted(self.stats.items())]
@@ -288,9 +352,6 @@ class ActorPool:
 
     def _lost(self, slot, shard, attempts, queue, manifest, summary, error) -> None:
         """An actor died with `shard` in hand: hand it out again, or fail it after the last attempt."""
-        self.replacements_left -= 1
-        if self.replacements_left < 0:
-            raise RuntimeError(f"Ray actors keep dying (last: {error}); stopping")
         if attempts[shard.stem] < MAX_SHARD_ATTEMPTS:
             log.warning(f"actor {slot} (pid {self.where[slot]['pid']}) died running {shard.url}; handing the shard "
                         f"to another actor (attempt {attempts[shard.stem] + 1} of {MAX_SHARD_ATTEMPTS})")
@@ -300,18 +361,43 @@ class ActorPool:
         manifest.mark(shard.stem, "failed", input=shard.url, error=reason)
         summary.failed_shards.append({"shard": shard.url, "error": reason})
 
+    def _fail_left(self, queue, manifest, summary) -> None:
+        """No actor is left to run the queued shards: fail them (a rerun retries them)."""
+        reason = (f"no Ray actor left to run it: the run's {self.count * MAX_SHARD_ATTEMPTS} actor replacements are "
+                  f"spent (last: {self.last_death})")
+        log.warning(f"{reason}; {len(queue)} shard(s) not run")
+        for shard in queue:
+            manifest.mark(shard.stem, "failed", input=shard.url, error=reason)
+            summary.failed_shards.append({"shard": shard.url, "error": reason})
+        queue.clear()
+
+
+def wait_for_one(ray, refs: list):
+    """The first of `refs` to finish. A signal handler that raises (SIGTERM → the CLI's
+    Interrupted) while Ray waits comes out of Ray's wait as a SystemError caused by it: raise the
+    interruption itself, so the run stops as it does anywhere else (exit 143/130)."""
+    try:
+        return ray.wait(refs, num_returns=1)[0][0]
+    except SystemError as error:
+        if error.__cause__ is not None and not isinstance(error.__cause__, Exception):
+            raise error.__cause__ from None
+        raise
+
+
+def first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+
 
 def merge_summary(total: RunSummary, part: dict) -> None:
-    """Add one shard's summary to the run's: counts add up, lists extend, the rest is kept."""
-    for name in ("rows", "error_rows", "truncated_rows", "duplicate_ids", "batches", "real_tokens", "padded_tokens",
-                 "oom_splits"):
+    """Add one shard's summary to the run's: counts add up, lists extend, the rest is kept
+    (duplicate ids are counted across shards from the actors' id hashes, not added up)."""
+    for name in ("rows", "error_rows", "truncated_rows", "batches", "real_tokens", "padded_tokens", "oom_splits"):
         setattr(total, name, getattr(total, name) + part[name])
     total.failed_shards.extend(part["failed_shards"])
     if part["flagged_rows"] is not None:  # job moderate
         total.flagged_rows = (total.flagged_rows or 0) + part["flagged_rows"]
         for label, rows in part["flagged_by_label"].items():
             total.flagged_by_label[label] = total.flagged_by_label.get(label, 0) + rows
-    total.duplicate_id_examples.extend(part["duplicate_id_examples"][:5 - len(total.duplicate_id_examples)])
     for name, seconds in part["stage_s"].items():
         total.stage_s[name] = round(total.stage_s.get(name, 0.0) + seconds, 3)
     total.lowered_batch_rows.update(part["lowered_batch_rows"])

@@ -28,11 +28,34 @@ LENGTH_STEP = 8  # a suggested --max-length is rounded up to a multiple of this 
 
 def diagnose_run(summary) -> list[Finding]:
     """Findings for a run summary (a RunSummary or its JSON dict), in the practice's order:
-    memory, throughput, the input pipeline, padding and truncation, ids, row errors."""
+    memory, a machine shared with other jobs, throughput, the input pipeline, padding and truncation, ids,
+    row errors."""
     s = as_record(summary)
-    checks = (_oom_splits, _below_sweep, _preprocessing_bound, _low_padding, _truncated_rows, _duplicate_ids,
-              _row_errors)
+    checks = (_oom_splits, _oversubscribed, _below_sweep, _preprocessing_bound, _low_padding, _truncated_rows,
+              _duplicate_ids, _row_errors)
     return [finding for check in checks if (finding := check(s)) is not None]
+
+
+def _oversubscribed(s: dict) -> Finding | None:
+    """Other lengthwise jobs on this machine, or a 1-minute load average above this run's own
+    busy threads (torch threads + tokenizer workers) by more than the cores: other work wanted
+    the cores too (a second job on a 2-core machine took one run from ~850 to ~43 rows/s)."""
+    settings = s.get("settings") or {}
+    others, load, cores = settings.get("other_jobs") or [], settings.get("load_average"), settings.get("cores")
+    own = (settings.get("torch_threads") or 0) + (settings.get("tokenize_workers") or 0)
+    busy = load is not None and cores and load > own + cores
+    if not s.get("rows") or not (others or busy):
+        return None
+    evidence = (f"{len(others)} other lengthwise job(s) ran on this machine (pid {', '.join(map(str, others))})"
+                if others else "other work ran on this machine")
+    if load is not None and cores:
+        evidence += (f"; load average {load:.1f} on {cores} cores, this run's own threads {own} "
+                     f"({settings.get('torch_threads')} torch, {settings.get('tokenize_workers')} tokenizer workers)")
+    share = max(1, (cores or 2) // (len(others) + 1))
+    return Finding(
+        "oversubscribed", evidence,
+        f"the jobs share the cores: give each --torch-threads {share} and --tokenize-workers {max(0, share - 1)} "
+        "(their threads adding up to the cores), or run them one after the other")
 
 
 def _row_errors(s: dict) -> Finding | None:

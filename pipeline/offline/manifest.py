@@ -13,7 +13,7 @@ import uuid
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import UsageError, as_storage_error
 from pipeline.core.retry import retry_transient
 from pipeline.core.settings import RunConfig
 from pipeline.offline.source import Shard, WorkerSlot, list_shards, slot_of
@@ -29,6 +29,11 @@ def manifest_root(fs: fsspec.AbstractFileSystem, output_dir: str) -> str:
     """The output's manifest folder: the legacy one if an earlier run recorded there, so it resumes."""
     legacy = f"{output_dir}/{LEGACY_MANIFEST_DIR}"
     return legacy if fs.exists(f"{legacy}/run.json") else f"{output_dir}/{MANIFEST_DIR}"
+
+
+def shown_path(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """`path` as the user wrote it: with its protocol (s3://…) unless it is a local file."""
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
 def pending(shard_stems: list[str], done_stems: set[str]) -> list[str]:
@@ -57,11 +62,19 @@ class RunManifest:
         def write() -> None:
             temp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
             self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)  # shards/dt=X/ for a partitioned input
-            with self.fs.open(temp, "w") as f:
-                f.write(json.dumps(data, indent=2, default=str) + "\n")
-            self.fs.mv(temp, path)
+            try:
+                with self.fs.open(temp, "w") as f:
+                    f.write(json.dumps(data, indent=2, default=str) + "\n")
+                self.fs.mv(temp, path)
+            except BaseException:
+                if self.fs.exists(temp):  # no half-written marker stays behind (a full disk)
+                    self.fs.rm(temp)
+                raise
 
-        retry_transient(write, f"writing {path}", log=log.warning)
+        try:
+            retry_transient(write, f"writing {path}", log=log.warning)
+        except Exception as error:
+            raise as_storage_error(error, shown_path(self.fs, path)) or error
 
     def _read_json(self, path: str) -> dict | None:
         try:
@@ -103,6 +116,18 @@ class RunManifest:
         self._write_json(f"{self.root}/shards/{stem}.json",
                          {"shard": stem, "status": status, "at": _now(), **details})
 
+    # Fencing: the engine that hands a shard to an attempt grants it first; only the holder commits.
+
+    def grant_attempt(self, stem: str, token: str) -> None:
+        """Record `token` as the one attempt that may commit `stem`: an older attempt that comes
+        back (a zombie actor, a timed-out task) finds another token at its commit and stands down."""
+        self._write_json(f"{self.root}/attempts/{stem}.json", {"shard": stem, "attempt": token, "at": _now()})
+
+    def attempt_holder(self, stem: str) -> str | None:
+        """The token of the attempt granted `stem` last; None where no engine grants (one process)."""
+        granted = self._read_json(f"{self.root}/attempts/{stem}.json")
+        return granted and granted["attempt"]
+
     def clear_markers(self, stems: list[str]) -> None:
         for stem in stems:
             path = f"{self.root}/shards/{stem}.json"
@@ -124,12 +149,19 @@ class RunManifest:
                                  f"(pid {holder.get('pid')} on {holder.get('host')}); wait for them, or use the "
                                  f"same --num-shards")
         path = self.lock_path(slot)
-        self.fs.makedirs(f"{self.root}/shards", exist_ok=True)
+        try:
+            self.fs.makedirs(f"{self.root}/shards", exist_ok=True)
+        except OSError as error:
+            raise as_storage_error(error, shown_path(self.fs, f"{self.root}/shards")) or error
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now(), "index": slot.index,
                 "count": slot.count}
         note = None
         for _ in range(3):
-            if self._create_exclusive(path, mine):
+            try:
+                created = self._create_exclusive(path, mine)
+            except OSError as error:
+                raise as_storage_error(error, shown_path(self.fs, path)) or error
+            if created:
                 return note
             holder = self._read_json(path)
             if holder is None:  # released between our two looks
@@ -178,7 +210,10 @@ class RunManifest:
         path = self.lock_path(slot)
         holder = self._read_json(path)
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            self.fs.rm(path)
+            try:
+                self.fs.rm(path)
+            except OSError as error:  # storage that failed the run may fail this too; the next run takes it over
+                log.warning(f"could not remove the lock {path}: {type(error).__name__}: {error}")
 
 
 SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")

@@ -49,7 +49,7 @@ from pipeline.core.tokenize import TokenizerPool
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
 from pipeline.offline.source import Shard, read_blocks
-from pipeline.offline.summary import RunSummary
+from pipeline.offline.summary import IdTracker, RunSummary
 from pipeline.offline.windows import Window, group_into_windows, tokenize_windows
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,9 @@ class ShardRunner:
         check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names)
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
-            started: float) -> None:
+            started: float, ids: IdTracker | None = None) -> None:
         """Read, tokenize, batch, forward and write `shards`, adding to `summary`. Time before
-        this call (since `started`) counts as setup."""
+        this call (since `started`) counts as setup; `ids` collects the written rows' id hashes."""
         config, loaded = self.config, self.loaded
         job, model, device = loaded.job, loaded.model, loaded.choice.device
         times = StageTimes(setup=time.perf_counter() - started)
@@ -85,7 +85,7 @@ class ShardRunner:
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
         summary.settings, summary.sweep_reference = diagnosis_settings(config, model), self.sweep_reference
         count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
-        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged)
+        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids)
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
@@ -148,6 +148,7 @@ def diagnosis_settings(config: RunConfig, model: torch.nn.Module) -> dict:
     """The settings the diagnosis reads and names in its actions."""
     return {"max_length": config.max_length, "max_positions": getattr(model.config, "max_position_embeddings", None),
             "window_rows": config.window_rows, "tokenize_workers": config.tokenize_workers, "cores": usable_cores(),
+            "torch_threads": torch.get_num_threads(),
             "safety": config.safety, "max_batch_tokens": config.max_batch_tokens,
             "max_batch_rows": config.max_batch_rows}
 

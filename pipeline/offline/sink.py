@@ -22,10 +22,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import StorageError, UsageError, as_storage_error
 from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
-from pipeline.offline.manifest import RunManifest
+from pipeline.offline.manifest import RunManifest, shown_path
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RowStats, RunSummary
 from pipeline.offline.windows import Window
@@ -46,43 +46,68 @@ def output_paths(output_dir: str, stem: str) -> tuple[str, str]:
     return f"{folder}/{name}.parquet", f"{folder}/.{name}.parquet.{uuid.uuid4().hex[:12]}.tmp"
 
 
-class ShardWriter:
-    """Streams one shard's output rows to a temporary file, then commits it by rename."""
+class StaleAttempt(Exception):
+    """This attempt's shard was granted to a newer attempt: it stands down without committing."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str, shard: Shard):
+
+class ShardWriter:
+    """Streams one shard's output rows to a temporary file, then commits it by rename. An
+    attempt token, where the engine grants one, fences the commit: only the holder renames."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str, shard: Shard, attempt: str | None = None):
         self.fs = fs
         self.shard = shard
+        self.attempt = attempt
         self.final_path, self.temp_path = output_paths(output_dir, shard.stem)
         self.rows_written = 0
         self._file = None
         self._writer = None
 
     def write(self, table: pa.Table) -> None:
-        if self._writer is None:
-            self.fs.makedirs(self.temp_path.rpartition("/")[0], exist_ok=True)  # a partition's folder
-            self._file = self.fs.open(self.temp_path, "wb")
-            self._writer = pq.ParquetWriter(self._file, table.schema, compression="zstd")
-        self._writer.write_table(table)
+        try:
+            if self._writer is None:
+                self.fs.makedirs(self.temp_path.rpartition("/")[0], exist_ok=True)  # a partition's folder
+                self._file = self.fs.open(self.temp_path, "wb")
+                self._writer = pq.ParquetWriter(self._file, table.schema, compression="zstd")
+            self._writer.write_table(table)
+        except Exception as error:
+            raise as_storage_error(error, shown_path(self.fs, self.temp_path)) or error
         self.rows_written += table.num_rows
 
-    def commit(self) -> str:
-        """Close and rename into place; refuses if rows written ≠ rows in the input shard."""
+    def commit(self, manifest: RunManifest | None = None) -> str:
+        """Close and rename into place; refuses if rows written ≠ rows in the input shard, and
+        stands down (StaleAttempt, temporary file removed) if `manifest` has granted the shard
+        to another attempt."""
         if self.rows_written != self.shard.num_rows:
             self.abort()
             raise RuntimeError(f"{self.shard.url}: wrote {self.rows_written} rows, input has "
                                f"{self.shard.num_rows}; output not committed")
-        self._writer.close()
-        self._file.close()
-        retry_transient(lambda: self.fs.mv(self.temp_path, self.final_path), f"committing {self.final_path}",
-                        log=log.warning)
+        holder = manifest.attempt_holder(self.shard.stem) if manifest is not None and self.attempt else None
+        if holder not in (None, self.attempt):
+            self.abort()
+            raise StaleAttempt(f"{self.shard.url}: attempt {self.attempt} stood down, the shard was handed to "
+                               f"attempt {holder}")
+        try:
+            self._writer.close()
+            self._file.close()  # an object store uploads here
+        except Exception as error:
+            raise as_storage_error(error, shown_path(self.fs, self.temp_path)) or error
+        try:
+            retry_transient(lambda: self.fs.mv(self.temp_path, self.final_path), f"committing {self.final_path}",
+                            log=log.warning)
+        except Exception as error:
+            raise as_storage_error(error, shown_path(self.fs, self.final_path)) or error
         return self.final_path
 
     def abort(self) -> None:
-        """Drop the temporary file; the final name is never touched."""
+        """Drop the temporary file; the final name is never touched. Closing may fail on the
+        storage that failed the write (a full disk): the file goes all the same."""
         if self._writer is not None:
             try:
                 self._writer.close()
                 self._file.close()
+            except Exception as error:
+                log.debug(f"closing {self.temp_path} before removing it: {type(error).__name__}: {error}")
             finally:
                 self._writer = None
                 if self.fs.exists(self.temp_path):
@@ -97,8 +122,9 @@ class ShardSink:
     makes the output directory, once the run's settings and model have been checked, so a
     usage error leaves the output untouched."""
 
-    def __init__(self, output: str, storage_options: dict | None = None):
+    def __init__(self, output: str, storage_options: dict | None = None, attempt: str | None = None):
         self.output = output
+        self.attempt = attempt  # the token of this attempt, where the engine grants shards (Ray)
         try:
             self.fs, self.output_dir = fsspec.core.url_to_fs(output, **(storage_options or {}))
         except (ImportError, ValueError, OSError) as error:
@@ -115,11 +141,11 @@ class ShardSink:
 
     def write(self, shard_index: int, shard: Shard, table: pa.Table) -> None:
         if shard_index not in self._writers:
-            self._writers[shard_index] = ShardWriter(self.fs, self.output_dir, shard)
+            self._writers[shard_index] = ShardWriter(self.fs, self.output_dir, shard, self.attempt)
         self._writers[shard_index].write(table)
 
-    def commit(self, shard_index: int) -> str:
-        path = self._writers[shard_index].commit()  # on failure the writer stays, so abort() finds it
+    def commit(self, shard_index: int, manifest: RunManifest | None = None) -> str:
+        path = self._writers[shard_index].commit(manifest)  # on failure the writer stays, so abort() finds it
         del self._writers[shard_index]
         self.committed[shard_index] = path
         return path
@@ -175,7 +201,7 @@ class WindowWriter:
     whole: its temporary file is deleted and nothing of it is committed."""
 
     def __init__(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], columns_of: ColumnsOf,
-                 times: StageTimes, count_flagged: CountFlagged | None = None):
+                 times: StageTimes, count_flagged: CountFlagged | None = None, ids: IdTracker | None = None):
         self.sink, self.manifest, self.shards = sink, manifest, shards
         self.columns_of = columns_of
         self.count_flagged = count_flagged
@@ -183,7 +209,7 @@ class WindowWriter:
         self.times = times
         self.failures: dict[int, str] = {}  # shard index → why it failed
         self.counts: dict[int, np.ndarray] = {}  # shard index → rows, error rows, truncated rows written
-        self.ids = IdTracker()
+        self.ids = ids or IdTracker()  # an engine's own tracker counts duplicate ids across its runners
         self.row_stats = RowStats()
 
     def write(self, window: Window) -> None:
@@ -204,13 +230,19 @@ class WindowWriter:
                 self._add_flagged(block.shard_index, *self.count_flagged(table))
             if block.is_last_of_shard:
                 try:
-                    self.sink.commit(block.shard_index)
-                except Exception as error:  # e.g. the rename failed for good, or the row count is wrong
+                    self.sink.commit(block.shard_index, self.manifest)
+                except StaleAttempt as stale:  # a newer attempt owns the shard: neither committed nor failed here
+                    log.warning(str(stale))
+                    continue
+                except StorageError:  # the output's storage fails every shard alike: the run stops
+                    raise
+                except Exception as error:  # e.g. the row count is wrong
                     self.failures[block.shard_index] = f"committing the output failed: {type(error).__name__}: {error}"
                     self.sink.abort(block.shard_index)
                     continue
                 self.manifest.mark(shard.stem, "done", input=shard.url, rows=shard.num_rows,
-                                   host=socket.gethostname(), pid=os.getpid())
+                                   host=socket.gethostname(), pid=os.getpid(),
+                                   **({"attempt": self.sink.attempt} if self.sink.attempt else {}))
             self.ids.add(block.ids.to_pylist())
             valid = window.valid[positions]
             counts = self.counts.setdefault(block.shard_index, np.zeros(3, np.int64))

@@ -146,10 +146,16 @@ class IdTracker:
         values = [v for v in ids if v is not None]
         self._hashes.append(np.fromiter((id_hash(v) for v in values), dtype=np.int64, count=len(values)))
 
+    def add_hashes(self, hashes: np.ndarray) -> None:
+        """Another tracker's hashes (a Ray actor's shard), so duplicates count across shards."""
+        self._hashes.append(np.asarray(hashes, np.int64))
+
+    def hashes(self) -> np.ndarray:
+        return np.concatenate(self._hashes) if self._hashes else np.zeros(0, np.int64)
+
     def duplicates(self, fs, paths: Iterable[str], examples: int = 5) -> tuple[int, list]:
         """How many rows repeat an earlier id, and a few such ids (read back from `paths`)."""
-        hashes = np.concatenate(self._hashes) if self._hashes else np.zeros(0, np.int64)
-        unique, counts = np.unique(hashes, return_counts=True)
+        unique, counts = np.unique(self.hashes(), return_counts=True)
         repeated = set(unique[counts > 1].tolist())
         found: list = []
         for path in paths if repeated else ():
