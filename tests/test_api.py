@@ -45,6 +45,7 @@ def test_run_takes_the_flags_as_keywords_and_returns_the_summary(tmp_path, shard
     assert again["shards_done_before"] == 2 and again["rows"] == 0
 
 
+@pytest.mark.slow
 def test_run_moderates_with_thresholds_as_a_dict(tmp_path, shards, tiny_multilabel_path):
     summary = run(str(shards), str(tmp_path / "out"), job="moderate", model=tiny_multilabel_path,
                   threshold={"toxic": 0.0, "threat": 1.0}, flag_labels=["toxic", "threat"], **FAST)

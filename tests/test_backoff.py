@@ -93,6 +93,7 @@ def test_a_row_that_cannot_run_alone_gets_an_error_and_the_run_goes_on(tmp_path,
     assert output["id"].to_pylist() == rows_with_bad_ones["id"].to_pylist()
 
 
+@pytest.mark.slow
 def test_the_probe_shrinks_batches_that_run_out_of_memory_on_the_device(oom_job, tiny_encoder_path):
     """A device that fails above 8 rows: the probe's search lands on 8 for every bucket it runs,
     and the buckets between them get no more rows than the shorter verified one."""
@@ -122,6 +123,7 @@ class NonFiniteForSomeRows(EmbedJob):
         return outputs
 
 
+@pytest.mark.slow
 def test_a_non_finite_output_becomes_the_rows_error_not_a_result(tmp_path, monkeypatch, baseline, rows_with_bad_ones,
                                                                  tiny_encoder_path):
     monkeypatch.setitem(jobs.registry.JOBS, "embed-nan", NonFiniteForSomeRows())

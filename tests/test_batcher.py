@@ -50,6 +50,7 @@ def batcher_for(loaded, limits=None, **settings) -> DynamicBatcher:
     return DynamicBatcher(loaded, BatcherConfig(**settings), limits or BatchLimits(None))
 
 
+@pytest.mark.slow
 def test_each_caller_gets_the_row_lengthwise_run_writes_for_its_text(tmp_path, minilm_path, minilm, sample_table):
     texts = sample_table["text"].to_pylist()[:48]
     texts[5], texts[11] = "   ", " ".join(texts[:30])  # an error row and a truncated one

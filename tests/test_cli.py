@@ -28,6 +28,7 @@ def invoke(args, env=None):
     return result
 
 
+@pytest.mark.slow
 def test_run_writes_one_file_per_shard_with_every_id_in_order(tmp_path, shards, sample_table, tiny_encoder_path):
     result = invoke(["run", "--input", str(shards), "--output", str(tmp_path / "out"), "--model", tiny_encoder_path,
                      "--no-progress", "--tokenize-workers", "1", "--summary-json", str(tmp_path / "s.json")])
@@ -42,6 +43,7 @@ def test_run_writes_one_file_per_shard_with_every_id_in_order(tmp_path, shards, 
     assert "padding efficiency" in result.output and f"output          {tmp_path / 'out'}" in result.output
 
 
+@pytest.mark.slow
 def test_flags_win_over_env_and_env_over_the_config_file(tmp_path, shards, tiny_encoder_path):
     config = tmp_path / "job.toml"
     config.write_text(f'input = "{shards}"\noutput = "{tmp_path / "from-file"}"\nmodel = "{tiny_encoder_path}"\n'
@@ -105,6 +107,7 @@ def test_unknown_config_key_is_a_usage_error(tmp_path):
     assert "unknown key 'max_batch_tokenz'" in result.output
 
 
+@pytest.mark.slow
 def test_console_script_runs_the_demo_config_offline(tmp_path, tiny_encoder_path):
     script = Path(sys.executable).parent / "lengthwise"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "LENGTHWISE_MODEL": tiny_encoder_path}
@@ -159,6 +162,7 @@ def test_run_defaults_are_the_config_defaults():
     assert compared >= 15
 
 
+@pytest.mark.slow
 def test_sweep_and_plan_read_a_run_config_file(tmp_path, tiny_encoder_path):
     """A nightly TOML serves `plan` and `sweep` too: their keys apply, run-only keys (output) are skipped."""
     config = tmp_path / "nightly.toml"

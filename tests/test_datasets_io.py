@@ -28,6 +28,7 @@ def run_cli(*args):
                                     "--max-length", "64", *map(str, args)])
 
 
+@pytest.mark.slow
 def test_kept_columns_come_through_unchanged_after_the_id(tmp_path, labelled, tiny_encoder_path):
     write_shards(tmp_path / "in", labelled, [50, 40])
     result = run_cli("--input", tmp_path / "in", "--output", tmp_path / "out", "--model", tiny_encoder_path,

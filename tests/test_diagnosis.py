@@ -208,6 +208,7 @@ def test_full_lengths_are_the_untruncated_token_counts(minilm_path, sample_table
     assert encoded.lengths.max() == 16
 
 
+@pytest.mark.slow
 def test_a_real_run_prints_and_saves_its_findings(tmp_path, rows_with_bad_ones, tiny_encoder_path):
     """The shipped sample with four bad texts and a repeated id, at --max-length 8."""
     table = rows_with_bad_ones.set_column(0, "id", pa.array(["same"] * 2 + rows_with_bad_ones["id"].to_pylist()[2:]))
@@ -231,6 +232,7 @@ def test_a_real_run_prints_and_saves_its_findings(tmp_path, rows_with_bad_ones, 
         assert line in result.output
 
 
+@pytest.mark.slow
 def test_a_real_sweep_saves_its_findings_and_its_throughput_for_the_run(tmp_path, tiny_encoder_path):
     cache = tmp_path / "cache"
     result = CliRunner().invoke(cli, ["sweep", "--input", str(SAMPLE_DIR), "--model", tiny_encoder_path,

@@ -100,6 +100,7 @@ def test_two_concurrent_workers_equal_a_local_run_and_status_counts_each(tmp_pat
     assert "shard_index" not in json.loads((output / ".lengthwise" / "run.json").read_text())["config"]
 
 
+@pytest.mark.slow
 def test_a_worker_index_given_twice_is_refused_and_status_shows_it_running(tmp_path, rows_with_bad_ones,
                                                                            tiny_encoder_path):
     write_shards(tmp_path / "in", rows_with_bad_ones, SIZES)
@@ -126,6 +127,7 @@ def test_a_worker_index_given_twice_is_refused_and_status_shows_it_running(tmp_p
     assert lock.exists()  # the refused runs left the holder's lock alone
 
 
+@pytest.mark.slow
 def test_a_worker_never_deletes_another_workers_temporary_file(tmp_path, rows_with_bad_ones, tiny_encoder_path):
     write_shards(tmp_path / "in", rows_with_bad_ones, SIZES)
     output = tmp_path / "out"

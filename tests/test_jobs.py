@@ -38,6 +38,7 @@ def test_embed_matches_sentence_transformers_on_the_shipped_sample(tmp_path, sam
     assert cosine.min() >= 0.9999, f"worst row {sample_table['id'][int(cosine.argmin())]}: {cosine.min()}"
 
 
+@pytest.mark.slow
 def test_classify_matches_the_transformers_pipeline(tmp_path, sample_table, tiny_classifier_path):
     from transformers import pipeline
 

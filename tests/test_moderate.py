@@ -87,6 +87,7 @@ def rows(sample_table):
     return pa.table({"id": sample_table["id"].to_pylist()[:80], "text": pa.array(texts, pa.string())})
 
 
+@pytest.mark.slow
 def test_moderate_matches_the_transformers_pipeline_with_thresholds_applied_by_hand(tmp_path, rows,
                                                                                     tiny_multilabel_path):
     good = [i for i, text in enumerate(rows["text"].to_pylist()) if text and text.strip()]
@@ -118,6 +119,7 @@ def test_moderate_matches_the_transformers_pipeline_with_thresholds_applied_by_h
     assert list(summary["flagged_by_label"]) == list(LABELS)
 
 
+@pytest.mark.slow
 def test_a_softmax_model_flags_only_its_flag_labels(tmp_path, rows, tiny_classifier_path):
     good = [i for i, text in enumerate(rows["text"].to_pylist()) if text and text.strip()]
     expected = reference_scores(tiny_classifier_path, [rows["text"][i].as_py() for i in good])
@@ -131,6 +133,7 @@ def test_a_softmax_model_flags_only_its_flag_labels(tmp_path, rows, tiny_classif
     assert summary["flagged_by_label"] == {"spam": int((expected[:, 1] >= spam).sum()), "abuse": len(good)}
 
 
+@pytest.mark.slow
 def test_other_thresholds_are_refused_on_the_same_output_unless_overwrite(tmp_path, rows, tiny_multilabel_path):
     first, _ = moderate(tmp_path, rows, model=tiny_multilabel_path, thresholds={"toxic": 0.2})
     recorded = json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())
@@ -146,6 +149,7 @@ def test_other_thresholds_are_refused_on_the_same_output_unless_overwrite(tmp_pa
     assert first["scores"].to_pylist() == redone["scores"].to_pylist()
 
 
+@pytest.mark.slow
 def test_the_cli_takes_thresholds_from_flags_and_a_toml_table(tmp_path, rows, tiny_multilabel_path):
     write_shards(tmp_path / "in", rows, [rows.num_rows])
     (tmp_path / "job.toml").write_text(f'input = "{tmp_path / "in"}"\njob = "moderate"\nmodel = '

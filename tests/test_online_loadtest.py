@@ -127,6 +127,7 @@ def test_durations_read_with_their_units(text, seconds):
     assert math.isclose(Duration().convert(text, None, None), seconds)
 
 
+@pytest.mark.slow
 def test_a_real_load_test_end_to_end(tmp_path, tiny_encoder_path):
     """Two levels on the shipped sample with a tiny model: the CSV, the side JSON, the plot,
     the table, and --compare against an impossibly good earlier run failing with exit 3."""

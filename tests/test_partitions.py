@@ -54,6 +54,7 @@ def test_each_partition_is_mirrored_under_the_output(tmp_path, partitioned, tiny
     assert sorted(hive["id"].to_pylist()) == sorted(i for _, _, t in tables for i in t["id"].to_pylist())
 
 
+@pytest.mark.slow
 def test_the_partitioned_output_loads_with_datasets_and_resumes_by_relative_path(tmp_path, partitioned,
                                                                                   tiny_encoder_path):
     import datasets

@@ -44,6 +44,7 @@ def test_fingerprint_differences_name_each_changed_setting():
         "max_length: 128 → 64"]
 
 
+@pytest.mark.slow
 def test_rerun_skips_done_shards_and_redoes_a_missing_one(tmp_path, three_shards, tiny_encoder_path):
     first = run_job(config_for(tmp_path, tiny_encoder_path))
     clean = read_outputs(tmp_path / "out")
@@ -59,6 +60,7 @@ def test_rerun_skips_done_shards_and_redoes_a_missing_one(tmp_path, three_shards
     assert third.shards_done_before == 3 and third.rows == 0
 
 
+@pytest.mark.slow
 def test_rerun_under_other_settings_is_refused_unless_overwrite(tmp_path, three_shards, tiny_encoder_path):
     run_job(config_for(tmp_path, tiny_encoder_path))
     shorter = dataclasses.replace(config_for(tmp_path, tiny_encoder_path), max_length=32)
@@ -70,6 +72,7 @@ def test_rerun_under_other_settings_is_refused_unless_overwrite(tmp_path, three_
     assert run_json["fingerprint"]["max_length"] == 32
 
 
+@pytest.mark.slow
 def test_bad_rows_get_an_error_each_and_nothing_is_dropped(tmp_path, tiny_encoder_path):
     texts = [b"fine text", b"bad \xff\xfe utf-8", None, b"", "long " .encode() * 200, b"second fine text",
              b"dup one", b"dup two", b" \t\n ", b""]
@@ -99,6 +102,7 @@ def _corrupt_middle(path):
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_bad_shards_fail_alone_and_the_others_are_committed(tmp_path, sample_table, tiny_encoder_path):
     good = sample_table.slice(0, 20)
     (tmp_path / "in").mkdir()
@@ -142,6 +146,7 @@ def test_bad_shards_fail_alone_and_the_others_are_committed(tmp_path, sample_tab
     assert report["rows_done"] == 40
 
 
+@pytest.mark.slow
 def test_fail_fast_stops_at_the_first_failed_shard(tmp_path, sample_table, tiny_encoder_path):
     (tmp_path / "in").mkdir()
     pq.write_table(sample_table.slice(0, 10), tmp_path / "in" / "a.parquet")
@@ -174,6 +179,7 @@ def test_status_without_a_run_is_a_usage_error(tmp_path):
     assert result.exit_code == 2 and "has no lengthwise run" in result.output
 
 
+@pytest.mark.slow
 def test_pickle_checkpoints_are_refused_unless_allowed(tmp_path, tiny_encoder_path, three_shards):
     import shutil
 
@@ -229,6 +235,7 @@ def test_transient_errors_are_retried_with_backoff_and_others_are_not():
     assert not is_transient(ValueError("read 503 rows"))
 
 
+@pytest.mark.slow
 def test_dtype_auto_resumes_with_the_dtype_the_output_was_made_with(tmp_path, three_shards, tiny_encoder_path):
     """Whatever `auto` would pick on this node now, a rerun keeps the recorded dtype."""
     run_job(config_for(tmp_path, tiny_encoder_path, dtype="bfloat16", input=(str(three_shards / "part-00000.parquet"),)))

@@ -18,6 +18,7 @@ SETTINGS = {
 LAYOUTS = {"one shard": [200], "three shards": [60, 70, 70], "with a tiny and an empty shard": [1, 99, 0, 100]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_outputs_do_not_depend_on_batching_workers_or_shards(tmp_path, rows_with_bad_ones, tiny_encoder_path,

@@ -67,6 +67,7 @@ def read_outputs(fs, bucket_name) -> dict[str, list]:
             for path in sorted(fs.glob(f"{bucket_name}/out/*.parquet"))}
 
 
+@pytest.mark.slow
 def test_full_run_on_s3(bucket, endpoint, tiny_encoder_path, sample_table):
     from click.testing import CliRunner
 
@@ -89,6 +90,7 @@ def test_full_run_on_s3(bucket, endpoint, tiny_encoder_path, sample_table):
     assert json.loads(status.output)["done"] == 3
 
 
+@pytest.mark.slow
 def test_corrupt_shard_on_s3_fails_alone(bucket, endpoint, tiny_encoder_path):
     from click.testing import CliRunner
 

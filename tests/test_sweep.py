@@ -175,6 +175,7 @@ def encoded_sample(model_path: str, rows: int, max_length: int):
         return spec, pool.result(pool.submit(texts))
 
 
+@pytest.mark.slow
 def test_a_level_that_runs_out_of_memory_is_recorded_not_raised(tiny_encoder_path):
     job = OutOfMemoryAbove(max_rows=4)
     model = job.load(tiny_encoder_path, torch.device("cpu"), torch.float32)
@@ -188,6 +189,7 @@ def test_a_level_that_runs_out_of_memory_is_recorded_not_raised(tiny_encoder_pat
     assert fits.status == "ok" and fits.oom_splits == 0 and fits.batches == 10
 
 
+@pytest.mark.slow
 def test_the_first_level_out_of_memory_ends_the_sweep_upward(tmp_path, tiny_encoder_path, monkeypatch):
     import jobs.registry
     from pipeline.core.settings import SweepConfig
@@ -202,6 +204,7 @@ def test_the_first_level_out_of_memory_ends_the_sweep_upward(tmp_path, tiny_enco
     assert report.recommendation.level in (2, 4) and "out of memory" in report.recommendation.excluded[8]
 
 
+@pytest.mark.slow
 def test_a_real_sweep_end_to_end(tmp_path, tiny_encoder_path):
     """Three levels on the shipped sample: CSV, side JSON, warm-up excluded, the saved
     recommendation used by `run --max-batch-tokens auto`, --compare failing with exit 3."""

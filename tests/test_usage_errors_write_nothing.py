@@ -80,6 +80,7 @@ def test_a_usage_error_on_a_finished_output_changes_no_byte_of_it(tmp_path, shar
     assert tree_digest(output) == before
 
 
+@pytest.mark.slow
 def test_a_threshold_flag_overrides_the_config_table_per_label(tmp_path, shards, tiny_multilabel_path):
     config = tmp_path / "job.toml"
     config.write_text(f'input = "{shards}"\njob = "moderate"\nmodel = "{tiny_multilabel_path}"\n'
