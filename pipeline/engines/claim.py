@@ -15,7 +15,7 @@ from pipeline.core.settings import RunConfig
 from pipeline.offline.manifest import RunManifest, fingerprint_differences, pending, recorded_config
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
-from pipeline.offline.summary import RunSummary
+from pipeline.offline.summary import RunSummary, output_totals
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,13 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         log.warning(lock_note)
     try:
         todo = claim_output(config, fingerprint, shards, sink, manifest, slot)
-        summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
+        summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output,
+                             nothing_to_do=not todo)
         if todo:
             run_shards = run_shards or prepare_engine(config, choice)
             run_shards(todo, sink, manifest, summary, started)
         summary.wall_s = time.perf_counter() - started
+        summary.output_totals = output_totals(manifest.shard_markers().values())
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
     finally:

@@ -3,16 +3,10 @@ CLI's `run` and `pipeline.api.run` both call."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import RunConfig
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover
-    pass
 
 
 def execute_run(config: RunConfig):
@@ -31,7 +25,8 @@ def execute_run(config: RunConfig):
         from pipeline.engines.local import run_job
 
         summary = run_job(config)
-    summary.diagnosis = as_dicts(diagnose_run(summary))
+    if not summary.nothing_to_do:
+        summary.diagnosis = as_dicts(diagnose_run(summary))
     if config.summary_json:
         Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.summary_json).write_text(summary.to_json() + "\n")
