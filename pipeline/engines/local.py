@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 
 from pipeline.core.model import ModelChoice, load_model
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import RunConfig, set_torch_threads
 from pipeline.engines.claim import ShardsRunner, run_claimed
 from pipeline.offline.runner import ShardRunner
 from pipeline.offline.source import resolve_worker_slot
@@ -39,4 +39,5 @@ def refuse_while_a_worker_starts() -> None:
 
 def prepare_here(config: RunConfig, choice: ModelChoice) -> ShardsRunner:
     """The local engine: the model loaded once in this process, one shard runner for all shards."""
+    set_torch_threads(config.torch_threads)
     return ShardRunner(config, load_model(config, choice)).run

@@ -25,8 +25,8 @@ import numpy as np
 
 from pipeline.core.errors import UsageError
 from pipeline.core.findings import as_dicts
-from pipeline.core.settings import LOADTEST_VARIES, VARIED_SETTINGS, OnlineLoadtestConfig
-from pipeline.online.batcher import DynamicBatcher, set_torch_threads
+from pipeline.core.settings import LOADTEST_VARIES, VARIED_SETTINGS, OnlineLoadtestConfig, set_torch_threads
+from pipeline.online.batcher import DynamicBatcher
 from pipeline.online.rules import QueueFull, check_timeouts, with_token_budget
 from pipeline.tuning.diagnosis import diagnose_loadtest, falls_behind
 from pipeline.tuning.levels import Measures, Recommendation, percentiles_ms, recommend
