@@ -74,8 +74,9 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
     """Load-test one batch setting over several values on real rows; write a CSV, recommend one.
 
     Only --vary changes between levels. Each level: warm-up rows, measured rows, drain. The
-    recommendation (highest throughput within the limits, or the smallest level within 3% of
-    it) is saved so that `lengthwise run --max-batch-tokens auto` (or `--max-batch-rows auto`)
+    recommendation (highest throughput within the limits; levels within 3% of it tie and the
+    smallest wins; a best level at the largest value tried says to try larger) is saved so that
+    `lengthwise run --max-batch-tokens auto` (or `--max-batch-rows auto`)
     on the same model, device and dtype uses it.
     """
     from pipeline.tuning import levels as analysis
@@ -177,8 +178,9 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
 
     Only --vary changes between levels. Each level: warm-up arrivals, --duration of measured
     arrivals, then the drain. Latency runs from a request's scheduled arrival to its answer.
-    The recommendation is the highest requests/s within the limits, or the smallest level
-    within 3% of it; a line of diagnosis follows a level that shows a known pattern.
+    The recommendation is the highest requests/s within the limits, where levels within the
+    measurement's noise of it (3%, or 2/sqrt(requests) when wider) tie and the smallest wins;
+    a line of diagnosis follows a level that shows a known pattern.
     """
     from pipeline.core.findings import diagnosis_lines
     from pipeline.tuning import levels as analysis

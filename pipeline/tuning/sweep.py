@@ -187,7 +187,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     warmup_rows, measured_rows = usable[:warmup_count], usable[warmup_count:warmup_count + config.rows]
     if len(measured_rows) < config.rows:
         log.info(f"sweep: the input has only {len(measured_rows)} usable rows to measure after {warmup_count} warm-up rows "
-            f"(--rows {config.rows})")
+            f"(--sample-rows {config.rows})")
     lengths = length_distribution(encoded.lengths[measured_rows])
     truncated = float(encoded.truncated[measured_rows].mean())
     log.info(f"sample: {lengths['rows']:,} rows from {sum(not s.problem for s in shards)} shard(s), token length median "
