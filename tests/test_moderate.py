@@ -1,6 +1,7 @@
 """--job moderate: thresholds per label, checked against transformers' own pipeline."""
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -209,3 +210,31 @@ def test_the_summary_of_a_resume_and_of_a_retry_describe_the_whole_output(tmp_pa
     assert f"flagged total   {whole['flagged_rows']} of 80 rows ({labels})" in text
     assert "stages" not in text and "device busy" not in text and "resumed" not in text
     assert run_status(str(tmp_path / "out"), {})["totals"] == whole
+
+
+@pytest.mark.slow
+def test_the_head_script_trains_on_a_slice_and_writes_its_report_beside_the_model(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "train_tweet_moderation_head.py"
+    rows = [{"id": f"tweets/{split}/{i}", "text": f"tweet number {i} of {split}", "task": ("offensive", "hate")[i % 2],
+             "label": ("offensive", "hate", "none")[i % 3]} for split in ("train", "test") for i in range(30)]
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / "shard-00000.parquet")
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    helped = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env,
+                            timeout=120)
+    for help_text in ("TweetEval Parquet shards", "model folder to write", "accuracy report", "first ROWS rows",
+                      "Tokens per tweet", "Adam steps"):  # --data, --out, --report, --rows, --max-length, --steps
+        assert help_text in " ".join(helped.stdout.split()), help_text
+    done = subprocess.run([sys.executable, str(script), "--data", str(tmp_path / "data"), "--out",
+                           str(tmp_path / "head"), "--rows", "10", "--steps", "3", "--max-length", "16"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "head" / "training_report.json").read_text())
+    assert report["train_rows"] == 10 and report["test_rows"] == 10 and report["steps"] == 3
+    assert (tmp_path / "head" / "model.safetensors").exists()
+    assert not (root / "benchmarks" / "results" / "tweet_moderation_head.json").exists()
