@@ -318,7 +318,7 @@ BATCH_OPTIONS = [
 TORCH_THREADS_OPTION = env_option(
     "--torch-threads", env="TORCH_THREADS", type=click.IntRange(1), default=None,
     help="Intra-op threads of the forward. Default: torch's (the cores). On a CPU shared with other processes fewer "
-         "can be much faster: see docs/performance.md.")
+         "can be much faster: see docs/online.md.")
 
 
 WORKER_OPTIONS = [

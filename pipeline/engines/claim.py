@@ -39,8 +39,8 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
-    config = keep_recorded_dtype(config, manifest)
-    choice = choose_model(config)
+    config, dtype_source = keep_recorded_dtype(config, manifest)
+    choice = choose_model(config, dtype_source)
     fingerprint = output_fingerprint(config, choice)
     refuse_other_settings(config, manifest.read_run(), fingerprint)
     run_shards = prepare_engine(config, choice) if config.overwrite or pending_shards(shards, manifest) else None
@@ -63,16 +63,16 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         manifest.release_lock(slot)
 
 
-def keep_recorded_dtype(config: RunConfig, manifest: RunManifest) -> RunConfig:
+def keep_recorded_dtype(config: RunConfig, manifest: RunManifest) -> tuple[RunConfig, str | None]:
     """`--dtype auto` on an output that already holds results keeps the dtype they were made
     with: a rerun on another node, or a bf16 trial landing on the other side of its threshold,
-    must not turn a resume into a refusal or split one output across two dtypes."""
+    must not turn a resume into a refusal or split one output across two dtypes. Returns the
+    config and where its dtype came from (None: from the user's settings)."""
     recorded = manifest.read_run()
     dtype = recorded and recorded["fingerprint"].get("dtype")
     if config.dtype != "auto" or config.overwrite or dtype not in DTYPES:
-        return config
-    log.info(f"dtype {dtype}: what {config.output} was made with (--dtype auto)")
-    return dataclasses.replace(config, dtype=dtype)
+        return config, None
+    return dataclasses.replace(config, dtype=dtype), f"what {config.output} was made with (--dtype auto)"
 
 
 def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint: dict) -> None:

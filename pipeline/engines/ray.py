@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_SHARD_ATTEMPTS = 3  # a shard whose actor died this many times is failed, as a bad shard is
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"  # warns about token auth on every start
 
 
 def import_ray():
@@ -100,6 +101,7 @@ def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sin
     # every actor runs what the fingerprint says, whatever its node's CPU would pick for `auto`
     config = dataclasses.replace(config, dtype=dtype_name(choice.dtype))
     connected_here = not ray.is_initialized()
+    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)  # its token-auth notice is not ours to print
     if connected_here:
         handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
         ray.init(address=config.ray_address, logging_level=logging.WARNING, log_to_driver=True)
@@ -112,6 +114,7 @@ def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sin
         if connected_here:
             ray.shutdown()
     sink.remove_stale_temporaries([shard.stem for shard in todo])
+    summary.dtype_reason = choice.dtype_reason  # the driver's choice; the actors were handed its result
     wall_s = time.perf_counter() - started
     summary.rows_per_s = summary.rows / wall_s
     summary.tokens_per_s = summary.real_tokens / wall_s
@@ -140,7 +143,7 @@ class ActorPool:
         self.replacements_left = self.count * MAX_SHARD_ATTEMPTS
         self.actors: list = []
         self.where: dict[int, dict] = {}  # actor slot → pid, host, setup time
-        self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0})
+        self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0, "forward_s": 0.0})
 
     def start(self, slots: list[int]) -> dict:
         """New actors for `slots`, created together; returns once every one has its model loaded.
@@ -187,7 +190,8 @@ class ActorPool:
                 stats = self.stats[slot]
                 stats["shards"] += 1
                 stats["rows"] += result["rows"]
-                stats["busy_s"] += time.perf_counter() - dispatched
+                stats["busy_s"] += result["wall_s"]  # the actor's own time on the shard, not the driver's wait
+                stats["forward_s"] += result["stage_s"].get("forward", 0.0)
                 bar.update(shard.num_rows)
                 idle.append(slot)
         finally:
@@ -195,10 +199,14 @@ class ActorPool:
             for actor in actors.values():
                 ray.kill(actor)  # an interrupt stops the actors too; their temporaries are cleaned up
         summary.workers = [{"actor": slot, **self.where[slot], **stats,
-                            "rows_per_s": round(stats["rows"] / stats["busy_s"], 2) if stats["busy_s"] else 0.0}
+                            "rows_per_s": round(stats["rows"] / stats["busy_s"], 2) if stats["busy_s"] else 0.0,
+                            "device_busy_fraction": round(stats["forward_s"] / stats["busy_s"], 3)
+                            if stats["busy_s"] else 0.0}
                            for slot, stats in sorted(self.stats.items())]
+        # over the actors' own time on their shards, and their model loading as the setup
         busy_s = sum(stats["busy_s"] for stats in self.stats.values())
-        summary.device_busy_fraction = summary.stage_s.get("forward", 0.0) / busy_s if busy_s else 0.0
+        summary.device_busy_fraction = sum(s["forward_s"] for s in self.stats.values()) / busy_s if busy_s else 0.0
+        summary.stage_s["setup"] = round(sum(self.where[slot]["setup_s"] for slot in self.stats), 3)
 
     def _lost(self, slot, shard, attempts, queue, manifest, summary, error) -> None:
         """An actor died with `shard` in hand: hand it out again, or fail it after the last attempt."""

@@ -92,7 +92,9 @@ class RunSummary:
             lines.append(f"duplicate ids   e.g. {', '.join(map(repr, self.duplicate_id_examples))}")
         for worker in self.workers:
             lines.append(f"actor {worker['actor']:<9} {worker['rows']:,} rows in {worker['shards']} shard(s), "
-                         f"{worker['rows_per_s']:,.1f} rows/s (pid {worker['pid']} on {worker['host']})")
+                         f"{worker['rows_per_s']:,.1f} rows/s, model loaded in {worker.get('setup_s', 0.0):.1f}s, "
+                         f"device busy {worker.get('device_busy_fraction', 0.0):.0%} (pid {worker['pid']} on "
+                         f"{worker['host']})")
         for failed in self.failed_shards:
             lines.append(f"FAILED          {failed['shard']}: {failed['error']}")
         lines.extend(diagnosis_lines(self.diagnosis))
