@@ -170,8 +170,8 @@ def test_sweep_and_plan_read_a_run_config_file(tmp_path, tiny_encoder_path):
     plan = json.loads(planned.output[planned.output.index("{"):])
     assert max(bucket["length"] for bucket in plan["buckets"]) == 256 and plan["available_bytes"] == 16 * 2**20
     assert "--max-batch-tokens 1024" in planned.output
-    swept = invoke(["sweep", "--config", str(config), "--vary", "max-batch-rows", "--values", "4,8", "--sample-rows", "20",
-                    "--warmup-rows", "0", "--no-save", "--out", str(tmp_path / "s.csv")])
+    swept = invoke(["sweep", "--config", str(config), "--vary", "max-batch-rows", "--values", "4,8",
+                    "--sample-rows", "20", "--warmup-rows", "0", "--no-save", "--out", str(tmp_path / "s.csv")])
     assert swept.exit_code == 0, swept.output
     assert json.loads((tmp_path / "s.csv.json").read_text())["max_length"] == 256
     assert not (tmp_path / "never").exists()

@@ -131,7 +131,8 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
             default=loadtest_default("concurrency"), show_default=True,
             help="Requests in flight at most; a later arrival waits for a slot and its wait counts in its latency.")
 @env_option("--duration", "duration_s", env="DURATION", type=Duration(),
-            default=f"{loadtest_default('duration_s'):g}s", show_default=True, help="Measured arrivals per level (30s, 2m).")
+            default=f"{loadtest_default('duration_s'):g}s", show_default=True,
+            help="Measured arrivals per level (30s, 2m).")
 @env_option("--warmup", "warmup_s", env="WARMUP", type=Duration(), default=f"{loadtest_default('warmup_s'):g}s",
             show_default=True,
             help="Arrivals before each level's measured ones, not counted (a duration: arrivals come by time).")

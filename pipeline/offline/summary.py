@@ -143,7 +143,8 @@ def totals_lines(totals: dict) -> list[str]:
         lines.append(f"flagged total   {totals['flagged_rows']:,} of {totals['rows']:,} rows "
                      f"({label_counts(totals['flagged_by_label'])})")
     if totals.get("error_reasons"):
-        lines.append("errors total    " + "; ".join(f"{rows:,} {reason}" for reason, rows in totals["error_reasons"].items()))
+        reasons = "; ".join(f"{rows:,} {reason}" for reason, rows in totals["error_reasons"].items())
+        lines.append(f"errors total    {reasons}")
     return lines
 
 
