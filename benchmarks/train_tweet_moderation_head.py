@@ -4,7 +4,8 @@ head (`offensive`, `hate`, multi-label sigmoid) trained on the TweetEval train s
 so this is an honest stand-in: a frozen MiniLM encoder and pooler with a linear head trained
 for a few hundred steps, saved as a Hugging Face folder (safetensors) that `--job moderate`
 loads like any other. It is a demonstration model, not a production classifier; its test-split
-accuracy is printed (and written to benchmarks/results/).
+accuracy is printed and written to --report (default: training_report.json in the model folder).
+--rows trains and tests on a slice (the first N rows of each split) without editing the script.
 
 Each tweet carries one task's label only (OffensEval or HatEval), so the loss of a row counts
 only the label it has. Run once before `configs/nightly_moderation.toml`:
@@ -85,12 +86,21 @@ def accuracy(logits: torch.Tensor, target: np.ndarray, known: np.ndarray) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/tweets"))
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=400)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/tweets"),
+                        help="Folder of TweetEval Parquet shards: id (with /train/ or /test/), text, task, label.")
+    parser.add_argument("--out", required=True, help="The model folder to write (safetensors, config, tokenizer).")
+    parser.add_argument("--report", default=None,
+                        help="Where the accuracy report (JSON) goes. Default: OUT/training_report.json.")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="Use only the first ROWS rows of each split (train, test), e.g. to build a head from "
+                             "a slice. Default: all.")
+    parser.add_argument("--max-length", type=int, default=128, help="Tokens per tweet; longer ones are truncated.")
+    parser.add_argument("--steps", type=int, default=400, help="Full-batch Adam steps of the linear head.")
     args = parser.parse_args()
+    if args.rows is not None and args.rows < 1:
+        parser.error("--rows must be at least 1")
     torch.manual_seed(0)
     base = default_model_path()
     model = BertForSequenceClassification.from_pretrained(
@@ -98,7 +108,7 @@ def main() -> None:
         id2label=dict(enumerate(LABELS)), label2id={label: i for i, label in enumerate(LABELS)}).eval()
     tokenizer = AutoTokenizer.from_pretrained(base)
     tweets = read_tweets(args.data)
-    train, test = split_of(tweets, "train"), split_of(tweets, "test")
+    train, test = (split_of(tweets, split).slice(0, args.rows) for split in ("train", "test"))
     started = time.perf_counter()
     train_x = pooled_features(model, tokenizer, train["text"].to_pylist(), args.max_length)
     test_x = pooled_features(model, tokenizer, test["text"].to_pylist(), args.max_length)
@@ -127,7 +137,8 @@ def main() -> None:
                   steps=args.steps, features_s=round(features_s, 1), train_s=round(train_s, 1),
                   final_loss=round(float(loss.detach()), 4), torch_threads=torch.get_num_threads())
     print(json.dumps(report, indent=2))
-    results = Path(__file__).parent / "results" / "tweet_moderation_head.json"
+    results = Path(args.report) if args.report else out / "training_report.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(report, indent=2) + "\n")
     print(f"model: {out}  report: {results}")
 

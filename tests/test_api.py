@@ -106,16 +106,64 @@ def test_a_guarded_script_runs_with_tokenizer_workers(tmp_path, shards, tiny_enc
 
 
 @pytest.mark.slow
-def test_an_unguarded_script_fails_fast_and_says_what_to_do(tmp_path, shards, tiny_encoder_path):
+def test_an_unguarded_script_fails_at_once_in_the_parent_even_inside_try_except(tmp_path, shards, tiny_encoder_path):
+    """Without the guard each spawned worker would run the script again; a try/except around
+    the call used to swallow the workers' errors and the run succeeded after three bodies."""
     code, output, seconds = run_script(tmp_path, "unguarded", f"""
-        print("ROWS", {call(shards, tmp_path / "out", tiny_encoder_path)}["rows"])
+        print("BODY")
+        try:
+            print("ROWS", {call(shards, tmp_path / "out", tiny_encoder_path)}["rows"])
+        except Exception as error:
+            print("CAUGHT", type(error).__name__, error)
         """)
-    assert code == 1, output
-    assert "WorkerStartError: a tokenizer worker process exited while starting" in output
-    assert 'must do so under `if __name__ == "__main__":`' in output and "tokenize_workers=0" in output
-    assert "ROWS 60" not in output and not list((tmp_path / "out").glob("*.parquet"))
-    assert not list((tmp_path / "out" / ".lengthwise").glob("lock*")), "the lock was left behind"
-    print(f"unguarded script failed after {seconds:.1f}s (process start to exit, model load included)")
+    assert code == 0, output
+    assert output.count("BODY") == 1 and output.count("CAUGHT") == 1 and "ROWS" not in output
+    assert "CAUGHT UsageError lengthwise is called at the top level of" in output
+    assert 'outside `if __name__ == "__main__":`' in output and "tokenize_workers=0" in output
+    assert not (tmp_path / "out").exists(), "the refused call touched the output"
+    print(f"unguarded script refused after {seconds:.1f}s (process start to exit)")
+
+
+def test_a_guarded_call_and_a_call_without_a_script_file_are_not_refused(tmp_path):
+    from pipeline.api import unguarded_main_call_line
+
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nfrom pipeline.api import unguarded_main_call_line as where\n"
+                      "TOP = where(sys._getframe())\n"
+                      "if __name__ == '__main__':\n    GUARDED = where(sys._getframe())\n"
+                      "    print(TOP[1], GUARDED)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.split() == ["3", "None"], done.stderr
+    assert unguarded_main_call_line(sys._getframe()) is None  # pytest's own main is guarded
+
+
+def test_run_async_keeps_the_event_loop_ticking_while_the_job_runs(tmp_path, shards, tiny_encoder_path):
+    import asyncio
+
+    from pipeline.api import run_async
+
+    async def main():
+        ticks_during_the_run = 0
+        running = True
+
+        async def ticker():
+            nonlocal ticks_during_the_run
+            while running:
+                await asyncio.sleep(0.005)
+                ticks_during_the_run += 1
+
+        task = asyncio.create_task(ticker())
+        summary = await run_async(str(shards), str(tmp_path / "out"), model=tiny_encoder_path, probe=False, **FAST)
+        running = False
+        await task
+        return summary, ticks_during_the_run
+
+    summary, ticks = asyncio.run(main())
+    assert summary["rows"] == 60 and summary["failed_shards"] == []
+    assert ticks >= 3, "the loop stood still while the job ran"
+    with pytest.raises(UsageError, match="run\\(\\) has no option 'max_lenght'"):
+        asyncio.run(run_async(str(shards), str(tmp_path / "other"), max_lenght=64))
 
 
 @pytest.mark.slow

@@ -174,8 +174,8 @@ def test_sweep_and_plan_read_a_run_config_file(tmp_path, tiny_encoder_path):
     plan = json.loads(planned.output[planned.output.index("{"):])
     assert max(bucket["length"] for bucket in plan["buckets"]) == 256 and plan["available_bytes"] == 16 * 2**20
     assert "--max-batch-tokens 1024" in planned.output
-    swept = invoke(["sweep", "--config", str(config), "--vary", "max-batch-rows", "--values", "4,8", "--rows", "20",
-                    "--warmup-rows", "0", "--no-save", "--out", str(tmp_path / "s.csv")])
+    swept = invoke(["sweep", "--config", str(config), "--vary", "max-batch-rows", "--values", "4,8",
+                    "--sample-rows", "20", "--warmup-rows", "0", "--no-save", "--out", str(tmp_path / "s.csv")])
     assert swept.exit_code == 0, swept.output
     assert json.loads((tmp_path / "s.csv.json").read_text())["max_length"] == 256
     assert not (tmp_path / "never").exists()
@@ -192,3 +192,54 @@ def test_quiet_keeps_only_the_summary_and_verbose_adds_nothing_wrong(tmp_path, s
     assert "batch setting:" in loud.output and "batch setting:" not in quiet.output
     assert "padding efficiency" in quiet.output  # the summary is output, not a log line
 
+
+
+def test_one_vocabulary_every_option_has_one_env_var_named_after_its_flag():
+    """Same concept, same name, one LENGTHWISE_ variable, in every command."""
+    from pipeline.cli.options import COMMANDS
+
+    named_otherwise = {}
+    for name, command in COMMANDS.items():
+        for option in command.params:
+            if isinstance(option, click.Option) and option.envvar:
+                expected = "LENGTHWISE_" + option.opts[0].lstrip("-").replace("-", "_").upper()
+                if option.envvar != expected:
+                    named_otherwise[f"{name} {option.opts[0]}"] = option.envvar
+    assert not named_otherwise
+    for option in ("--max-batch-tokens", "--max-batch-rows", "--torch-threads", "--sample-rows"):
+        takers = [name for name, command in COMMANDS.items() if any(option in p.opts for p in command.params)]
+        assert {"sweep"} <= set(takers), (option, takers)
+    assert {"run", "sweep", "loadtest"} <= {name for name, command in COMMANDS.items()
+                                             if any("--torch-threads" in p.opts for p in command.params)}
+
+
+def test_help_texts_say_what_the_tuning_and_input_options_take():
+    runner = CliRunner()
+    sweep_help = runner.invoke(cli, ["sweep", "--help"], terminal_width=200).output
+    assert "--max-batch-tokens TOKENS|AUTO" in sweep_help and "--sample-rows" in sweep_help
+    assert "--warmup-rows" in sweep_help and "--rows " not in sweep_help
+    loadtest_help = runner.invoke(cli, ["loadtest", "--help"], terminal_width=200).output
+    assert "default: 30s]" in loadtest_help and "30.0" not in loadtest_help
+    run_help = runner.invoke(cli, ["run", "--help"], terminal_width=200).output
+    assert "The input column of row ids" in run_help and "The input column of texts" in run_help
+    assert "--torch-threads" in run_help and "LENGTHWISE_TORCH_THREADS" in run_help
+    assert "--config" in runner.invoke(cli, ["status", "--help"]).output
+
+
+def test_sweep_takes_auto_for_the_setting_it_holds_fixed(tmp_path):
+    from pipeline.cli.tuning_commands import sweep
+
+    with sweep.make_context("sweep", ["--input", "x", "--vary", "max-batch-rows", "--values", "8,16", "--out",
+                                      str(tmp_path / "s.csv"), "--max-batch-tokens", "auto"]) as context:
+        assert context.params["max_batch_tokens"] is None and context.params["rows"] == 2000
+    with sweep.make_context("sweep", ["--input", "x", "--vary", "max-batch-rows", "--values", "8", "--out",
+                                      str(tmp_path / "s.csv"), "--max-batch-tokens", "4096", "--sample-rows",
+                                      "50"]) as context:
+        assert context.params["max_batch_tokens"] == 4096 and context.params["rows"] == 50
+
+
+def test_status_reads_its_output_from_the_config_file(tmp_path):
+    (tmp_path / "job.toml").write_text(f'input = "in"\noutput = "{tmp_path / "nothing-here"}"\njob = "embed"\n')
+    result = CliRunner().invoke(cli, ["status", "--config", str(tmp_path / "job.toml")])
+    assert result.exit_code == 2
+    assert f"{tmp_path / 'nothing-here'} has no lengthwise run" in result.output

@@ -236,7 +236,7 @@ def test_a_real_run_prints_and_saves_its_findings(tmp_path, rows_with_bad_ones, 
 def test_a_real_sweep_saves_its_findings_and_its_throughput_for_the_run(tmp_path, tiny_encoder_path):
     cache = tmp_path / "cache"
     result = CliRunner().invoke(cli, ["sweep", "--input", str(SAMPLE_DIR), "--model", tiny_encoder_path,
-                                      "--vary", "max-batch-rows", "--values", "2,4", "--rows", "30",
+                                      "--vary", "max-batch-rows", "--values", "2,4", "--sample-rows", "30",
                                       "--warmup-rows", "4", "--max-length", "32", "--tokenize-workers", "0",
                                       "--plan-cache", str(cache), "--out", str(tmp_path / "sweep.csv")])
     assert result.exit_code == 0, result.output
@@ -290,7 +290,7 @@ def test_throughput_falling_with_padding_asks_for_a_sample_as_large_as_the_windo
     finding = only(diagnose(levels, 16), "sweep-sample-too-thin")
     assert finding.evidence == ("padding efficiency falls 0.970 → 0.800 from --max-batch-rows 8 to 64 (rows/s 20.0 → "
                                 "21.0, -30% from the best 30.0 at 16); the sample has 200 rows")
-    assert finding.action.startswith("--rows 8192: a run packs its batches out of --window-rows (8192) rows")
+    assert finding.action.startswith("--sample-rows 8192: a run packs its batches out of --window-rows (8192) rows")
     assert finding.action.endswith("so their fall in throughput may be the sample's, not the device's")
 
 

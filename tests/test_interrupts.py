@@ -98,3 +98,30 @@ def test_sigkill_at_a_random_moment_then_rerun_equals_a_clean_run(tmp_path, clea
     assert not list((tmp_path / "out").glob(".*.tmp")), "the rerun left a killed run's temporary file"
     visible = sorted(p.name for p in (tmp_path / "out").glob("*.parquet"))
     assert visible == sorted(expected)
+
+
+@pytest.mark.slow
+def test_a_sigint_inside_a_window_that_spans_shards_keeps_the_shards_finished_before_it(tmp_path, many_rows,
+                                                                                        tiny_encoder_path):
+    """One window holds all six 100-row shards; each shard is committed when its own rows are
+    done, not when the window is, so an interrupt after the first commit keeps it and loses
+    less than the window."""
+    rows = many_rows.slice(0, 600)
+    write_shards(tmp_path / "in", rows, [100] * 6)
+    one_window = command(tmp_path / "in", tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0") + [
+        "--window-rows", "600"]
+    process = subprocess.Popen(one_window, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    markers = tmp_path / "out" / ".lengthwise" / "shards"
+    assert wait_for(lambda: markers.exists() and any(markers.iterdir()), 120), "no shard was committed"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    done = sorted(p.stem for p in markers.iterdir())
+    assert 1 <= len(done) < 6, done  # the window's first shards are committed, its last ones are not
+    assert sorted(p.stem for p in (tmp_path / "out").glob("*.parquet")) == done
+    rerun = subprocess.run(one_window, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{len(done)} of 6 shards already done, resuming" in rerun.stderr
+    written = outputs(tmp_path / "out")
+    assert [[row["id"] for row in written[f"part-{i:05d}.parquet"]] for i in range(6)] == [
+        rows["id"].to_pylist()[100 * i:100 * (i + 1)] for i in range(6)]

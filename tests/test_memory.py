@@ -238,3 +238,43 @@ def test_memory_bound_buckets_between_the_verified_ones_are_interpolated_within_
         assert device_peak(bucket.probed_rows, bucket.length) >= 0.75 * GIB, bucket
     rows = [b.probed_rows for b in buckets]
     assert rows == sorted(rows, reverse=True)
+
+
+def test_a_plan_for_a_larger_budget_is_scaled_down_and_one_for_a_little_less_is_reused():
+    from pipeline.core.memory import plan_for_budget
+
+    model = MemoryModel(base_bytes=1 * GIB, linear_bytes=MIB, quadratic_bytes=0.0)
+    plan = MemoryPlan(9 * GIB, 1.5, model, [BucketPlan(64, 80, 80, 60, 1.0, 2.0), BucketPlan(256, 20, 20, 16, 1, 2)],
+                      source="cache.json")
+    assert plan_for_budget(plan, 9 * GIB) is plan
+    assert plan_for_budget(plan, 10 * GIB) is plan  # a GiB more free: the smaller plan still fits
+    assert plan_for_budget(plan, 13 * GIB) is None  # much more: probe for it
+    half = plan_for_budget(plan, 5 * GIB)  # (5 - 1) / (9 - 1) of the rows above the base
+    assert [b.probed_rows for b in half.buckets] == [30, 8] and half.available_bytes == 5 * GIB
+    assert half.source == "cache.json, made for 9.00 GiB, scaled to 5.00 GiB"
+    assert plan.buckets[0].probed_rows == 60  # the cached plan is left as it was
+    assert plan_for_budget(plan, GIB) is None  # the base alone fills it
+
+
+def test_free_memory_moving_by_a_gib_reuses_the_cached_plan(tmp_path, tiny_encoder_path):
+    """The plan's key is what determines it, not the budget of the moment: a second budget
+    reuses (or scales) the first plan instead of probing and caching another."""
+    from pipeline.core.model import load_model
+    from pipeline.core.probe import memory_plan_for
+    from pipeline.core.settings import RunConfig
+
+    def plan_with(budget: int):
+        config = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
+                           max_length=64, memory_budget=budget, plan_cache=str(tmp_path), max_batch_rows=4096,
+                           max_batch_tokens=2**20)
+        loaded = load_model(config)
+        return memory_plan_for(config, loaded.job, loaded.model, tiny_encoder_path, loaded.choice.device)
+
+    first = plan_with(64 * MIB)
+    assert first.source.startswith("probed") and len(list(tmp_path.glob("*.json"))) == 1
+    more = plan_with(65 * MIB)
+    assert more.source.startswith("from cache") and more.buckets == first.buckets
+    less = plan_with(48 * MIB)
+    assert less.source.startswith("from cache") and "made for 64 MiB, scaled to 48 MiB" in less.source
+    assert all(b.probed_rows <= a.probed_rows for a, b in zip(first.buckets, less.buckets))
+    assert len(list(tmp_path.glob("*.json"))) == 1  # one plan cached, not one per budget

@@ -1,6 +1,7 @@
 """--job moderate: thresholds per label, checked against transformers' own pipeline."""
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -140,7 +141,7 @@ def test_other_thresholds_are_refused_on_the_same_output_unless_overwrite(tmp_pa
     assert recorded["fingerprint"]["thresholds"] == {"toxic": 0.2, "insult": 0.5, "threat": 0.5}
     _, resumed = moderate(tmp_path, rows, model=tiny_multilabel_path, thresholds={"toxic": 0.2})
     assert resumed["shards_done_before"] == 2 and resumed["rows"] == 0
-    assert resumed["flagged_rows"] is None  # nothing written, nothing counted
+    assert resumed["flagged_rows"] is None  # nothing written by this run, nothing counted
     with pytest.raises(UsageError, match=r"thresholds: \{'toxic': 0.2, .*\} → \{'toxic': 1.0, .*--overwrite"):
         moderate(tmp_path, rows, model=tiny_multilabel_path, thresholds={"toxic": 1.0})
     redone, summary = moderate(tmp_path, rows, model=tiny_multilabel_path, thresholds={"toxic": 1.0},
@@ -160,11 +161,11 @@ def test_the_cli_takes_thresholds_from_flags_and_a_toml_table(tmp_path, rows, ti
     result = runner.invoke(cli, ["run", "--config", str(tmp_path / "job.toml"), "--output", str(tmp_path / "a"),
                                  "--summary-json", str(tmp_path / "a.json")])
     assert result.exit_code == 0, result.output
-    assert "flagged         78 of 80 rows (toxic 78, threat 0)" in result.output
+    assert "flagged         78 of 80 rows this run (toxic 78, threat 0)" in result.output
     assert json.loads((tmp_path / "a.json").read_text())["flagged_by_label"] == {"toxic": 78, "threat": 0}
     flag_overrides = runner.invoke(cli, ["run", "--config", str(tmp_path / "job.toml"), "--output",
                                          str(tmp_path / "b"), "--threshold", "toxic=1", "--threshold", "threat=0"])
-    assert "flagged         78 of 80 rows (toxic 0, threat 78)" in flag_overrides.output
+    assert "flagged         78 of 80 rows this run (toxic 0, threat 78)" in flag_overrides.output
 
     unknown = runner.invoke(cli, ["run", "--config", str(tmp_path / "job.toml"), "--output", str(tmp_path / "c"),
                                   "--threshold", "hate=0.5"])
@@ -177,3 +178,67 @@ def test_the_cli_takes_thresholds_from_flags_and_a_toml_table(tmp_path, rows, ti
                                 "--threshold", "toxic=0.5"])
     assert embed.exit_code == 2 and "--threshold and --flag-labels are for --job moderate" in embed.output
     assert not (tmp_path / "c").exists() or not list((tmp_path / "c").glob("*.parquet"))
+
+
+def test_the_summary_of_a_resume_and_of_a_retry_describe_the_whole_output(tmp_path, rows, tiny_multilabel_path):
+    """A resume counts the night's rows, not only its own share; a retry of a finished output
+    says there was nothing to do and keeps the totals (an Airflow retry must not blank them)."""
+    from pipeline.offline.manifest import run_status
+
+    _, first = moderate(tmp_path, rows, model=tiny_multilabel_path, thresholds={"toxic": 0.5})
+    markers = {p.name: json.loads(p.read_text()) for p in (tmp_path / "out" / ".lengthwise" / "shards").iterdir()}
+    assert sorted(markers) == ["part-00000.json", "part-00001.json"]
+    assert [m["rows"] for m in markers.values()] == [40, 40] and sum(m["error_rows"] for m in markers.values()) == 2
+    assert sum(m["flagged_rows"] for m in markers.values()) == first["flagged_rows"]
+    whole = {"shards_done": 2, "rows": 80, "error_rows": 2, "truncated_rows": first["truncated_rows"],
+             "error_reasons": first["error_reasons"], "flagged_rows": first["flagged_rows"],
+             "flagged_by_label": first["flagged_by_label"]}
+    assert first["output_totals"] == whole
+
+    (tmp_path / "out" / ".lengthwise" / "shards" / "part-00001.json").unlink()  # as an interrupt leaves it
+    (tmp_path / "out" / "part-00001.parquet").unlink()
+    _, resumed = moderate(tmp_path, rows, model=tiny_multilabel_path, thresholds={"toxic": 0.5})
+    assert resumed["rows"] == 40 and resumed["shards_done_before"] == 1
+    assert resumed["flagged_rows"] == markers["part-00001.json"]["flagged_rows"]
+    assert resumed["output_totals"] == whole
+
+    config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), progress=False, dtype="float32",
+                       tokenize_workers=0, job="moderate", max_length=128, thresholds={"toxic": 0.5},
+                       model=tiny_multilabel_path)
+    retry = run_job(config)
+    assert retry.nothing_to_do and retry.rows == 0 and retry.output_totals == whole
+    text = retry.to_text()
+    assert text.splitlines()[0] == "nothing to do: 2 of 2 shards done"
+    assert f"output total    80 rows in 2 done shard(s) (2 with errors, {whole['truncated_rows']} truncated)" in text
+    labels = ", ".join(f"{label} {rows}" for label, rows in whole["flagged_by_label"].items())
+    assert f"flagged total   {whole['flagged_rows']} of 80 rows ({labels})" in text
+    assert "stages" not in text and "device busy" not in text and "resumed" not in text
+    assert run_status(str(tmp_path / "out"), {})["totals"] == whole
+
+
+@pytest.mark.slow
+def test_the_head_script_trains_on_a_slice_and_writes_its_report_beside_the_model(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "train_tweet_moderation_head.py"
+    rows = [{"id": f"tweets/{split}/{i}", "text": f"tweet number {i} of {split}", "task": ("offensive", "hate")[i % 2],
+             "label": ("offensive", "hate", "none")[i % 3]} for split in ("train", "test") for i in range(30)]
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / "shard-00000.parquet")
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    helped = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env,
+                            timeout=120)
+    for help_text in ("TweetEval Parquet shards", "model folder to write", "accuracy report", "first ROWS rows",
+                      "Tokens per tweet", "Adam steps"):  # --data, --out, --report, --rows, --max-length, --steps
+        assert help_text in " ".join(helped.stdout.split()), help_text
+    done = subprocess.run([sys.executable, str(script), "--data", str(tmp_path / "data"), "--out",
+                           str(tmp_path / "head"), "--rows", "10", "--steps", "3", "--max-length", "16"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "head" / "training_report.json").read_text())
+    assert report["train_rows"] == 10 and report["test_rows"] == 10 and report["steps"] == 3
+    assert (tmp_path / "head" / "model.safetensors").exists()
+    assert not (root / "benchmarks" / "results" / "tweet_moderation_head.json").exists()

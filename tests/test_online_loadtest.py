@@ -94,11 +94,31 @@ def test_the_recommendation_skips_overloaded_and_slow_levels_and_counts_requests
     assert chosen.excluded[16] == "p99 latency 200 ms > 100 ms"
 
 
-def test_among_levels_that_keep_up_the_lowest_p99_is_recommended():
+def test_the_load_test_plot_has_a_legend_the_target_rate_and_axes_from_zero(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from pipeline.tuning.levels import plot_sweep
+
+    levels = [level(1, qps_achieved=30.0, rejected=40), level(4, qps_achieved=39.5, p99=70),
+              level(16, qps_achieved=40.0, p99=200)]
+    plot_sweep(str(tmp_path / "online.png"), levels, "max-batch-size", 4, "online", ONLINE_MEASURES)
+    with Image.open(tmp_path / "online.png") as image:
+        assert image.format == "PNG" and image.size[0] > 600 and image.size[1] > 600
+
+
+def test_levels_that_keep_up_tie_within_the_noise_of_their_requests_and_the_smallest_wins():
+    """Never "the lowest p99" of a handful of requests: one rule, ties to the smallest level."""
     levels = [level(4, qps_achieved=61.2, p99=408), level(16, qps_achieved=61.2, p99=344),
-              level(64, qps_achieved=60.8, p99=182)]
+              level(32, qps_achieved=62.0, p99=57), level(64, qps_achieved=60.8, p99=80)]
     chosen = recommend(levels, "max-batch-size", 8 * 2**30, 0.1, measures=ONLINE_MEASURES)
-    assert chosen.level == 64 and "the lowest p99 of those" in chosen.reason
+    assert chosen.level == 4, chosen.reason
+    assert "within 10% (the measurement's noise) of the best (62.0 requests/s at 32)" in chosen.reason  # 400
+    many = [dataclasses.replace(result, requests=100_000) for result in levels]  # 2/√n below 3%: 3% it is
+    assert recommend(many, "max-batch-size", 8 * 2**30, 0.1, measures=ONLINE_MEASURES).level == 4
+    apart = [level(4, qps_achieved=50.0), level(16, qps_achieved=62.0)]
+    assert recommend(apart, "max-batch-size", 8 * 2**30, 0.1, measures=ONLINE_MEASURES).level == 16
+
 
 
 def test_the_comparison_flags_lower_throughput_higher_p99_and_new_overload():

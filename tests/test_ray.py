@@ -4,6 +4,7 @@ an actor killed mid-shard, a driver killed and rerun."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.core.settings import RunConfig
 from pipeline.core.errors import UsageError
-from pipeline.engines.ray import actor_device_and_dtype, actor_layout
+from pipeline.engines.ray import RAY_AUTH_LOGGER, actor_device_and_dtype, actor_layout
 from tests.conftest import assert_equal_outputs, read_outputs, write_shards
 
 BIN = Path(sys.executable).parent
@@ -127,6 +128,12 @@ def test_two_ray_actors_give_the_outputs_of_a_local_run(tmp_path, ray_cluster, r
     assert sum(w["rows"] for w in summary["workers"]) == 200 and all(w["rows_per_s"] > 0 for w in summary["workers"])
     assert len({w["pid"] for w in summary["workers"]}) == 2 and os.getpid() not in {w["pid"] for w in
                                                                                      summary["workers"]}
+    # the console reports the actors' model loading as the setup and their own device time, not the driver's
+    assert summary["stage_s"]["setup"] == round(sum(w["setup_s"] for w in summary["workers"]), 3) > 0
+    assert all(0 < w["device_busy_fraction"] <= 1 for w in summary["workers"])
+    assert "model loaded in" in result.output and "device busy" in result.output
+    assert summary["dtype_reason"] == "float32: --dtype"
+    assert logging.getLogger(RAY_AUTH_LOGGER).level == logging.ERROR  # Ray's token-auth notice is silenced
     markers = [json.loads(p.read_text()) for p in (tmp_path / "out" / ".lengthwise" / "shards").glob("*.json")]
     assert sorted(m["status"] for m in markers) == ["done"] * 6
     status = json.loads(CliRunner().invoke(cli, ["status", "--output", str(tmp_path / "out"), "--json"]).output)

@@ -241,6 +241,8 @@ def test_dtype_auto_resumes_with_the_dtype_the_output_was_made_with(tmp_path, th
     run_job(config_for(tmp_path, tiny_encoder_path, dtype="bfloat16", input=(str(three_shards / "part-00000.parquet"),)))
     resumed = run_job(config_for(tmp_path, tiny_encoder_path, dtype="auto"))  # the other two shards, resumed
     assert resumed.dtype == "bfloat16" and resumed.shards_done_before == 1 and resumed.rows == 60
+    # the summary says where the dtype came from: not `--dtype`, which the rerun did not pass
+    assert resumed.dtype_reason == f"bfloat16: what {tmp_path / 'out'} was made with (--dtype auto)"
     run_json = json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())
     assert run_json["fingerprint"]["dtype"] == "bfloat16"
     with pytest.raises(UsageError, match=r"dtype: 'bfloat16' → 'float32'"):

@@ -1,5 +1,7 @@
 """The whole pipeline: every row once, in order, and outputs that do not depend on batching."""
 
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -70,3 +72,25 @@ def test_windows_hold_exactly_window_rows_and_keep_shard_ends():
     flat = [b for w in windows for b in w]
     assert [i for b in flat for i in b.ids.to_pylist()] == [i for b in blocks for i in b.ids.to_pylist()]
     assert [(b.shard_index, b.first_row) for b in flat if b.is_last_of_shard] == [(0, 5), (1, 0), (2, 5)]
+
+
+def test_a_window_spanning_shards_is_cut_after_a_shards_last_row_into_parts_of_a_minimum_size():
+    from pipeline.core.tokenize import EncodedRows
+    from pipeline.offline.windows import Window, window_parts
+
+    sizes = [300, 100, 100, 500, 200]  # five shards in one 1,200-row window
+    blocks = [RowBlock(index, 0, pa.array(range(rows)), pa.array(["x"] * rows), True)
+              for index, rows in enumerate(sizes)]
+    rows = sum(sizes)
+    window = Window(blocks, EncodedRows(np.zeros(rows, np.int32), np.arange(rows + 1), np.zeros(rows, bool),
+                                        [None] * rows, 0.0))
+    parts = window_parts(window, min_rows=200)
+    assert [(p.first_block, p.end_block, p.start_row, p.end_row) for p in parts] == [
+        (0, 1, 0, 300), (1, 3, 300, 500), (3, 4, 500, 1000), (4, 5, 1000, 1200)]
+    assert [(p.start_row, p.end_row) for p in window_parts(window, min_rows=1)] == [
+        (0, 300), (300, 400), (400, 500), (500, 1000), (1000, 1200)]
+    assert len(window_parts(window, min_rows=5000)) == 1
+    # a window inside one long shard is one part, whatever the minimum
+    inside = Window([dataclasses.replace(blocks[0], is_last_of_shard=False)], EncodedRows(
+        np.zeros(300, np.int32), np.arange(301), np.zeros(300, bool), [None] * 300, 0.0))
+    assert [(p.start_row, p.end_row) for p in window_parts(inside, min_rows=1)] == [(0, 300)]

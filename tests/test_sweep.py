@@ -55,6 +55,14 @@ def test_the_best_level_wins_when_no_smaller_one_is_close():
     assert chosen.level == 2048 and "the highest throughput" in chosen.reason
 
 
+def test_a_best_level_at_the_largest_value_tried_says_to_try_larger():
+    rising = recommend([level(512, 100.0), level(1024, 150.0), level(2048, 200.0)], "max-batch-tokens", GIB, 0.1)
+    assert rising.level == 2048
+    assert "best throughput was at the largest level tried (2048): try larger --values" in rising.reason
+    flat = recommend([level(512, 100.0), level(1024, 200.0), level(2048, 150.0)], "max-batch-tokens", GIB, 0.1)
+    assert "try larger" not in flat.reason
+
+
 def test_the_p99_limit_excludes_slow_levels():
     levels = [level(1, 10.0, p99_ms=20), level(8, 40.0, p99_ms=60), level(64, 80.0, p99_ms=400)]
     chosen = recommend(levels, "max-batch-rows", 8 * GIB, 0.1, max_p99_ms=80)
@@ -212,7 +220,7 @@ def test_a_real_sweep_end_to_end(tmp_path, tiny_encoder_path):
     write_sweep_csv(str(tmp_path / "previous.csv"), previous)
     cache = tmp_path / "cache"
     args = ["sweep", "--input", str(SAMPLE_DIR), "--model", tiny_encoder_path, "--vary", "max-batch-tokens",
-            "--values", "1024,64,256", "--rows", "60", "--warmup-rows", "20", "--max-length", "64",
+            "--values", "1024,64,256", "--sample-rows", "60", "--warmup-rows", "20", "--max-length", "64",
             "--tokenize-workers", "0", "--plan-cache", str(cache), "--out", str(tmp_path / "sweep.csv"),
             "--compare", str(tmp_path / "previous.csv"), "--fail-on-regression"]
     result = CliRunner().invoke(cli, args)

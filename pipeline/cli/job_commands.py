@@ -123,9 +123,9 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
 @with_options(MODEL_OPTIONS)
 @with_options(BATCH_OPTIONS)
 @env_option("--json", "as_json", env="JSON", is_flag=True, help="Print the plan as JSON.")
-@env_option("--available", env="PLAN_AVAILABLE", type=ByteSize(), default=None,
+@env_option("--available", env="AVAILABLE", type=ByteSize(), default=None,
             help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
-@env_option("--per-sample", env="PLAN_PER_SAMPLE", type=ByteSize(), default=None,
+@env_option("--per-sample", env="PER_SAMPLE", type=ByteSize(), default=None,
             help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
 @with_options(LOG_OPTIONS)
 def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> None:
@@ -165,16 +165,23 @@ def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> No
 
 
 @click.command()
-@env_option("--output", env="OUTPUT", required=True, help="The output directory of a run.")
-@env_option("--storage-option", env="STORAGE_OPTION", multiple=True, help="KEY=VALUE for fsspec. Repeatable.")
+@CONFIG_OPTION
+@env_option("--output", env="OUTPUT", help="The output directory of a run (or `output` in the --config file).")
+@env_option("--storage-option", env="STORAGE_OPTION", multiple=True, callback=merge_config_table,
+            help="KEY=VALUE for fsspec. Repeatable; in the --config file a [storage] table.")
 @env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
 def status(output, storage_option, as_json) -> None:
-    """How much of a run is done: shards done, failed and pending, and rows done.
+    """How much of a run is done: shards done, failed and pending, rows done, and what the
+    output holds (rows, errors, truncated, flagged by label), as the run's summary prints it.
 
-    Reads only the run manifest and the input footers; loads no model.
+    Reads only the run manifest and the input footers; loads no model. With --config, the
+    job file's `output` and [storage] are used and its other keys are skipped.
     """
     from pipeline.offline.manifest import run_status
+    from pipeline.offline.summary import totals_lines
 
+    if not output:
+        fail("no output directory; set --output (or `output` in the --config file)")
     try:
         report = run_status(output, parse_storage_options(storage_option))
     except UsageError as error:
@@ -184,6 +191,8 @@ def status(output, storage_option, as_json) -> None:
         return
     click.echo(f"{report['output']}: {report['done']} of {report['shards']} shards done, {report['failed']} failed, "
                f"{report['pending']} pending; {report['rows_done']:,} of {report['rows']:,} rows done")
+    for line in totals_lines(report["totals"]):
+        click.echo(line)
     for failed in report["failed_shards"]:
         click.echo(f"failed  {failed['shard']}: {failed['error']}")
     workers = report["workers"]

@@ -213,28 +213,28 @@ class CountOrAuto(click.ParamType):
         return count
 
 
-def level_test_options(env_prefix: str, what: str, throughput: str, p99: str, config) -> list:
+def level_test_options(what: str, throughput: str, p99: str, config) -> list:
     """The recommendation, output and comparison options that `sweep` and `loadtest` share
-    (`config`: the dataclass their defaults come from)."""
+    (`config`: the dataclass their defaults come from), with one env var each."""
     return [
-        env_option("--max-p99-ms", env=f"{env_prefix}_MAX_P99_MS", type=click.FloatRange(0, min_open=True),
+        env_option("--max-p99-ms", env="MAX_P99_MS", type=click.FloatRange(0, min_open=True),
                    default=None, help=f"Recommend only levels whose {p99} is within this."),
-        env_option("--memory-headroom", env=f"{env_prefix}_MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
+        env_option("--memory-headroom", env="MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
                    default=default_of("memory_headroom", config), show_default=True,
                    help="Recommend only levels that leave this share of the memory budget free."),
-        env_option("--compare", "compare_with", env=f"{env_prefix}_COMPARE", type=click.Path(dir_okay=False),
+        env_option("--compare", "compare_with", env="COMPARE", type=click.Path(dir_okay=False),
                    default=None, help=f"An earlier {what} CSV: print the change per level and flag regressions."),
-        env_option("--max-throughput-drop", env=f"{env_prefix}_MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1),
+        env_option("--max-throughput-drop", env="MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1),
                    default=0.05, show_default=True,
                    help=f"--compare flags a level whose {throughput} fell by more than this share."),
-        env_option("--max-p99-rise", env=f"{env_prefix}_MAX_P99_RISE", type=click.FloatRange(0), default=0.10,
+        env_option("--max-p99-rise", env="MAX_P99_RISE", type=click.FloatRange(0), default=0.10,
                    show_default=True, help=f"--compare flags a level whose {p99} rose by more than this share."),
-        env_option("--fail-on-regression", env=f"{env_prefix}_FAIL_ON_REGRESSION", is_flag=True,
+        env_option("--fail-on-regression", env="FAIL_ON_REGRESSION", is_flag=True,
                    help="Exit 3 when --compare flags any level."),
-        env_option("--out", env=f"{env_prefix}_OUT", required=True, type=click.Path(dir_okay=False),
+        env_option("--out", env="OUT", required=True, type=click.Path(dir_okay=False),
                    help="The CSV, one row per level; the fixed settings, the diagnosis and the recommendation go to "
                         "OUT.json."),
-        env_option("--plot", env=f"{env_prefix}_PLOT", type=click.Path(dir_okay=False), default=None,
+        env_option("--plot", env="PLOT", type=click.Path(dir_okay=False), default=None,
                    help=f"Also draw {throughput}, {p99} and memory against the level (needs matplotlib)."),
     ]
 
@@ -280,8 +280,10 @@ MODEL_OPTIONS = [
 
 
 INPUT_OPTIONS = [
-    env_option("--id-column", env="ID_COLUMN", default=default_of("id_column"), show_default=True),
-    env_option("--text-column", env="TEXT_COLUMN", default=default_of("text_column"), show_default=True),
+    env_option("--id-column", env="ID_COLUMN", default=default_of("id_column"), show_default=True,
+               help="The input column of row ids, written to the output's `id` (any type; a null id is a row error)."),
+    env_option("--text-column", env="TEXT_COLUMN", default=default_of("text_column"), show_default=True,
+               help="The input column of texts (strings; null, empty or whitespace-only texts are row errors)."),
     env_option("--storage-option", env="STORAGE_OPTION", multiple=True, callback=merge_config_table,
                help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable; in the "
                     "--config file a [storage] table, which a flag overrides key by key."),
@@ -319,6 +321,12 @@ BATCH_OPTIONS = [
 ]
 
 
+TORCH_THREADS_OPTION = env_option(
+    "--torch-threads", env="TORCH_THREADS", type=click.IntRange(1), default=None,
+    help="Intra-op threads of the forward. Default: torch's (the cores). On a CPU shared with other processes fewer "
+         "can be much faster: see docs/online.md.")
+
+
 WORKER_OPTIONS = [
     env_option("--tokenize-workers", env="TOKENIZE_WORKERS", type=click.IntRange(0),
                default=default_of("tokenize_workers"), show_default=True,
@@ -326,6 +334,7 @@ WORKER_OPTIONS = [
     env_option("--prefetch-batches", env="PREFETCH_BATCHES", type=click.IntRange(1),
                default=default_of("prefetch_batches"), show_default=True,
                help="Collated batches kept ready ahead of the device."),
+    TORCH_THREADS_OPTION,
 ]
 
 

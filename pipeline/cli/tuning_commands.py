@@ -14,6 +14,7 @@ from pipeline.cli.options import (
     LOG_OPTIONS,
     MEMORY_OPTIONS,
     MODEL_OPTIONS,
+    TORCH_THREADS_OPTION,
     WORKER_OPTIONS,
     CountOrAuto,
     Duration,
@@ -44,36 +45,38 @@ from pipeline.core.settings import (
 @CONFIG_OPTION
 @env_option("--input", "inputs", env="INPUT", multiple=True, required=True,
             help="Shards to sample rows from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@env_option("--vary", env="SWEEP_VARY", required=True, type=click.Choice(SWEEP_VARIES),
+@env_option("--vary", env="VARY", required=True, type=click.Choice(SWEEP_VARIES),
             help="The one setting that changes between levels.")
-@env_option("--values", env="SWEEP_VALUES", required=True, type=IntList(),
+@env_option("--values", env="VALUES", required=True, type=IntList(),
             help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
-@env_option("--max-batch-tokens", env="SWEEP_MAX_BATCH_TOKENS", type=click.IntRange(1), default=None,
-            help="Held fixed while --vary max-batch-rows (default: no token budget).")
-@env_option("--max-batch-rows", env="SWEEP_MAX_BATCH_ROWS", type=click.IntRange(1), default=None,
-            help="Held fixed while --vary max-batch-tokens (default: the device's, as in run: "
-                 f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU, "
-                 f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA).")
-@env_option("--rows", env="SWEEP_ROWS", type=click.IntRange(1), default=sweep_default("rows"), show_default=True,
-            help="Measured rows per level.")
-@env_option("--warmup-rows", env="SWEEP_WARMUP_ROWS", type=click.IntRange(0), default=sweep_default("warmup_rows"),
+@env_option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
+            show_default=True,
+            help="Held fixed while --vary max-batch-rows; auto: no token budget (rows alone limit a batch).")
+@env_option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"), default="auto", show_default=True,
+            help="Held fixed while --vary max-batch-tokens; auto: the device's, as in run without a sweep "
+                 f"recommendation: {device_batch_limit('cpu', 'max_batch_rows')} on CPU, "
+                 f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA.")
+@env_option("--sample-rows", "rows", env="SAMPLE_ROWS", type=click.IntRange(1), default=sweep_default("rows"),
+            show_default=True, help="Rows sampled from the input and measured at each level.")
+@env_option("--warmup-rows", env="WARMUP_ROWS", type=click.IntRange(0), default=sweep_default("warmup_rows"),
             show_default=True, help="Rows run before each level's clock starts (not counted).")
-@env_option("--seed", env="SWEEP_SEED", type=int, default=sweep_default("seed"), show_default=True,
+@env_option("--seed", env="SEED", type=int, default=sweep_default("seed"), show_default=True,
             help="Which rows the sample takes.")
 @with_options(MEMORY_OPTIONS)
 @with_options(WORKER_OPTIONS)
-@env_option("--no-save", env="SWEEP_NO_SAVE", is_flag=True, help="Do not save the recommendation for `run … auto`.")
-@with_options(level_test_options("SWEEP", "sweep", "rows/s", "p99 row latency", SweepConfig))
+@env_option("--no-save", env="NO_SAVE", is_flag=True, help="Do not save the recommendation for `run … auto`.")
+@with_options(level_test_options("sweep", "rows/s", "p99 row latency", SweepConfig))
 @with_options(LOG_OPTIONS)
 def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, max_throughput_drop, max_p99_rise,
           fail_on_regression, out, plot, max_batch_tokens, max_batch_rows, **settings) -> None:
     """Load-test one batch setting over several values on real rows; write a CSV, recommend one.
 
     Only --vary changes between levels. Each level: warm-up rows, measured rows, drain. The
-    recommendation (highest throughput within the limits, or the smallest level within 3% of
-    it) is saved so that `lengthwise run --max-batch-tokens auto` (or `--max-batch-rows auto`)
+    recommendation (highest throughput within the limits; levels within 3% of it tie and the
+    smallest wins; a best level at the largest value tried says to try larger) is saved so that
+    `lengthwise run --max-batch-tokens auto` (or `--max-batch-rows auto`)
     on the same model, device and dtype uses it.
     """
     from pipeline.tuning import levels as analysis
@@ -119,56 +122,55 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @CONFIG_OPTION
 @env_option("--input", "inputs", env="INPUT", multiple=True, required=True,
             help="Shards to sample request texts from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@env_option("--vary", env="LOADTEST_VARY", required=True, type=click.Choice(LOADTEST_VARIES),
+@env_option("--vary", env="VARY", required=True, type=click.Choice(LOADTEST_VARIES),
             help="The one batcher setting that changes between levels.")
-@env_option("--values", env="LOADTEST_VALUES", required=True, type=IntList(), help="Its levels, e.g. 1,2,4,8,16,32,64.")
-@env_option("--qps", env="LOADTEST_QPS", type=click.FloatRange(0, min_open=True), default=loadtest_default("qps"),
+@env_option("--values", env="VALUES", required=True, type=IntList(), help="Its levels, e.g. 1,2,4,8,16,32,64.")
+@env_option("--qps", env="QPS", type=click.FloatRange(0, min_open=True), default=loadtest_default("qps"),
             show_default=True, help="Mean arrival rate, requests per second (Poisson arrivals, open loop).")
-@env_option("--concurrency", env="LOADTEST_CONCURRENCY", type=click.IntRange(1),
+@env_option("--concurrency", env="CONCURRENCY", type=click.IntRange(1),
             default=loadtest_default("concurrency"), show_default=True,
             help="Requests in flight at most; a later arrival waits for a slot and its wait counts in its latency.")
-@env_option("--duration", "duration_s", env="LOADTEST_DURATION", type=Duration(),
-            default=loadtest_default("duration_s"),
-            show_default=True, help="Measured arrivals per level (30s, 2m).")
-@env_option("--warmup", "warmup_s", env="LOADTEST_WARMUP", type=Duration(), default=loadtest_default("warmup_s"),
-            show_default=True, help="Arrivals before each level's measured ones, not counted.")
-@env_option("--max-batch-size", env="BATCHER_MAX_BATCH_SIZE", type=click.IntRange(1),
+@env_option("--duration", "duration_s", env="DURATION", type=Duration(),
+            default=f"{loadtest_default('duration_s'):g}s", show_default=True,
+            help="Measured arrivals per level (30s, 2m).")
+@env_option("--warmup", "warmup_s", env="WARMUP", type=Duration(), default=f"{loadtest_default('warmup_s'):g}s",
+            show_default=True,
+            help="Arrivals before each level's measured ones, not counted (a duration: arrivals come by time).")
+@env_option("--max-batch-size", env="MAX_BATCH_SIZE", type=click.IntRange(1),
             default=batcher_default("max_batch_size"), show_default=True,
             help="Requests per batch; a batch runs as soon as this many wait.")
-@env_option("--max-batch-tokens", env="BATCHER_MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
+@env_option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
             show_default=True,
             help="Padded tokens per batch (also a trigger); auto: the device's default, "
                  f"{device_batch_limit('cpu', 'max_batch_tokens')} on CPU and "
                  f"{device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it.")
-@env_option("--batch-timeout-ms", env="BATCHER_BATCH_TIMEOUT_MS", type=click.FloatRange(0),
+@env_option("--batch-timeout-ms", env="BATCH_TIMEOUT_MS", type=click.FloatRange(0),
             default=batcher_default("batch_timeout_ms"), show_default=True,
             help="The oldest waiting request waits at most this long for others.")
-@env_option("--request-timeout-ms", env="BATCHER_REQUEST_TIMEOUT_MS", type=click.FloatRange(0, min_open=True),
+@env_option("--request-timeout-ms", env="REQUEST_TIMEOUT_MS", type=click.FloatRange(0, min_open=True),
             default=batcher_default("request_timeout_ms"), show_default=True,
             help="A request not answered within this fails with a timeout (never computed if still queued).")
-@env_option("--max-queue", env="BATCHER_MAX_QUEUE", type=click.IntRange(1), default=batcher_default("max_queue"),
+@env_option("--max-queue", env="MAX_QUEUE", type=click.IntRange(1), default=batcher_default("max_queue"),
             show_default=True, help="Requests waiting; one more is rejected at once.")
-@env_option("--max-queue-tokens", env="BATCHER_MAX_QUEUE_TOKENS", type=click.IntRange(1),
+@env_option("--max-queue-tokens", env="MAX_QUEUE_TOKENS", type=click.IntRange(1),
             default=batcher_default("max_queue_tokens"), show_default=True,
             help="Padded tokens waiting; one more request is rejected at once.")
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
 @with_options(MEMORY_OPTIONS)
+@with_options([TORCH_THREADS_OPTION])
 @env_option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=default_of("safety"), show_default=True,
             help="Headroom factor of the memory formula.")
 @env_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
             help="Cap batches by the memory plan (cached, or probed on the device first).")
 @env_option("--no-plan-cache", "no_plan_cache", env="NO_PLAN_CACHE", is_flag=True, default=False,
             help="Probe again and do not cache the plan.")
-@env_option("--torch-threads", env="BATCHER_TORCH_THREADS", type=click.IntRange(1), default=None,
-            help="Intra-op threads of the forward. Default: torch's (the cores). On a CPU shared with other "
-                 "processes 1 can be many times faster: see docs/online.md.")
-@env_option("--sample-rows", env="LOADTEST_SAMPLE_ROWS", type=click.IntRange(2),
+@env_option("--sample-rows", env="SAMPLE_ROWS", type=click.IntRange(2),
             default=loadtest_default("sample_rows"),
             show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")
-@env_option("--seed", env="LOADTEST_SEED", type=int, default=loadtest_default("seed"), show_default=True,
+@env_option("--seed", env="SEED", type=int, default=loadtest_default("seed"), show_default=True,
             help="Which texts the sample takes and the arrival times.")
-@with_options(level_test_options("LOADTEST", "load test", "requests/s", "p99 latency", OnlineLoadtestConfig))
+@with_options(level_test_options("load test", "requests/s", "p99 latency", OnlineLoadtestConfig))
 @with_options(LOG_OPTIONS)
 def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model, storage_option, no_plan_cache,
              sample_rows, seed, max_p99_ms, memory_headroom, compare_with, max_throughput_drop, max_p99_rise,
@@ -177,8 +179,9 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
 
     Only --vary changes between levels. Each level: warm-up arrivals, --duration of measured
     arrivals, then the drain. Latency runs from a request's scheduled arrival to its answer.
-    The recommendation is the highest requests/s within the limits, or the smallest level
-    within 3% of it; a line of diagnosis follows a level that shows a known pattern.
+    The recommendation is the highest requests/s within the limits, where levels within the
+    measurement's noise of it (3%, or 2/sqrt(requests) when wider) tie and the smallest wins;
+    a line of diagnosis follows a level that shows a known pattern.
     """
     from pipeline.core.findings import diagnosis_lines
     from pipeline.tuning import levels as analysis

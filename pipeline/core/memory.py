@@ -19,7 +19,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -319,3 +319,38 @@ def verify_rows(planned: int, length: int, base_bytes: float, available_bytes: i
         else:
             probed = guess if accept(guess) else largest_accepted(guess - 1, accept)
     return probed, peaks.get(max(probed, 1), 0.0), peaks
+
+
+SMALLER_PLAN_SERVES = 0.75  # a plan made for a budget at least this share of the current one is reused as is
+
+
+def plan_for_budget(plan: MemoryPlan, available_bytes: int) -> MemoryPlan | None:
+    """A cached plan adapted to the budget of this run, without probing: as it is when it was
+    made for this budget or a somewhat smaller one (it fits; at most a quarter of the budget
+    goes unused), scaled down when it was made for a larger one; None when a new probe should
+    be made (a much larger budget, or one that the per-batch base alone fills).
+
+    Scaling keeps each bucket's share of the budget after the base: rows that passed the probe
+    at budget B with the fitted base b get ⌊rows × (A − b) / (B − b)⌋ at budget A, never more
+    than the formula gives at A. So free memory moving by a GiB reuses the plan instead of
+    probing again."""
+    if plan.available_bytes == available_bytes or (
+            SMALLER_PLAN_SERVES * available_bytes <= plan.available_bytes < available_bytes):
+        return plan
+    base = plan.coefficients.base_bytes
+    if plan.available_bytes < available_bytes or available_bytes <= base:
+        return None
+    share = (available_bytes - base) / (plan.available_bytes - base)
+    buckets = [replace(bucket, probed_rows=min(int(bucket.probed_rows * share),
+                                                           plan.coefficients.rows_within(available_bytes, plan.safety,
+                                                                                         bucket.length)),
+                                   predicted_peak_bytes=plan.coefficients.peak_bytes(
+                                       int(bucket.probed_rows * share), bucket.length),
+                                   measured_peak_bytes=0.0, check=f"scaled from a {format_bytes(plan.available_bytes)} "
+                                                                  "plan")
+               for bucket in plan.buckets]
+    if any(before.probed_rows and not after.probed_rows for before, after in zip(plan.buckets, buckets)):
+        return None
+    return replace(plan, available_bytes=available_bytes, buckets=buckets,
+                               source=f"{plan.source}, made for {format_bytes(plan.available_bytes)}, scaled to "
+                                      f"{format_bytes(available_bytes)}")

@@ -80,8 +80,10 @@ class ModelChoice:
     job_options: dict = field(default_factory=dict)  # the job's own output-changing settings (thresholds)
 
 
-def choose_model(settings) -> ModelChoice:
-    """`settings`: a RunConfig or SweepConfig (model, device, dtype, max_length, prompt, prompt_name)."""
+def choose_model(settings, dtype_source: str | None = None) -> ModelChoice:
+    """`settings`: a RunConfig or SweepConfig (model, device, dtype, max_length, prompt, prompt_name).
+    `dtype_source` says where a dtype the caller set came from (e.g. the output's record on a
+    resume); without it a dtype other than auto came from --dtype."""
     path = resolve_model_path(settings.model)
     options = job_options(settings, path)
     text = read_text_settings(path)
@@ -92,7 +94,8 @@ def choose_model(settings) -> ModelChoice:
     if attention == "eager":
         log.warning(f"{path}: this architecture has no SDPA attention in transformers; running eager attention "
                     "(slower, more memory per row)")
-    reason = f"{dtype_name(dtype)}: " + ("--dtype" if settings.dtype != "auto" else f"the default on {device.type}")
+    reason = f"{dtype_name(dtype)}: " + (dtype_source or ("--dtype" if settings.dtype != "auto"
+                                                          else f"the default on {device.type}"))
     if device.type == "cpu" and settings.dtype == "auto":
         dtype, reason = choose_cpu_dtype(settings, path, max_length, attention)
     elif device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_feature() is None:

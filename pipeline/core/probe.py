@@ -19,6 +19,7 @@ from pipeline.core.memory import (
     fit_memory_model,
     memory_bucket_lengths,
     plan_buckets,
+    plan_for_budget,
 )
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,8 @@ def load_cached_plan(path: Path, key: dict) -> MemoryPlan | None:
 
 
 def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan | None:
-    """The memory plan for these settings: from the plan cache, else probed on the device and
-    cached. Logs which."""
+    """The memory plan for these settings: from the plan cache (made for this budget or scaled to
+    it), else probed on the device and cached. Logs which."""
     from pipeline.core.device import available_memory_bytes, device_name, dtype_name
 
     available = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
@@ -101,13 +102,14 @@ def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan |
         raise UsageError(f"no memory left for batches on {device} ({available} bytes); "
                          "lower --memory-reserve or set --memory-budget")
     dtype = dtype_name(next(model.parameters()).dtype)
+    # not the budget: a plan made for a larger one is scaled down, one for a little less is reused (plan_for_budget)
     key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
                                device=device_name(device), dtype=dtype, max_length=config.max_length,
-                               available_bytes=available, safety=config.safety,
-                               attention=getattr(model.config, "_attn_implementation", None),
+                               safety=config.safety, attention=getattr(model.config, "_attn_implementation", None),
                                max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
     path = cache_dir(config.plan_cache) / f"{name}.json"
-    plan = load_cached_plan(path, key) if config.use_plan_cache else None
+    cached = load_cached_plan(path, key) if config.use_plan_cache else None
+    plan = plan_for_budget(cached, available) if cached else None
     if plan is None:
         try:
             plan = probe_memory_plan(job, model, device, available, config.safety, config.max_length,

@@ -55,6 +55,17 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def set_torch_threads(threads: int | None) -> None:
+    """Fix the forward's intra-op threads (process-wide) before the model is loaded and timed
+    (--torch-threads). On a CPU shared with other processes, two threads that meet at every
+    operator's barrier turned a 10 ms single-row forward into ~1 s (load average 8 on 2 cores);
+    one thread kept it at 23-33 ms."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     input: tuple[str, ...]  # directories, globs or files; local paths or fsspec URLs
@@ -83,6 +94,7 @@ class RunConfig:
     use_plan_cache: bool = True  # reuse a cached plan instead of probing
     window_rows: int = 8192  # rows sorted and packed together; bounds memory in flight
     tokenize_workers: int = field(default_factory=usable_cores)  # 0 = in-process
+    torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
@@ -135,6 +147,7 @@ class SweepConfig:
     dtype: str = "auto"
     compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
     tokenize_workers: int = field(default_factory=usable_cores)
+    torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     prefetch_batches: int = 4
     storage_options: dict = field(default_factory=dict)
     plan_cache: str | None = None  # where the recommendation is saved for `run … auto`

@@ -15,7 +15,7 @@ from pipeline.core.settings import RunConfig
 from pipeline.offline.manifest import RunManifest, fingerprint_differences, pending, recorded_config
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
-from pipeline.offline.summary import RunSummary
+from pipeline.offline.summary import RunSummary, output_totals
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
-    config = keep_recorded_choices(config, manifest)
-    choice = choose(config)
+    config, dtype_source = keep_recorded_choices(config, manifest)
+    choice = choose(config, dtype_source)
     fingerprint = output_fingerprint(config, choice)
     refuse_other_settings(config, manifest.read_run(), fingerprint)
     todo = shards if config.overwrite else pending_shards(shards, manifest)
@@ -56,35 +56,39 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         log.warning(lock_note)
     try:
         todo = claim_output(config, fingerprint, shards, sink, manifest, slot)
-        summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output)
+        summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output,
+                             nothing_to_do=not todo)
         if todo:
             if run_shards is None:  # done shards can only become pending again under --overwrite
                 run_shards, config = prepare_engine(config, choice, todo)
             run_shards(todo, sink, manifest, summary, started)
         summary.wall_s = time.perf_counter() - started
+        summary.output_totals = output_totals(manifest.shard_markers().values())
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
     finally:
         manifest.release_lock(slot)
 
 
-def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> RunConfig:
+def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[RunConfig, str | None]:
     """`--dtype auto` and `--compile auto` on an output that already holds results keep what
     they were made with: a rerun on another node, or a trial landing on the other side of its
     threshold, must not turn a resume into a refusal, split one output across two dtypes, or
-    compile a resume of a few rows (or not compile a long one)."""
+    compile a resume of a few rows (or not compile a long one). Returns the config and where
+    its dtype came from (None: from the user's settings)."""
     recorded = manifest.read_run()
     if not recorded or config.overwrite:
-        return config
+        return config, None
+    dtype_source = None
     dtype = recorded["fingerprint"].get("dtype")
     if config.dtype == "auto" and dtype in DTYPES:
-        log.info(f"dtype {dtype}: what {config.output} was made with (--dtype auto)")
         config = dataclasses.replace(config, dtype=dtype)
+        dtype_source = f"what {config.output} was made with (--dtype auto)"
     compiled = recorded.get("config", {}).get("compile")
     if config.compile == "auto" and compiled in ("on", "off"):
         log.info(f"compile {compiled}: what {config.output} was made with (--compile auto)")
         config = dataclasses.replace(config, compile=compiled)
-    return config
+    return config, dtype_source
 
 
 def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint: dict) -> None:

@@ -3,16 +3,10 @@ CLI's `run` and `pipeline.api.run` both call."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import RunConfig
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover
-    pass
 
 
 def execute_run(config: RunConfig):
@@ -37,7 +31,8 @@ def execute_run(config: RunConfig):
     after = machine_load()  # other jobs seen at the start or the end, and the load average at the end
     summary.settings = {**summary.settings, "load_average": after["load_average"],
                         "other_jobs": sorted(set(before["other_jobs"]) | set(after["other_jobs"]))}
-    summary.diagnosis = as_dicts(diagnose_run(summary))
+    if not summary.nothing_to_do:
+        summary.diagnosis = as_dicts(diagnose_run(summary))
     if config.summary_json:
         Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.summary_json).write_text(summary.to_json() + "\n")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import sys
 from collections.abc import Mapping
 
 from pipeline.core.model import ModelChoice, load_model
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import RunConfig, set_torch_threads
 from pipeline.engines.claim import ShardsRunner, run_claimed
 from pipeline.offline.runner import ShardRunner
 from pipeline.core.tokenize import TokenizerSpec
@@ -32,21 +33,23 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
 
 def refuse_while_a_worker_starts() -> None:
     """A spawned tokenizer worker re-runs the main script while it starts; if that script
-    calls lengthwise without a main guard, stop here (before any lock, model or output is
-    touched) with what to do, instead of starting a run inside the worker."""
+    calls lengthwise without a main guard, end the worker here (before any lock, model or
+    output is touched) with what to do. It exits rather than raises, so a try/except around
+    the call cannot swallow it: the parent's pool then fails with WorkerStartError."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError("lengthwise was called while a tokenizer worker process was starting: the script that "
-                           "calls it has no `if __name__ == \"__main__\":` guard, so each worker runs it again. "
-                           "Put the call under that guard, or set tokenize_workers=0")
+        print("lengthwise was called while a tokenizer worker process was starting: the script that calls it has "
+              "no `if __name__ == \"__main__\":` guard, so each worker runs it again. Put the call under that guard, "
+              "or set tokenize_workers=0", file=sys.stderr, flush=True)
+        os._exit(EXIT_USAGE)
+
+
+EXIT_USAGE = 2  # as the CLI's usage errors
 
 
 def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard]) -> tuple[ShardsRunner, RunConfig]:
     """The local engine: the model loaded once in this process (compiled if that pays back over
     `todo`), one shard runner for all shards; the config with --compile settled."""
-    if config.torch_threads:
-        import torch
-
-        torch.set_num_threads(config.torch_threads)
+    set_torch_threads(config.torch_threads)
 
     def workload(spec: TokenizerSpec) -> float:
         return estimate_tokens(todo, config.id_column, config.text_column, spec, config.storage_options)

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_SHARD_ATTEMPTS = 3  # a shard whose actor died this many times is failed, as a bad shard is
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"  # warns about token auth on every start
 
 
 def import_ray():
@@ -110,6 +111,7 @@ def ray_connection(ray, address: str | None):
     """Connected to Ray (unless this process already is) for the block; disconnected after if
     connected here. Ray installs its own SIGINT/SIGTERM handlers; ours stop the run cleanly."""
     connected_here = not ray.is_initialized()
+    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)  # its token-auth notice is not ours to print
     if connected_here:
         handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
@@ -152,12 +154,12 @@ def actor_device_and_dtype(device: str, dtype: str, cluster: dict) -> tuple[str,
     return "cuda", chosen, f"{chosen}: the default on the cluster's GPUs ({', '.join(kinds) or 'type not reported'})"
 
 
-def choose_on_cluster(cluster: dict, config: RunConfig) -> ModelChoice:
+def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None = None) -> ModelChoice:
     """The run's model choice with the device and dtype its actors will run in (see
     `actor_device_and_dtype`); everything else is settled on the driver as for a local run."""
     device, dtype, reason = actor_device_and_dtype(config.device, config.dtype, cluster)
     if device == "cpu":
-        return choose_model(dataclasses.replace(config, device="cpu"))
+        return choose_model(dataclasses.replace(config, device="cpu"), dtype_source)
     import torch
 
     choice = choose_model(dataclasses.replace(config, device="cpu", dtype="float32"))  # the driver needs no GPU
@@ -181,6 +183,7 @@ def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sin
     config = dataclasses.replace(config, device=choice.device.type, dtype=dtype_name(choice.dtype))
     ActorPool(ray, config, len(todo)).run(todo, sink, manifest, summary, config.progress)
     sink.remove_stale_temporaries([shard.stem for shard in todo])
+    summary.dtype_reason = choice.dtype_reason  # the driver's choice; the actors were handed its result
     wall_s = time.perf_counter() - started
     summary.rows_per_s = summary.rows / wall_s
     summary.tokens_per_s = summary.real_tokens / wall_s
@@ -238,7 +241,7 @@ class ActorPool:
         self.run_token = uuid.uuid4().hex[:8]  # this driver's attempts: RUN.1, RUN.2, …
         self.attempts_made = 0
         self.where: dict[int, dict] = {}  # actor slot → pid, host, setup time
-        self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0})
+        self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0, "forward_s": 0.0})
 
     def _launch(self, slot: int) -> None:
         self.actors[slot] = self.actor_class.remote(self.config, self.threads)
@@ -318,7 +321,7 @@ class ActorPool:
                     if (started := self._started(finished)) is not None:
                         idle.append(started)
                     continue
-                slot, shard, dispatched = running.pop(finished)
+                slot, shard, _ = running.pop(finished)
                 try:
                     result = ray.get(finished)
                 except ray.exceptions.RayActorError as error:
@@ -336,7 +339,8 @@ class ActorPool:
                 stats = self.stats[slot]
                 stats["shards"] += 1
                 stats["rows"] += result["summary"]["rows"]
-                stats["busy_s"] += time.perf_counter() - dispatched
+                stats["busy_s"] += result["summary"]["wall_s"]  # the actor's own time on the shard
+                stats["forward_s"] += result["summary"]["stage_s"].get("forward", 0.0)
                 bar.update(shard.num_rows)
                 idle.append(slot)
         finally:
@@ -345,10 +349,14 @@ class ActorPool:
                 ray.kill(actor)  # an interrupt stops the actors too; their temporaries are cleaned up
         summary.duplicate_ids, summary.duplicate_id_examples = ids.duplicates(sink.fs, committed)
         summary.workers = [{"actor": slot, **self.where[slot], **stats,
-                            "rows_per_s": round(stats["rows"] / stats["busy_s"], 2) if stats["busy_s"] else 0.0}
+                            "rows_per_s": round(stats["rows"] / stats["busy_s"], 2) if stats["busy_s"] else 0.0,
+                            "device_busy_fraction": round(stats["forward_s"] / stats["busy_s"], 3)
+                            if stats["busy_s"] else 0.0}
                            for slot, stats in sorted(self.stats.items())]
+        # over the actors' own time on their shards, and their model loading as the setup
         busy_s = sum(stats["busy_s"] for stats in self.stats.values())
-        summary.device_busy_fraction = summary.stage_s.get("forward", 0.0) / busy_s if busy_s else 0.0
+        summary.device_busy_fraction = sum(s["forward_s"] for s in self.stats.values()) / busy_s if busy_s else 0.0
+        summary.stage_s["setup"] = round(sum(self.where[slot]["setup_s"] for slot in self.stats), 3)
 
     def _lost(self, slot, shard, attempts, queue, manifest, summary, error) -> None:
         """An actor died with `shard` in hand: hand it out again, or fail it after the last attempt."""

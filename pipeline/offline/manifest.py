@@ -17,6 +17,7 @@ from pipeline.core.errors import UsageError, as_storage_error
 from pipeline.core.retry import retry_transient
 from pipeline.core.settings import RunConfig
 from pipeline.offline.source import Shard, WorkerSlot, list_shards, slot_of
+from pipeline.offline.summary import output_totals
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,8 @@ def recorded_config(config: RunConfig) -> dict:
 
 def run_status(output: str, storage_options: dict) -> dict:
     """Shards done, failed and pending for the run recorded in `output`, overall and per
-    worker, without a model: reads the manifest and the input listing (footers)."""
+    worker, and the output's totals (rows, errors, truncated, flagged by label, as the run's
+    summary prints them), without a model: reads the manifest and the input listing (footers)."""
     sink_fs, output_dir = fsspec.core.url_to_fs(output, **storage_options)
     if not sink_fs.exists(f"{manifest_root(sink_fs, output_dir.rstrip('/'))}/run.json"):
         raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
@@ -251,6 +253,7 @@ def run_status(output: str, storage_options: dict) -> dict:
                           for stem, state in status_of.items() if state == "failed"],
         "workers": _worker_status(shards, status_of, by_stem, config.get("num_shards", 1), locks,
                                   manifest.worker_summaries()),
+        "totals": output_totals(markers[stem] for stem in by_stem if stem in markers),
         "lock": next((lock for lock in locks if lock.get("count", 1) == 1), None),
         "locks": locks,
     }

@@ -21,7 +21,6 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +49,7 @@ from pipeline.offline.manifest import RunManifest
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
 from pipeline.offline.source import Shard, read_blocks
 from pipeline.offline.summary import IdTracker, RunSummary
-from pipeline.offline.windows import Window, group_into_windows, tokenize_windows
+from pipeline.offline.windows import Window, WindowPart, group_into_windows, tokenize_windows, window_parts
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +97,11 @@ class ShardRunner:
                 work = batches_of(windows, config, self.limits, loaded.tokenizer.pad_token_id, feeder, times)
                 for item, result in run_on_device(work, job, model, device, feeder, self.limits,
                                                   config.prefetch_batches, times):
-                    if isinstance(item, WindowDone):
-                        background.write(item.window)
-                        progress.update(item.window.tokenize_errors)
-                        # a shard that failed to read is seen here; one whose commit failed, up to two windows later
-                        if config.fail_fast and (background.failures or any(b.failure for b in item.window.blocks)):
+                    if isinstance(item, WindowPart):
+                        background.write(item)
+                        progress.update(item.tokenize_errors)
+                        # a shard that failed to read is seen here; one whose commit failed, up to two parts later
+                        if config.fail_fast and (background.failures or any(b.failure for b in item.blocks)):
                             break
                         continue
                     if result.outputs:
@@ -161,16 +160,16 @@ def check_kept_columns(keep_columns, job_columns: list[str]) -> None:
                          f"(id, {', '.join(job_columns)}, truncated, error); rename it in the input")
 
 
-@dataclass
-class WindowDone:
-    window: Window
+PART_OF_WINDOW = 8  # a window spanning shards is cut at shard ends into parts of at least 1/8 of its rows
 
 
 def batches_of(windows: Iterable[Window], config: RunConfig, limits: BatchLimits, pad_token_id: int,
-               feeder: DeviceFeeder, times: StageTimes) -> Iterator[ReadyBatch | WindowDone]:
-    """Each window's valid rows as collated batches, then a marker that the window is complete."""
+               feeder: DeviceFeeder, times: StageTimes) -> Iterator[ReadyBatch | WindowPart]:
+    """Each window part's valid rows as collated batches, then the part itself: its rows are
+    done, so it can be written and the shard it ends committed."""
     for window in windows:
-        yield from collate_batches(window.encoded, np.flatnonzero(window.valid), config.max_batch_tokens,
-                                   config.max_batch_rows, config.max_length, limits, pad_token_id, feeder, times,
-                                   window)
-        yield WindowDone(window)
+        for part in window_parts(window, max(1, config.window_rows // PART_OF_WINDOW)):
+            rows = part.start_row + np.flatnonzero(window.valid[part.start_row:part.end_row])
+            yield from collate_batches(window.encoded, rows, config.max_batch_tokens, config.max_batch_rows,
+                                       config.max_length, limits, pad_token_id, feeder, times, window)
+            yield part

@@ -7,6 +7,7 @@ row of its shard has been written, so a partial output is never visible.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import fsspec
 import numpy as np
@@ -27,8 +29,8 @@ from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
 from pipeline.offline.manifest import RunManifest, shown_path
 from pipeline.offline.source import RowBlock, Shard
-from pipeline.offline.summary import IdTracker, RowStats, RunSummary
-from pipeline.offline.windows import Window
+from pipeline.offline.summary import IdTracker, RowStats, RunSummary, add_counts, top_counts
+from pipeline.offline.windows import Window, WindowPart
 
 log = logging.getLogger(__name__)
 
@@ -195,27 +197,59 @@ def output_table(block: RowBlock, window: Window, start: int, columns_of: Column
     return pa.table(columns)
 
 
+MARKER_ERROR_REASONS = 10  # reasons a done marker keeps; the output's `error` column has every row's
+
+
+@dataclass
+class ShardCounts:
+    """What one shard's output holds, kept in its done marker so that the output's totals are a
+    sum over markers, whichever runs wrote them (`summary.output_totals`)."""
+
+    rows: int = 0
+    error_rows: int = 0
+    truncated_rows: int = 0
+    error_reasons: dict = field(default_factory=dict)  # row error → rows
+    flagged_rows: int | None = None  # job moderate
+    flagged_by_label: dict = field(default_factory=dict)
+
+    def marker_keys(self) -> dict:
+        """The counts as a done marker's keys (the most frequent error reasons only)."""
+        return {**dataclasses.asdict(self), "error_reasons": top_counts(self.error_reasons, MARKER_ERROR_REASONS)}
+
+    def add(self, table: pa.Table, valid: np.ndarray, truncated: np.ndarray, count_flagged) -> None:
+        self.rows += table.num_rows
+        self.error_rows += int((~valid).sum())
+        self.truncated_rows += int(truncated.sum())
+        for error in table["error"].to_pylist():
+            if error is not None:
+                self.error_reasons[error] = self.error_reasons.get(error, 0) + 1
+        if count_flagged is not None:
+            rows, by_label = count_flagged(table)
+            self.flagged_rows = (self.flagged_rows or 0) + rows
+            for label, hits in by_label.items():
+                self.flagged_by_label[label] = self.flagged_by_label.get(label, 0) + hits
+
+
 class WindowWriter:
-    """Writes finished windows block by block and commits each shard whose last row it holds,
-    then marks it done. A shard that failed (while being read, or at its commit) is dropped
-    whole: its temporary file is deleted and nothing of it is committed."""
+    """Writes finished window parts block by block and commits each shard whose last row it
+    holds, then marks it done with its counts. A shard that failed (while being read, or at its
+    commit) is dropped whole: its temporary file is deleted and nothing of it is committed."""
 
     def __init__(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], columns_of: ColumnsOf,
                  times: StageTimes, count_flagged: CountFlagged | None = None, ids: IdTracker | None = None):
         self.sink, self.manifest, self.shards = sink, manifest, shards
         self.columns_of = columns_of
         self.count_flagged = count_flagged
-        self.flagged: dict[int, list] = {}  # shard index → [rows flagged, {label: rows}]
         self.times = times
         self.failures: dict[int, str] = {}  # shard index → why it failed
-        self.counts: dict[int, np.ndarray] = {}  # shard index → rows, error rows, truncated rows written
+        self.counts: dict[int, ShardCounts] = {}  # shard index → what its output holds so far
         self.ids = ids or IdTracker()  # an engine's own tracker counts duplicate ids across its runners
         self.row_stats = RowStats()
 
-    def write(self, window: Window) -> None:
+    def write(self, part: WindowPart) -> None:
         started = time.perf_counter()
-        start = 0
-        for block in window.blocks:
+        window, start = part.window, part.start_row
+        for block in part.blocks:
             positions = slice(start, start + block.num_rows)
             start += block.num_rows
             if block.failure is not None:
@@ -226,8 +260,9 @@ class WindowWriter:
             shard = self.shards[block.shard_index]
             table = output_table(block, window, positions.start, self.columns_of)
             self.sink.write(block.shard_index, shard, table)
-            if self.count_flagged is not None:
-                self._add_flagged(block.shard_index, *self.count_flagged(table))
+            valid = window.valid[positions]
+            counts = self.counts.setdefault(block.shard_index, ShardCounts())
+            counts.add(table, valid, window.encoded.truncated[positions] & valid, self.count_flagged)
             if block.is_last_of_shard:
                 try:
                     self.sink.commit(block.shard_index, self.manifest)
@@ -240,37 +275,28 @@ class WindowWriter:
                     self.failures[block.shard_index] = f"committing the output failed: {type(error).__name__}: {error}"
                     self.sink.abort(block.shard_index)
                     continue
-                self.manifest.mark(shard.stem, "done", input=shard.url, rows=shard.num_rows,
-                                   host=socket.gethostname(), pid=os.getpid(),
+                self.manifest.mark(shard.stem, "done", input=shard.url, host=socket.gethostname(), pid=os.getpid(),
+                                   **counts.marker_keys(),
                                    **({"attempt": self.sink.attempt} if self.sink.attempt else {}))
             self.ids.add(block.ids.to_pylist())
-            valid = window.valid[positions]
-            counts = self.counts.setdefault(block.shard_index, np.zeros(3, np.int64))
-            counts += (block.num_rows, (~valid).sum(), (window.encoded.truncated[positions] & valid).sum())
             self.row_stats.add(window.encoded.full_lengths[positions][valid], window.encoded.errors[positions])
         self.times.write += time.perf_counter() - started
 
-    def _add_flagged(self, shard_index: int, rows: int, by_label: dict) -> None:
-        counts = self.flagged.setdefault(shard_index, [0, dict.fromkeys(by_label, 0)])
-        counts[0] += rows
-        for label, hits in by_label.items():
-            counts[1][label] += hits
-
     def finish(self, summary: RunSummary) -> None:
         """Drop shards left open (a failure, --fail-fast, an interrupt), mark failed shards
-        failed, and put rows, errors, truncations and duplicate ids into `summary`."""
+        failed, and put this run's rows, errors, truncations and duplicate ids into `summary`."""
         self.sink.abort_all()
         for shard_index, reason in sorted(self.failures.items()):
             shard = self.shards[shard_index]
             self.manifest.mark(shard.stem, "failed", input=shard.url, error=reason)
             summary.failed_shards.append({"shard": shard.url, "error": reason})
-        written = sum((c for i, c in self.counts.items() if i in self.sink.committed), np.zeros(3, np.int64))
-        summary.rows, summary.error_rows, summary.truncated_rows = (int(n) for n in written)
+        committed = [self.counts[i] for i in self.sink.committed if i in self.counts]
+        summary.rows = sum(c.rows for c in committed)
+        summary.error_rows = sum(c.error_rows for c in committed)
+        summary.truncated_rows = sum(c.truncated_rows for c in committed)
         if self.count_flagged is not None:
-            committed = [self.flagged[i] for i in self.sink.committed if i in self.flagged]
-            summary.flagged_rows = sum(rows for rows, _ in committed)
-            summary.flagged_by_label = {label: sum(by_label[label] for _, by_label in committed)
-                                        for label in (committed[0][1] if committed else {})}
+            summary.flagged_rows = sum(c.flagged_rows or 0 for c in committed)
+            summary.flagged_by_label = add_counts(c.flagged_by_label for c in committed)
         summary.duplicate_ids, summary.duplicate_id_examples = self.ids.duplicates(self.sink.fs,
                                                                                    self.sink.committed.values())
         summary.token_lengths, summary.error_reasons = self.row_stats.token_lengths(), self.row_stats.top_reasons()
@@ -279,36 +305,36 @@ class WindowWriter:
 class BackgroundWriter:
     """A WindowWriter on its own thread, fed in order through a bounded queue, so that Parquet
     encoding, object-store uploads, commits and id hashing never hold up the device loop. At
-    most `depth` windows wait; a write error is raised at the next `write` or at `close`."""
+    most `depth` window parts wait; a write error is raised at the next `write` or at `close`."""
 
     def __init__(self, writer: WindowWriter, depth: int = 2):
         self.writer = writer
-        self.windows: queue.Queue = queue.Queue(maxsize=depth)
+        self.parts: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._write_queued, name="lengthwise-writer", daemon=True)
         self.thread.start()
 
     def _write_queued(self) -> None:
-        while (window := self.windows.get()) is not None:
-            if self.error is None:  # after an error, later windows are dropped: their shards stay undone
+        while (part := self.parts.get()) is not None:
+            if self.error is None:  # after an error, later parts are dropped: their shards stay undone
                 try:
-                    self.writer.write(window)
+                    self.writer.write(part)
                 except BaseException as error:  # raised in the device loop's thread
                     self.error = error
 
     @property
     def failures(self) -> dict[int, str]:
-        """Shards whose failure the writer has seen so far (up to `depth` windows late)."""
+        """Shards whose failure the writer has seen so far (up to `depth` parts late)."""
         return self.writer.failures
 
-    def write(self, window: Window) -> None:
+    def write(self, part: WindowPart) -> None:
         self._raise_error()
-        self.windows.put(window)
+        self.parts.put(part)
 
     def close(self, raise_error: bool = True) -> None:
-        """Wait for the queued windows to be written; idempotent."""
+        """Wait for the queued parts to be written; idempotent."""
         if self.thread.is_alive():
-            self.windows.put(None)
+            self.parts.put(None)
             self.thread.join()
         if raise_error:
             self._raise_error()

@@ -18,7 +18,7 @@ from pipeline.core.findings import diagnosis_lines
 
 @dataclass
 class RunSummary:
-    rows: int = 0  # rows written by this run
+    rows: int = 0  # rows written by this run (output_totals: by every run that wrote the output)
     error_rows: int = 0
     truncated_rows: int = 0
     shards: int = 0  # shards named by the input
@@ -55,44 +55,103 @@ class RunSummary:
     settings: dict = field(default_factory=dict)  # the settings the diagnosis names (max_length, window_rows, …)
     sweep_reference: dict = field(default_factory=dict)  # the saved sweep figure for this model, device, dtype
     diagnosis: list = field(default_factory=list)  # [{code, evidence, action}] (pipeline/diagnosis.py)
+    nothing_to_do: bool = False  # every shard was done before this run: it ran nothing
+    output_totals: dict = field(default_factory=dict)  # the whole output, summed over its done markers
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
     def to_text(self) -> str:
+        if self.nothing_to_do:
+            return "\n".join([f"nothing to do: {self.shards} of {self.shards} shards done",
+                              *totals_lines(self.output_totals), f"output          {self.output}"])
         stages = "  ".join(f"{name} {seconds:.2f}s" for name, seconds in self.stage_s.items())
+        ran = self.shards - self.shards_done_before - len(self.failed_shards)
         lines = [
-            f"rows            {self.rows:,} in {self.shards - self.shards_done_before - len(self.failed_shards)} "
-            f"shard(s) ({self.error_rows:,} with errors, {self.truncated_rows:,} truncated, "
-            f"{self.duplicate_ids:,} duplicate ids)",
+            f"rows            {self.rows:,} this run in {ran} shard(s) ({self.error_rows:,} with errors, "
+            f"{self.truncated_rows:,} truncated, {self.duplicate_ids:,} duplicate ids)",
             f"tokens          {self.real_tokens:,} real / {self.padded_tokens:,} padded in {self.batches:,} batches"
             f" = padding efficiency {self.padding_efficiency:.3f}",
             f"throughput      {self.rows_per_s:,.1f} rows/s, {self.tokens_per_s:,.0f} tokens/s "
             f"in {self.wall_s:.2f}s wall",
-            f"stages          {stages}",
-            f"device busy     {self.device_busy_fraction:.1%} of the time after setup ({self.device}, {self.dtype})",
-            f"dtype           {self.dtype_reason or self.dtype}",
-            f"compile         {self.compile}" + (f"; {self.compile_s:.1f}s to compile, {self.compiled_graphs} graph(s)"
-                                                 if self.compile.startswith("compiled") else ""),
-            f"batch setting   {self.batch_setting}",
-            f"batch plan      {self.batch_plan}" + (f"; {self.oom_splits} out-of-memory splits, rows lowered to "
-                                                    f"{self.lowered_batch_rows}" if self.oom_splits else ""),
-            f"output          {self.output}",
         ]
+        if stages:
+            lines.append(f"stages          {stages}")
+        if self.device:
+            lines += [f"device busy     {self.device_busy_fraction:.1%} of the time after setup "
+                      f"({self.device}, {self.dtype})",
+                      f"dtype           {self.dtype_reason or self.dtype}",
+                      f"compile         {self.compile}" + (
+                          f"; {self.compile_s:.1f}s to compile, {self.compiled_graphs} graph(s)"
+                          if self.compile.startswith("compiled") else ""),
+                      f"batch setting   {self.batch_setting}",
+                      f"batch plan      {self.batch_plan}" + (
+                          f"; {self.oom_splits} out-of-memory splits, rows lowered to {self.lowered_batch_rows}"
+                          if self.oom_splits else "")]
         if self.flagged_rows is not None:
-            labels = ", ".join(f"{label} {rows:,}" for label, rows in self.flagged_by_label.items())
-            lines.insert(1, f"flagged         {self.flagged_rows:,} of {self.rows:,} rows ({labels})")
+            lines.insert(1, f"flagged         {self.flagged_rows:,} of {self.rows:,} rows this run "
+                            f"({label_counts(self.flagged_by_label)})")
         if self.shards_done_before:
             lines.append(f"resumed         {self.shards_done_before} of {self.shards} shards were already done")
+        lines += [*totals_lines(self.output_totals), f"output          {self.output}"]
         if self.duplicate_ids:
             lines.append(f"duplicate ids   e.g. {', '.join(map(repr, self.duplicate_id_examples))}")
         for worker in self.workers:
             lines.append(f"actor {worker['actor']:<9} {worker['rows']:,} rows in {worker['shards']} shard(s), "
-                         f"{worker['rows_per_s']:,.1f} rows/s (pid {worker['pid']} on {worker['host']})")
+                         f"{worker['rows_per_s']:,.1f} rows/s, model loaded in {worker.get('setup_s', 0.0):.1f}s, "
+                         f"device busy {worker.get('device_busy_fraction', 0.0):.0%} (pid {worker['pid']} on "
+                         f"{worker['host']})")
         for failed in self.failed_shards:
             lines.append(f"FAILED          {failed['shard']}: {failed['error']}")
         lines.extend(diagnosis_lines(self.diagnosis))
         return "\n".join(lines)
+
+
+def label_counts(counts: dict) -> str:
+    return ", ".join(f"{label} {rows:,}" for label, rows in counts.items())
+
+
+def add_counts(parts: Iterable[dict]) -> dict:
+    """Name → count, summed over `parts`, names in first-seen order."""
+    total: dict = {}
+    for part in parts:
+        for name, count in part.items():
+            total[name] = total.get(name, 0) + count
+    return total
+
+
+def top_counts(counts: dict, keep: int) -> dict:
+    return dict(sorted(counts.items(), key=lambda item: -item[1])[:keep])
+
+
+def output_totals(markers: Iterable[dict]) -> dict:
+    """What the whole output holds, summed over the done markers of its shards (whichever run
+    wrote them): shards, rows, error rows and their most frequent reasons, truncated rows, and for
+    job moderate the flagged rows by label. A marker of an older version without counts adds
+    its shard and rows only."""
+    done = [marker for marker in markers if marker.get("status") == "done"]
+    flagged = [marker for marker in done if marker.get("flagged_rows") is not None]
+    return {"shards_done": len(done), "rows": sum(marker.get("rows", 0) for marker in done),
+            "error_rows": sum(marker.get("error_rows", 0) for marker in done),
+            "truncated_rows": sum(marker.get("truncated_rows", 0) for marker in done),
+            "error_reasons": top_counts(add_counts(m.get("error_reasons", {}) for m in done), TOP_ERROR_REASONS),
+            "flagged_rows": sum(marker["flagged_rows"] for marker in flagged) if flagged else None,
+            "flagged_by_label": add_counts(marker.get("flagged_by_label", {}) for marker in flagged)}
+
+
+def totals_lines(totals: dict) -> list[str]:
+    """The whole output's totals as summary lines (`lengthwise run` and `status` print the same)."""
+    if not totals:
+        return []
+    lines = [f"output total    {totals['rows']:,} rows in {totals['shards_done']:,} done shard(s) "
+             f"({totals['error_rows']:,} with errors, {totals['truncated_rows']:,} truncated)"]
+    if totals.get("flagged_rows") is not None:
+        lines.append(f"flagged total   {totals['flagged_rows']:,} of {totals['rows']:,} rows "
+                     f"({label_counts(totals['flagged_by_label'])})")
+    if totals.get("error_reasons"):
+        reasons = "; ".join(f"{rows:,} {reason}" for reason, rows in totals["error_reasons"].items())
+        lines.append(f"errors total    {reasons}")
+    return lines
 
 
 TOP_ERROR_REASONS = 5  # reasons kept in the summary; the output's `error` column has every row's
@@ -128,7 +187,7 @@ class RowStats:
                 "p99": int(np.searchsorted(cumulative, 0.99 * total)), "max": int(np.flatnonzero(self.length_counts)[-1])}
 
     def top_reasons(self) -> dict:
-        return dict(sorted(self.reasons.items(), key=lambda item: -item[1])[:TOP_ERROR_REASONS])
+        return top_counts(self.reasons, TOP_ERROR_REASONS)
 
 
 def id_hash(value) -> int:

@@ -1,8 +1,10 @@
 """Windows: consecutive rows read, tokenized, sorted and packed together.
 
 A window bounds the rows in flight (memory follows `--window-rows`, not the data). It may
-span shards; its outputs are scattered back by row position as batches finish, and it is
-written in input order once all of its batches are done.
+span shards; it is then planned and run in parts that end at a shard's last row (`WindowPart`),
+each written and its finished shard committed as soon as its batches are done, so an interrupt
+loses at most the window in flight, never the shards before it in that window. Outputs are
+scattered back by row position as batches finish.
 """
 
 from __future__ import annotations
@@ -74,6 +76,40 @@ class Window:
             if name not in self.outputs:
                 self.outputs[name] = np.zeros((self.num_rows, *values.shape[1:]), dtype=values.dtype)
             self.outputs[name][rows] = values
+
+
+@dataclass(frozen=True)
+class WindowPart:
+    """Consecutive blocks `first_block:end_block` of a window (rows `start_row:end_row`): planned,
+    run and written together; it ends at the last row of a shard or of the window."""
+
+    window: Window
+    first_block: int
+    end_block: int
+    start_row: int
+    end_row: int
+
+    @property
+    def blocks(self) -> list[RowBlock]:
+        return self.window.blocks[self.first_block:self.end_block]
+
+    @property
+    def tokenize_errors(self) -> int:
+        return int((~self.window.valid[self.start_row:self.end_row]).sum())
+
+
+def window_parts(window: Window, min_rows: int) -> list[WindowPart]:
+    """The window cut after a shard's last row once a part holds at least `min_rows` rows: a
+    shard ending inside the window is committed as soon as its part is done, while tiny shards
+    still share a part (and its batches) with their neighbours. The last part takes the rest."""
+    parts, first, start, row = [], 0, 0, 0
+    for index, block in enumerate(window.blocks):
+        row += block.num_rows
+        if block.is_last_of_shard and row - start >= min_rows and index + 1 < len(window.blocks):
+            parts.append(WindowPart(window, first, index + 1, start, row))
+            first, start = index + 1, row
+    parts.append(WindowPart(window, first, len(window.blocks), start, row))
+    return parts
 
 
 def tokenize_windows(pool: TokenizerPool, windows: Iterable[list[RowBlock]], times: StageTimes) -> Iterator[Window]:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from pipeline.core.settings import BatcherConfig
+from pipeline.core.settings import BatcherConfig, set_torch_threads
 from pipeline.online.rules import (
     BatcherClosed,
     BatcherStats,
@@ -355,17 +355,6 @@ class DynamicBatcher:
 
     async def __aexit__(self, exc_type, exc, traceback) -> None:
         await self.close(drain=exc_type is None)
-
-
-def set_torch_threads(threads: int | None) -> None:
-    """Fix the forward's intra-op threads (process-wide) before the model is loaded and timed.
-    On a CPU shared with other processes, two threads that meet at every operator's barrier
-    turned a 10 ms single-row forward into ~1 s (load average 8 on 2 cores); one thread kept
-    it at 23-33 ms."""
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
 
 
 def _use_device(device) -> None:

@@ -93,9 +93,9 @@ def _thin_sample(results: list[dict], settings: dict) -> Finding | None:
         f"{worst['rows_per_s']:,.1f}" + (f", {worst['rows_per_s'] / best['rows_per_s'] - 1:+.0%} from the best "
                                         f"{best['rows_per_s']:,.1f} at {best['level']}" if fell else "")
         + f"); the sample has {sample_rows:,} rows",
-        f"--rows {window}: a run packs its batches out of --window-rows ({window}) rows at once, the sweep out of its "
-        f"{sample_rows:,}-row sample, which has too few rows of each length to fill the larger batches; the larger "
-        "levels are measured with more padding than the run will have"
+        f"--sample-rows {window}: a run packs its batches out of --window-rows ({window}) rows at once, the sweep "
+        f"out of its {sample_rows:,}-row sample, which has too few rows of each length to fill the larger batches; "
+        "the larger levels are measured with more padding than the run will have"
         + (", so their fall in throughput may be the sample's, not the device's" if fell else ""))
 
 

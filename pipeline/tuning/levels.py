@@ -5,9 +5,11 @@ offline sweep's levels on the device and hands back `LevelResult`s. The online l
 its own level results, named by `Measures`.
 
 Throughput rises with batch size and then flattens, latency keeps rising, memory grows until
-it runs out. The recommendation is the highest-throughput level that meets the latency and
-memory limits, or, when several are within KNEE_TOLERANCE of it, the smallest of those (the
-knee): the same work for less memory and latency.
+it runs out. The one rule of the recommendation, for the sweep and the load test alike: the
+highest throughput among the levels that meet the latency and memory limits, where levels
+within the measurement's noise of it count as ties and the smallest of those wins (the knee):
+the same work for less memory and latency. The noise band is KNEE_TOLERANCE, or for counted
+arrivals (the load test's requests) 2/√n when that is wider: 83 requests cannot tell 3% apart.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class Measures:
     peak_bytes: str
     throughput_unit: str
     latency: str
-    knee_by_p99: bool = False  # among levels near the best throughput: the lowest p99, not the smallest level
+    count: str | None = None  # the field of Poisson-counted arrivals behind the throughput (their noise: 1/√n)
+    target: str | None = None  # the field of the offered rate, drawn on the plot (the load test's)
 
 
 ROW_MEASURES = Measures("rows_per_s", "row_latency_ms_p99", "peak_device_bytes", "rows/s", "p99 row latency")
@@ -155,28 +158,35 @@ def recommend(levels: Sequence, vary: str, budget_bytes: int, memory_headroom: f
         why = "; ".join(f"{level}: {reason}" for level, reason in excluded.items()) or "no level ran"
         return Recommendation(vary, None, f"no level met the limits ({why})", excluded=excluded)
     best = max(eligible, key=throughput)
-    near_best = [r for r in eligible if throughput(r) >= (1.0 - knee_tolerance) * throughput(best)]
-    if measures.knee_by_p99:
-        chosen = min(near_best, key=lambda r: (p99_ms(r), r.level))
-        pick = "the lowest p99 of those: the same work, answered sooner"
-    else:
-        chosen = min(near_best, key=lambda r: r.level)
-        pick = "the smallest such level (the knee): the same work for less memory and latency"
+    tolerance = noise_tolerance(getattr(best, measures.count) if measures.count else None, knee_tolerance)
+    near_best = [r for r in eligible if throughput(r) >= (1.0 - tolerance) * throughput(best)]
+    chosen = min(near_best, key=lambda r: r.level)
     if chosen is best:
         how = f"the highest throughput ({throughput(best):,.1f} {unit})"
     else:
-        how = (f"{throughput(chosen):,.1f} {unit}, within {knee_tolerance:.0%} of the best ({throughput(best):,.1f} "
-               f"{unit} at {best.level}), {pick}")
+        how = (f"{throughput(chosen):,.1f} {unit}, within {tolerance:.0%} (the measurement's noise) of the best "
+               f"({throughput(best):,.1f} {unit} at {best.level}); the smallest such level (the knee): the same work "
+               "for less memory and latency")
     limits = f"{measures.latency} {p99_ms(chosen):,.0f} ms"
     if max_p99_ms is not None:
         limits += f" ≤ {max_p99_ms:,.0f} ms"
     limits += (f"; peak memory {format_bytes(peak(chosen))} leaves "
                f"{1 - peak(chosen) / budget_bytes:.0%} of the {format_bytes(budget_bytes)} budget free")
     reason = f"{vary} {chosen.level}: {how}; {limits}"
+    tried = [result.level for result in levels if result.status == "ok"]
+    if best.level == max(tried) and len(tried) > 1:
+        reason += (f". The best throughput was at the largest level tried ({best.level}): try larger --values, "
+                   "throughput may still rise")
     if excluded:
         reason += ". Not eligible: " + "; ".join(f"{level} ({why})" for level, why in excluded.items())
     return Recommendation(vary, chosen.level, reason, throughput(chosen), getattr(chosen, "tokens_per_s", 0.0),
                           excluded)
+
+
+def noise_tolerance(arrivals: int | None, floor: float = KNEE_TOLERANCE) -> float:
+    """The share of throughput within which two levels count as equal: `floor`, or 2/√n for n
+    Poisson-counted arrivals when that is wider."""
+    return max(floor, 2.0 / math.sqrt(arrivals)) if arrivals else floor
 
 
 def write_sweep_csv(path: str, levels: Sequence, result_type: type = LevelResult) -> None:
@@ -301,8 +311,9 @@ def check_plot_available() -> None:
 def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, title: str,
                measures: Measures = ROW_MEASURES) -> None:
     """Throughput (left axis) and p99 latency (right axis) against the varied value, peak
-    memory in a second panel, the recommended level marked; levels whose status is not ok
-    (out of memory, overloaded) as dotted lines."""
+    memory in a second panel, every axis from zero; the recommended level, levels whose status
+    is not ok (out of memory, overloaded) and the load test's target rate as lines named in one
+    legend (no free-floating labels to collide)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,34 +322,44 @@ def plot_sweep(path: str, levels: Sequence, vary: str, recommended: int | None, 
     ran = [r for r in levels if r.status != "oom"]  # out of memory measured nothing; overloaded did
     x = [r.level for r in ran]
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
-    top.plot(x, [getattr(r, measures.throughput) for r in ran], "o-", color="tab:blue", label="throughput")
+    throughputs = [getattr(r, measures.throughput) for r in ran]
+    top.plot(x, throughputs, "o-", color="tab:blue", label=f"throughput ({measures.throughput_unit})")
+    targets = sorted({getattr(r, measures.target) for r in levels}) if measures.target else []
+    for target in targets:
+        top.axhline(target, color="tab:blue", linestyle="--", linewidth=1, alpha=0.6,
+                    label=f"target rate ({target:g} {measures.throughput_unit})")
     top.set_ylabel(measures.throughput_unit, color="tab:blue")
-    top.set_ylim(0, max([getattr(r, measures.throughput) for r in ran], default=1) * 1.1 or 1)
+    top.set_ylim(0, max([*throughputs, *targets], default=1) * 1.15 or 1)
     latency = top.twinx()
-    latency.plot(x, [getattr(r, measures.p99_ms) for r in ran], "s--", color="tab:red", label=measures.latency)
+    latency.plot(x, [getattr(r, measures.p99_ms) for r in ran], "s--", color="tab:red",
+                 label=f"{measures.latency} (ms)")
     latency.set_ylabel(f"{measures.latency} (ms)", color="tab:red")
-    latency.set_ylim(bottom=0)
-    bottom.plot(x, [getattr(r, measures.peak_bytes) / 2**20 for r in ran], "^-", color="tab:green")
+    latency.set_ylim(0, max([getattr(r, measures.p99_ms) for r in ran], default=1) * 1.15 or 1)
+    bottom.plot(x, [getattr(r, measures.peak_bytes) / 2**20 for r in ran], "^-", color="tab:green",
+                label="peak memory (MiB)")
     bottom.set_ylabel("peak memory (MiB)")
+    bottom.set_ylim(0, max([getattr(r, measures.peak_bytes) / 2**20 for r in ran], default=1) * 1.15 or 1)
     bottom.set_xlabel(vary)
-    for failed in (r for r in levels if r.status != "ok"):
-        for axis in (top, bottom):
-            axis.axvline(failed.level, color="black", linestyle=":", linewidth=1)
-        top.annotate("out of memory" if failed.status == "oom" else failed.status, (failed.level, 0), rotation=90,
-                     va="bottom", ha="right", fontsize=8)
+    for status in sorted({r.status for r in levels} - {"ok"}):
+        for number, failed in enumerate(r for r in levels if r.status == status):
+            for axis in (top, bottom):
+                axis.axvline(failed.level, color="black", linestyle=":", linewidth=1,
+                             label=("out of memory" if status == "oom" else status) if not number and axis is top
+                             else None)
     if recommended is not None:
         for axis in (top, bottom):
-            axis.axvline(recommended, color="tab:orange", linewidth=2, alpha=0.6)
-        top.annotate(f"recommended: {recommended}", (recommended, top.get_ylim()[1] * 0.05), color="tab:orange",
-                     ha="left", fontsize=9, xytext=(4, 0), textcoords="offset points")
+            axis.axvline(recommended, color="tab:orange", linewidth=2, alpha=0.6,
+                         label=f"recommended: {recommended}" if axis is top else None)
     every = sorted(r.level for r in levels)  # levels that did not run ok are marked too
     if len(every) > 1 and min(every) > 0 and max(every) / min(every) >= 8:
         bottom.set_xscale("log", base=2)
     bottom.set_xticks(every, [str(v) for v in every])
+    handles = [h for axis in (top, latency, bottom) for h in axis.get_legend_handles_labels()[0]]
+    figure.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
     top.set_title(title, fontsize=10)
     top.grid(alpha=0.3)
     bottom.grid(alpha=0.3)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.1, 1, 1))  # the legend's rows below the panels
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)

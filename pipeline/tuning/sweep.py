@@ -170,6 +170,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     from pipeline.core.cache import model_memory_fingerprint
     from pipeline.core.device import available_memory_bytes, device_name, dtype_name
     from pipeline.core.model import load_model
+    from pipeline.core.settings import set_torch_threads
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.offline.source import list_shards
 
@@ -177,6 +178,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(SWEEP_VARIES)}")
     if not config.values or min(config.values) < 1:
         raise UsageError("--values must be positive integers, e.g. 1024,2048,4096")
+    set_torch_threads(config.torch_threads)
     loaded = load_model(config)  # the tokenizer, the model and the host memory setting, as `run` has them
     job, model, spec = loaded.job, loaded.model, loaded.tokenizer
     model_path, device, dtype, max_length = (loaded.choice.path, loaded.choice.device, loaded.choice.dtype,
@@ -196,7 +198,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     warmup_rows, measured_rows = usable[:warmup_count], usable[warmup_count:warmup_count + config.rows]
     if len(measured_rows) < config.rows:
         log.info(f"sweep: the input has only {len(measured_rows)} usable rows to measure after {warmup_count} warm-up rows "
-            f"(--rows {config.rows})")
+            f"(--sample-rows {config.rows})")
     lengths = length_distribution(encoded.lengths[measured_rows])
     truncated = float(encoded.truncated[measured_rows].mean())
     log.info(f"sample: {lengths['rows']:,} rows from {sum(not s.problem for s in shards)} shard(s), token length median "
