@@ -189,3 +189,27 @@ def status(output, storage_option, as_json) -> None:
         state = "running" if lock.get("alive", True) else "stale lock (that process is gone)"
         who = f"worker {lock['index']} of {lock['count']} " if lock.get("count", 1) > 1 else ""
         click.echo(f"{who}{state}: pid {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}")
+
+
+@click.command()
+@env_option("--input", "inputs", env="INPUT", multiple=True,
+            help="The input the output was made from. Default: the input recorded in the output's run.json.")
+@env_option("--output", env="OUTPUT", required=True, help="The output directory of a run.")
+@env_option("--storage-option", env="STORAGE_OPTION", multiple=True, help="KEY=VALUE for fsspec. Repeatable.")
+@env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
+def verify(inputs, output, storage_option, as_json) -> None:
+    """Check an output against its input: every shard committed under the recorded settings, every
+    input id exactly once and in input order, no partial file; row errors counted by reason.
+
+    Exit 0 when complete, 1 when not (each shard's missing, extra and duplicated ids are listed).
+    Reads the id and error columns only; loads no model.
+    """
+    from pipeline.offline.verify import verify_output
+
+    try:
+        report = verify_output(list(inputs), output, parse_storage_options(storage_option))
+    except UsageError as error:
+        fail(str(error))
+    click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.to_text())
+    if not report.complete:
+        sys.exit(EXIT_SHARDS_FAILED)
