@@ -61,6 +61,9 @@ from pipeline.engines.execute import execute_run
 @with_options(WORKER_OPTIONS)
 @env_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
             help="Redo every shard, even ones done before or under other settings.")
+@env_option("--reuse", env="REUSE", default=None,
+            help="A previous output of the same settings (e.g. yesterday's): rows whose id and text are unchanged "
+                 "copy its result; only new and edited rows are computed. The output is complete, as a full run.")
 @env_option("--engine", env="ENGINE", type=click.Choice(["local", "ray"]), default=default_of("engine"),
             show_default=True,
             help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster "

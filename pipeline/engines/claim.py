@@ -13,6 +13,7 @@ from pipeline.core.errors import UsageError
 from pipeline.core.model import ModelChoice, choose_model, model_content_hash
 from pipeline.core.settings import RunConfig
 from pipeline.offline.manifest import RunManifest, fingerprint_differences, pending, recorded_config
+from pipeline.offline.reuse import check_reusable, recorded_dtype
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
 from pipeline.offline.summary import RunSummary
@@ -40,9 +41,12 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     sink = ShardSink(config.output, config.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
     config = keep_recorded_dtype(config, manifest)
+    config = keep_reused_dtype(config)
     choice = choose_model(config)
     fingerprint = output_fingerprint(config, choice)
     refuse_other_settings(config, manifest.read_run(), fingerprint)
+    if config.reuse:
+        check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
     run_shards = prepare_engine(config, choice) if config.overwrite or pending_shards(shards, manifest) else None
     sink.create()
     lock_note = manifest.acquire_lock(slot)
@@ -71,6 +75,15 @@ def keep_recorded_dtype(config: RunConfig, manifest: RunManifest) -> RunConfig:
         return config
     log.info(f"dtype {dtype}: what {config.output} was made with (--dtype auto)")
     return dataclasses.replace(config, dtype=dtype)
+
+
+def keep_reused_dtype(config: RunConfig) -> RunConfig:
+    """`--dtype auto` with --reuse takes the dtype the previous output was made with, so that
+    the two fingerprints agree (an explicit --dtype that differs is refused by check_reusable)."""
+    if not config.reuse or config.dtype != "auto":
+        return config
+    dtype = recorded_dtype(config.reuse, config.storage_options)
+    return dataclasses.replace(config, dtype=dtype) if dtype in DTYPES else config
 
 
 def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint: dict) -> None:

@@ -218,7 +218,7 @@ class ActorPool:
 def merge_summary(total: RunSummary, part: dict) -> None:
     """Add one shard's summary to the run's: counts add up, lists extend, the rest is kept."""
     for name in ("rows", "error_rows", "truncated_rows", "duplicate_ids", "batches", "real_tokens", "padded_tokens",
-                 "oom_splits"):
+                 "oom_splits", "reused_rows", "computed_rows"):
         setattr(total, name, getattr(total, name) + part[name])
     total.failed_shards.extend(part["failed_shards"])
     if part["flagged_rows"] is not None:  # job moderate

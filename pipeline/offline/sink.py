@@ -26,6 +26,7 @@ from pipeline.core.errors import UsageError
 from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
 from pipeline.offline.manifest import RunManifest
+from pipeline.offline.reuse import TextHashSink, merge_reused
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RowStats, RunSummary
 from pipeline.offline.windows import Window
@@ -185,6 +186,8 @@ class WindowWriter:
         self.counts: dict[int, np.ndarray] = {}  # shard index → rows, error rows, truncated rows written
         self.ids = IdTracker()
         self.row_stats = RowStats()
+        self.text_hashes = TextHashSink(manifest)  # what tomorrow's --reuse recognises rows by
+        self.reused_rows: dict[int, int] = {}  # shard index → rows that took the previous output's result
 
     def write(self, window: Window) -> None:
         started = time.perf_counter()
@@ -195,26 +198,33 @@ class WindowWriter:
             if block.failure is not None:
                 self.failures[block.shard_index] = block.failure
                 self.sink.abort(block.shard_index)
+                self.text_hashes.abort(block.shard_index)
             if block.shard_index in self.failures:
                 continue
             shard = self.shards[block.shard_index]
-            table = output_table(block, window, positions.start, self.columns_of)
+            table = merge_reused(output_table(block, window, positions.start, self.columns_of), block.reuse)
             self.sink.write(block.shard_index, shard, table)
+            self.text_hashes.write(block.shard_index, shard, block, table["error"])
             if self.count_flagged is not None:
                 self._add_flagged(block.shard_index, *self.count_flagged(table))
             if block.is_last_of_shard:
                 try:
                     self.sink.commit(block.shard_index)
+                    self.text_hashes.commit(block.shard_index, shard)
                 except Exception as error:  # e.g. the rename failed for good, or the row count is wrong
                     self.failures[block.shard_index] = f"committing the output failed: {type(error).__name__}: {error}"
                     self.sink.abort(block.shard_index)
+                    self.text_hashes.abort(block.shard_index)
                     continue
                 self.manifest.mark(shard.stem, "done", input=shard.url, rows=shard.num_rows,
                                    host=socket.gethostname(), pid=os.getpid())
             self.ids.add(block.ids.to_pylist())
             valid = window.valid[positions]
             counts = self.counts.setdefault(block.shard_index, np.zeros(3, np.int64))
-            counts += (block.num_rows, (~valid).sum(), (window.encoded.truncated[positions] & valid).sum())
+            counts += (block.num_rows, table.num_rows - table["error"].null_count, sum(table["truncated"].to_pylist()))
+            if block.reuse is not None:
+                reused = int(block.reuse.mask.sum())
+                self.reused_rows[block.shard_index] = self.reused_rows.get(block.shard_index, 0) + reused
             self.row_stats.add(window.encoded.full_lengths[positions][valid], window.encoded.errors[positions])
         self.times.write += time.perf_counter() - started
 
@@ -228,12 +238,15 @@ class WindowWriter:
         """Drop shards left open (a failure, --fail-fast, an interrupt), mark failed shards
         failed, and put rows, errors, truncations and duplicate ids into `summary`."""
         self.sink.abort_all()
+        self.text_hashes.abort_all()
         for shard_index, reason in sorted(self.failures.items()):
             shard = self.shards[shard_index]
             self.manifest.mark(shard.stem, "failed", input=shard.url, error=reason)
             summary.failed_shards.append({"shard": shard.url, "error": reason})
         written = sum((c for i, c in self.counts.items() if i in self.sink.committed), np.zeros(3, np.int64))
         summary.rows, summary.error_rows, summary.truncated_rows = (int(n) for n in written)
+        summary.reused_rows = int(sum(self.reused_rows.get(i, 0) for i in self.sink.committed))
+        summary.computed_rows = summary.rows - summary.reused_rows
         if self.count_flagged is not None:
             committed = [self.flagged[i] for i in self.sink.committed if i in self.flagged]
             summary.flagged_rows = sum(rows for rows, _ in committed)

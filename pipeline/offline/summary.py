@@ -19,6 +19,8 @@ from pipeline.core.findings import diagnosis_lines
 @dataclass
 class RunSummary:
     rows: int = 0  # rows written by this run
+    reused_rows: int = 0  # --reuse: rows whose result was copied from the previous output (id and text unchanged)
+    computed_rows: int = 0  # rows written by this run that were not reused (new, edited, or without --reuse)
     error_rows: int = 0
     truncated_rows: int = 0
     shards: int = 0  # shards named by the input
@@ -77,6 +79,9 @@ class RunSummary:
         if self.flagged_rows is not None:
             labels = ", ".join(f"{label} {rows:,}" for label, rows in self.flagged_by_label.items())
             lines.insert(1, f"flagged         {self.flagged_rows:,} of {self.rows:,} rows ({labels})")
+        if self.reused_rows:
+            lines.insert(1, f"reused          {self.reused_rows:,} rows from the previous output (id and text "
+                            f"unchanged); {self.computed_rows:,} computed")
         if self.shards_done_before:
             lines.append(f"resumed         {self.shards_done_before} of {self.shards} shards were already done")
         if self.duplicate_ids:
