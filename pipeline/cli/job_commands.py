@@ -18,6 +18,7 @@ from pipeline.cli.options import (
     MODEL_OPTIONS,
     WORKER_OPTIONS,
     ByteSize,
+    Duration,
     NameList,
     default_of,
     env_option,
@@ -123,14 +124,32 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
             help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
 @env_option("--per-sample", env="PLAN_PER_SAMPLE", type=ByteSize(), default=None,
             help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
+@env_option("--input", "inputs", env="INPUT", multiple=True, help="--estimate: the input shards of the run.")
+@with_options(INPUT_OPTIONS)
+@env_option("--estimate", env="PLAN_ESTIMATE", is_flag=True,
+            help="Predict the run's device and wall seconds on --input: rows from the footers, token lengths from a "
+                 "sample, throughput from the saved sweep (else measured here on the sample).")
+@env_option("--window", "window_s", env="PLAN_WINDOW", type=Duration(), default=None,
+            help="--estimate: the time the run must fit in (e.g. 4h); prints the --num-shards it needs.")
+@env_option("--sample-rows", env="PLAN_SAMPLE_ROWS", type=click.IntRange(1), default=2000, show_default=True,
+            help="--estimate: rows tokenized to learn the token lengths.")
+@with_options(WORKER_OPTIONS)
 @with_options(LOG_OPTIONS)
-def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> None:
+def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_option, estimate, window_s,
+         sample_rows, **settings) -> None:
     """Show how many rows each length bucket gets, probed on the device (or cached).
 
     With --available and --per-sample it is a calculator for the bare formula:
-    rows = floor(available / (per_sample x safety)).
+    rows = floor(available / (per_sample x safety)). With --input and --estimate it predicts
+    whether a run fits its --window.
     """
     from pipeline.core.memory import batch_rows
+
+    if estimate:
+        print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sample_rows, as_json, settings)
+        return
+    if window_s is not None:
+        fail("--window goes with --estimate")
 
     if available is not None or per_sample is not None:
         if available is None or per_sample is None:
@@ -157,6 +176,21 @@ def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> No
     if memory_plan is None:
         fail("no plan: the memory probe failed (see above)")
     click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
+
+
+def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sample_rows, as_json, settings) -> None:
+    from pipeline.tuning.estimate import estimate_run
+
+    if not inputs:
+        fail("--estimate needs --input: the shards the run will read")
+    try:
+        config = RunConfig(input=tuple(inputs), output="", model=model_or_default(model), progress=False,
+                           storage_options=parse_storage_options(storage_option), use_plan_cache=not no_plan_cache,
+                           **settings)
+        found = estimate_run(config, sample_rows, window_s)
+    except UsageError as error:
+        fail(str(error))
+    click.echo(json.dumps({"estimate": found.to_dict()}, indent=2) if as_json else found.to_text())
 
 
 @click.command()
