@@ -103,3 +103,20 @@ def test_reuse_of_other_settings_is_refused_and_writes_nothing(tmp_path, rows_wi
     result = CliRunner().invoke(cli, [*arguments, "--max-length", "128", "--output", str(tmp_path / "out1"),
                                       "--reuse", str(tmp_path / "out1")])
     assert result.exit_code == 2 and "is --output itself" in result.output
+
+
+@pytest.mark.slow
+def test_indexed_workers_each_reuse_their_own_shards(tmp_path, rows_with_bad_ones, tiny_encoder_path):
+    texts = rows_with_bad_ones.slice(20, 60)  # no error rows
+    parts = {f"part={i}": texts.slice(20 * i, 20) for i in range(3)}
+    night1 = write_night(tmp_path / "night1", parts)
+    run(night1, tmp_path / "out1", tiny_encoder_path)
+    edited = parts["part=1"].to_pylist()
+    edited[0]["text"] += " (edited)"
+    night2 = write_night(tmp_path / "night2", {**parts, "part=1": pa.Table.from_pylist(edited, schema=texts.schema)})
+    summaries = [run(night2, tmp_path / "out2", tiny_encoder_path, reuse=str(tmp_path / "out1"), num_shards=2,
+                     shard_index=index) for index in (0, 1)]
+    assert sum(s["reused_rows"] for s in summaries) == 59 and sum(s["computed_rows"] for s in summaries) == 1
+    run(night2, tmp_path / "full", tiny_encoder_path)
+    assert read_output(tmp_path / "out2").equals(read_output(tmp_path / "full"))
+    assert verify_output(None, str(tmp_path / "out2")).complete

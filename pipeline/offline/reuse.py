@@ -1,8 +1,8 @@
 """`--reuse PREV_OUTPUT`: copy yesterday's result of every row whose id and text are unchanged,
 and send only new and edited rows to the device.
 
-How a row is recognised: every commit also writes `OUTPUT/.lengthwise/text-hashes/<stem>.parquet`,
-one row per output row, in output order: `id_hash` (64-bit blake2b of the id) and `text_hash`
+How a row is recognised: every commit also writes `OUTPUT/.lengthwise/text-hashes/<stem>.hashes`
+(Parquet), one row per output row, in output order: `id_hash` (64-bit blake2b of the id) and `text_hash`
 (64-bit blake2b of the text; null for a row that had an error, so it is computed again). Not a
 user-facing column: readers of the output never see it.
 
@@ -74,7 +74,8 @@ class ReusedRows:
 
 
 def hashes_path(root: str, stem: str) -> str:
-    return f"{root}/{HASHES_DIR}/{stem}.parquet"
+    """A Parquet file, named without `.parquet` so that a `**/*.parquet` glob of the output never takes it."""
+    return f"{root}/{HASHES_DIR}/{stem}.hashes"
 
 
 class TextHashSink:
