@@ -148,6 +148,7 @@ def verify_output(inputs: list[str] | None, output: str, storage_options: dict |
     except (ImportError, ValueError, OSError) as error:
         raise UsageError(f"cannot open output {output!r}: {error}; check --output") from error
     output_dir = output_dir.rstrip("/")
+    fs.invalidate_cache()  # an audit reads the store as it is now, not a listing cached earlier in this process
     manifest = RunManifest(fs, output_dir)
     recorded = manifest.read_run()
     if recorded is None:
