@@ -98,10 +98,8 @@ class TextHashSink:
         self._writers[shard_index][0].write_table(pa.table([pa.array(hashes.id_hashes), text_hashes],
                                                            schema=HASH_SCHEMA))
 
-    def commit(self, shard_index: int, shard: Shard) -> None:
-        if shard_index not in self._writers:  # an empty shard: an empty file, so tomorrow finds it
-            self.write(shard_index, shard, RowBlock(shard_index, 0, pa.array([]), pa.array([], pa.string()), True),
-                       pa.array([], pa.string()))
+    def commit(self, shard_index: int) -> None:
+        """Called right after the shard's output is committed (its last block was written here too)."""
         writer, file, temp, final = self._writers.pop(shard_index)
         writer.close()
         file.close()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError
@@ -210,7 +211,7 @@ class WindowWriter:
             if block.is_last_of_shard:
                 try:
                     self.sink.commit(block.shard_index)
-                    self.text_hashes.commit(block.shard_index, shard)
+                    self.text_hashes.commit(block.shard_index)
                 except Exception as error:  # e.g. the rename failed for good, or the row count is wrong
                     self.failures[block.shard_index] = f"committing the output failed: {type(error).__name__}: {error}"
                     self.sink.abort(block.shard_index)
@@ -221,7 +222,8 @@ class WindowWriter:
             self.ids.add(block.ids.to_pylist())
             valid = window.valid[positions]
             counts = self.counts.setdefault(block.shard_index, np.zeros(3, np.int64))
-            counts += (block.num_rows, table.num_rows - table["error"].null_count, sum(table["truncated"].to_pylist()))
+            errors, truncated = table.num_rows - table["error"].null_count, pc.sum(table["truncated"]).as_py() or 0
+            counts += (block.num_rows, errors, truncated)
             if block.reuse is not None:
                 reused = int(block.reuse.mask.sum())
                 self.reused_rows[block.shard_index] = self.reused_rows.get(block.shard_index, 0) + reused

@@ -8,7 +8,6 @@ sample with the real model) give the device seconds, the wall seconds, and how m
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -17,8 +16,6 @@ import numpy as np
 
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import RunConfig
-
-log = logging.getLogger(__name__)
 
 EXPECTED_DEVICE_BUSY = 0.9  # share of a run's wall after setup that the device computes (reading, tokenizing
 # and writing overlap it; a run's summary prints the measured share as `device busy`)
