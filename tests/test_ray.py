@@ -192,3 +192,25 @@ def test_sigterm_to_the_driver_stops_the_actors_and_exits_143(tmp_path, ray_clus
         time.sleep(0.2)
     assert not Path(f"/proc/{actor}").exists() or "zombie" in Path(f"/proc/{actor}/status").read_text().lower()
     assert not (tmp_path / "out" / ".lengthwise" / "lock").exists()
+
+
+@pytest.mark.slow
+def test_ray_actors_reuse_yesterdays_rows(tmp_path, ray_cluster, rows_with_bad_ones, tiny_encoder_path):
+    """--reuse on --engine ray: each actor reads the previous output of its own shards."""
+    local_reference(tmp_path, rows_with_bad_ones, [100, 100], tiny_encoder_path, "--max-batch-rows", "1")
+    edited = rows_with_bad_ones.to_pylist()
+    edited[150]["text"] = "an edited text"  # row 150 had a null text: an error yesterday, a result tonight
+    edited[160]["text"] += " (edited)"
+    write_shards(tmp_path / "night2", pa.Table.from_pylist(edited, schema=rows_with_bad_ones.schema), [100, 100])
+    summary_path = tmp_path / "summary.json"
+    result = CliRunner().invoke(cli, ray_args(tmp_path / "night2", tmp_path / "ray-out", tiny_encoder_path,
+                                              "--reuse", str(tmp_path / "local-out"), "--max-batch-rows", "1",
+                                              "--summary-json", str(summary_path)))
+    assert result.exit_code == 0, result.output
+    summary = json.loads(summary_path.read_text())
+    assert (summary["reused_rows"], summary["computed_rows"]) == (200 - 4 - 1, 4 + 1)  # 4 error rows yesterday
+    full = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "night2"), "--output", str(tmp_path / "full"),
+                                    "--model", tiny_encoder_path, "--max-length", "128", "--no-progress",
+                                    "--tokenize-workers", "0", "--dtype", "float32", "--max-batch-rows", "1"])
+    assert full.exit_code == 0, full.output
+    assert read_outputs(tmp_path / "ray-out").equals(read_outputs(tmp_path / "full"))

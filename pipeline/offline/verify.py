@@ -169,7 +169,7 @@ def verify_output(inputs: list[str] | None, output: str, storage_options: dict |
             check.problems.append(f"the input shard cannot be read: {shard.problem}")
             continue
         if not fs.exists(final_path):
-            check.problems.append(f"no output file ({final_path}); rerun the job to make it")
+            check.problems.append(f"no output file ({check.output}); rerun the job to make it")
             continue
         check_marker(check, markers.get(shard.stem), digest)
         check_ids(check, fs, final_path, config["id_column"], {**recorded_options, **storage_options}, errors)
