@@ -213,4 +213,9 @@ def test_ray_actors_reuse_yesterdays_rows(tmp_path, ray_cluster, rows_with_bad_o
                                     "--model", tiny_encoder_path, "--max-length", "128", "--no-progress",
                                     "--tokenize-workers", "0", "--dtype", "float32", "--max-batch-rows", "1"])
     assert full.exit_code == 0, full.output
-    assert read_outputs(tmp_path / "ray-out").equals(read_outputs(tmp_path / "full"))
+    ours, yesterday = read_outputs(tmp_path / "ray-out"), read_outputs(tmp_path / "local-out")
+    # the actors compute on one torch thread, the local runs on several: the computed rows agree within float
+    # tolerance, the reused rows are yesterday's bit for bit
+    assert_equal_outputs(ours, read_outputs(tmp_path / "full"))
+    reused = [i for i in range(200) if i not in (0, 17, 99, 150, 160)]
+    assert ours.take(reused).equals(yesterday.take(reused))
