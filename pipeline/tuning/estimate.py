@@ -130,7 +130,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
         usable = np.flatnonzero(valid)
         if len(usable) < 2:
             raise UsageError("the sample has no usable text to measure the throughput on; check --text-column")
-        config, setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for)
+        config = resolve_batch_setting(config, loaded.choice.device.type, saved_for)[0]
         warmup = usable[:min(WARMUP_ROWS, len(usable) // 2)]
         measured = usable[len(warmup):len(warmup) + MEASURED_ROWS]
         level = LevelSettings(config.max_batch_tokens, config.max_batch_rows, config.max_length,
@@ -138,7 +138,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
         result = measure_level(loaded.job, loaded.model, loaded.choice.device, encoded, warmup, measured, level, 0,
                                loaded.tokenizer.pad_token_id)
         tokens_per_s = result.tokens_per_s
-        basis = (f"measured here on {len(measured)} sampled rows ({setting}); run `lengthwise sweep` to save a "
-                 "figure")
+        basis = (f"measured here on {len(measured)} sampled rows at --max-batch-tokens {config.max_batch_tokens}, "
+                 f"--max-batch-rows {config.max_batch_rows}; `lengthwise sweep` saves a figure")
     device = f"{loaded.choice.device}, {loaded.choice.dtype}".replace("torch.", "")
     return summarize_estimate(rows, len(shards), lengths, tokens_per_s, f"{basis}; {device}", setup_s, window_s)
