@@ -126,7 +126,7 @@ def test_kill_and_resume_on_s3(bucket, endpoint, tiny_encoder_path):
 
 
 @pytest.mark.slow
-def test_reuse_and_verify_on_s3(bucket, endpoint, tiny_encoder_path):
+def test_reuse_and_verify_on_s3(tmp_path, bucket, endpoint, tiny_encoder_path):
     """--reuse reads yesterday's output and text hashes from S3; verify audits an S3 output."""
     from click.testing import CliRunner
 
@@ -141,7 +141,7 @@ def test_reuse_and_verify_on_s3(bucket, endpoint, tiny_encoder_path):
         with fs.open(f"{name}/in2/part-{index:05d}.parquet", "wb") as f:
             pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", [texts]), f)
     fs.invalidate_cache()
-    summary_path = Path(f"/tmp/lengthwise-s3-reuse-{name}.json")
+    summary_path = tmp_path / "summary.json"
     arguments = run_args(endpoint, name, tiny_encoder_path, "--reuse", f"s3://{name}/out/", "--summary-json",
                          str(summary_path))
     arguments[arguments.index(f"s3://{name}/out/")] = f"s3://{name}/out2/"
