@@ -232,3 +232,38 @@ def test_an_object_store_down_for_good_is_one_line_exit_4_and_a_rerun_resumes(bu
     rerun = CliRunner().invoke(cli, run_args(endpoint, name, tiny_encoder_path))
     assert rerun.exit_code == 0 and "1 of 3 shards already done, resuming" in rerun.stderr, rerun.output
     assert [len(rows) for rows in read_outputs(fs, name).values()] == [40, 40, 40]
+
+
+@pytest.mark.slow
+def test_reuse_and_verify_on_s3(tmp_path, bucket, endpoint, tiny_encoder_path):
+    """--reuse reads yesterday's output and text hashes from S3; verify audits an S3 output."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    fs, name = bucket
+    assert CliRunner().invoke(cli, run_args(endpoint, name, tiny_encoder_path)).exit_code == 0
+    for index in range(3):  # tonight's export, under a new prefix: same file names, one text edited
+        table = pq.read_table(f"{name}/in/part-{index:05d}.parquet", filesystem=fs)
+        texts = table["text"].to_pylist()
+        texts[3] += " (edited)" * (index == 1)
+        with fs.open(f"{name}/in2/part-{index:05d}.parquet", "wb") as f:
+            pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", [texts]), f)
+    fs.invalidate_cache()
+    summary_path = tmp_path / "summary.json"
+    arguments = run_args(endpoint, name, tiny_encoder_path, "--reuse", f"s3://{name}/out/", "--summary-json",
+                         str(summary_path))
+    arguments[arguments.index(f"s3://{name}/out/")] = f"s3://{name}/out2/"
+    arguments[arguments.index(f"s3://{name}/in/")] = f"s3://{name}/in2/"
+    result = CliRunner().invoke(cli, arguments)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(summary_path.read_text())
+    assert (summary["reused_rows"], summary["computed_rows"]) == (119, 1)
+    verify = CliRunner().invoke(cli, ["verify", "--output", f"s3://{name}/out2/", "--storage-option",
+                                      f"endpoint_url={endpoint}", "--json"])
+    assert verify.exit_code == 0, verify.output
+    assert json.loads(verify.output)["rows"] == 120
+    fs.rm(f"{name}/out2/part-00002.parquet")
+    verify = CliRunner().invoke(cli, ["verify", "--output", f"s3://{name}/out2/", "--storage-option",
+                                      f"endpoint_url={endpoint}"])
+    assert verify.exit_code == 1 and "part-00002: no output file" in verify.output

@@ -41,6 +41,7 @@ USAGE_ERRORS = {
     "unknown job": (["--job", "summarise"], "set --job to one of"),
     "unknown prompt name": (["--prompt-name", "query"], "query"),
     "ray with num-shards": (["--engine", "ray", "--num-shards", "2", "--shard-index", "0"], "drop --num-shards"),
+    "reuse of no output": (["--reuse", "/nowhere/yesterday"], "is no lengthwise output"),
 }
 
 

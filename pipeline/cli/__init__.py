@@ -17,7 +17,7 @@ import sys
 
 import click
 
-from pipeline.cli.job_commands import plan, run, status
+from pipeline.cli.job_commands import plan, run, status, verify
 from pipeline.cli.options import COMMANDS, configure_logging
 from pipeline.cli.tuning_commands import loadtest, sweep
 
@@ -29,7 +29,7 @@ def cli() -> None:
     configure_logging(logging.INFO)
 
 
-for command in (run, plan, sweep, loadtest, status):
+for command in (run, plan, sweep, loadtest, status, verify):
     cli.add_command(command)
     COMMANDS[command.name] = command
 

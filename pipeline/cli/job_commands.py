@@ -19,6 +19,7 @@ from pipeline.cli.options import (
     MODEL_OPTIONS,
     WORKER_OPTIONS,
     ByteSize,
+    Duration,
     NameList,
     default_of,
     env_option,
@@ -62,6 +63,9 @@ from pipeline.engines.execute import execute_run
 @with_options(WORKER_OPTIONS)
 @env_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
             help="Redo every shard, even ones done before or under other settings.")
+@env_option("--reuse", env="REUSE", default=None,
+            help="A previous output of the same settings (e.g. yesterday's): rows whose id and text are unchanged "
+                 "copy its result; only new and edited rows are computed. The output is complete, as a full run.")
 @env_option("--engine", env="ENGINE", type=click.Choice(["local", "ray"]), default=default_of("engine"),
             show_default=True,
             help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster "
@@ -127,14 +131,32 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
             help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
 @env_option("--per-sample", env="PER_SAMPLE", type=ByteSize(), default=None,
             help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
+@env_option("--input", "inputs", env="INPUT", multiple=True, help="--estimate: the input shards of the run.")
+@with_options(INPUT_OPTIONS)
+@env_option("--estimate", env="PLAN_ESTIMATE", is_flag=True,
+            help="Predict the run's device and wall seconds on --input: rows from the footers, token lengths from a "
+                 "sample, throughput from the saved sweep (else measured here on the sample).")
+@env_option("--window", "window_s", env="PLAN_WINDOW", type=Duration(), default=None,
+            help="--estimate: the time the run must fit in (e.g. 4h); prints the --num-shards it needs.")
+@env_option("--sample-rows", env="PLAN_SAMPLE_ROWS", type=click.IntRange(1), default=2000, show_default=True,
+            help="--estimate: rows tokenized to learn the token lengths.")
+@with_options(WORKER_OPTIONS)
 @with_options(LOG_OPTIONS)
-def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> None:
+def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_option, estimate, window_s,
+         sample_rows, **settings) -> None:
     """Show how many rows each length bucket gets, probed on the device (or cached).
 
     With --available and --per-sample it is a calculator for the bare formula:
-    rows = floor(available / (per_sample x safety)).
+    rows = floor(available / (per_sample x safety)). With --input and --estimate it predicts
+    whether a run fits its --window.
     """
     from pipeline.core.memory import batch_rows
+
+    if estimate:
+        print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sample_rows, as_json, settings)
+        return
+    if window_s is not None:
+        fail("--window goes with --estimate")
 
     if available is not None or per_sample is not None:
         if available is None or per_sample is None:
@@ -162,6 +184,21 @@ def plan(model, no_plan_cache, as_json, available, per_sample, **settings) -> No
     if memory_plan is None:
         fail("no plan: the memory probe failed (see above)")
     click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
+
+
+def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sample_rows, as_json, settings) -> None:
+    from pipeline.tuning.estimate import estimate_run
+
+    if not inputs:
+        fail("--estimate needs --input: the shards the run will read")
+    try:
+        config = RunConfig(input=tuple(inputs), output="", model=model_or_default(model), progress=False,
+                           storage_options=parse_storage_options(storage_option), use_plan_cache=not no_plan_cache,
+                           **settings)
+        found = estimate_run(config, sample_rows, window_s)
+    except UsageError as error:
+        fail(str(error))
+    click.echo(json.dumps({"estimate": found.to_dict()}, indent=2) if as_json else found.to_text())
 
 
 @click.command()
@@ -206,3 +243,27 @@ def status(output, storage_option, as_json) -> None:
         state = "running" if lock.get("alive", True) else "stale lock (that process is gone)"
         who = f"worker {lock['index']} of {lock['count']} " if lock.get("count", 1) > 1 else ""
         click.echo(f"{who}{state}: pid {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}")
+
+
+@click.command()
+@env_option("--input", "inputs", env="INPUT", multiple=True,
+            help="The input the output was made from. Default: the input recorded in the output's run.json.")
+@env_option("--output", env="OUTPUT", required=True, help="The output directory of a run.")
+@env_option("--storage-option", env="STORAGE_OPTION", multiple=True, help="KEY=VALUE for fsspec. Repeatable.")
+@env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
+def verify(inputs, output, storage_option, as_json) -> None:
+    """Check an output against its input: every shard committed under the recorded settings, every
+    input id exactly once and in input order, no partial file; row errors counted by reason.
+
+    Exit 0 when complete, 1 when not (each shard's missing, extra and duplicated ids are listed).
+    Reads the id and error columns only; loads no model.
+    """
+    from pipeline.offline.verify import verify_output
+
+    try:
+        report = verify_output(list(inputs), output, parse_storage_options(storage_option))
+    except UsageError as error:
+        fail(str(error))
+    click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.to_text())
+    if not report.complete:
+        sys.exit(EXIT_SHARDS_FAILED)

@@ -364,17 +364,17 @@ def sweep_default(name: str):
 
 
 class Duration(click.ParamType):
-    """Seconds, as 30s, 500ms, 2m or a bare number of seconds."""
+    """Seconds, as 30s, 500ms, 2m, 4h or a bare number of seconds."""
 
     name = "duration"
-    UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0}
+    UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
     def convert(self, value, param, ctx):
         if isinstance(value, (int, float)):
             seconds = float(value)
         else:
             text = str(value).strip().lower()
-            unit = next((u for u in ("ms", "s", "m") if text.endswith(u)), "")
+            unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
             try:
                 seconds = float(text[:len(text) - len(unit)]) * self.UNITS.get(unit, 1.0)
             except ValueError:

@@ -13,6 +13,7 @@ from pipeline.core.errors import UsageError
 from pipeline.core.model import ModelChoice, choose_model, model_content_hash
 from pipeline.core.settings import RunConfig
 from pipeline.offline.manifest import RunManifest, fingerprint_differences, pending, recorded_config
+from pipeline.offline.reuse import check_reusable, recorded_dtype
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
 from pipeline.offline.summary import RunSummary, output_totals
@@ -43,9 +44,14 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     sink = ShardSink(config.output, config.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
     config, dtype_source = keep_recorded_choices(config, manifest)
+    if config.reuse and config.dtype == "auto":
+        config = keep_reused_dtype(config)
+        dtype_source = None if config.dtype == "auto" else f"what {config.reuse} was made with (--dtype auto, --reuse)"
     choice = choose(config, dtype_source)
     fingerprint = output_fingerprint(config, choice)
     refuse_other_settings(config, manifest.read_run(), fingerprint)
+    if config.reuse:
+        check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
     todo = shards if config.overwrite else pending_shards(shards, manifest)
     run_shards = None
     if todo:
@@ -89,6 +95,15 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
         log.info(f"compile {compiled}: what {config.output} was made with (--compile auto)")
         config = dataclasses.replace(config, compile=compiled)
     return config, dtype_source
+
+
+def keep_reused_dtype(config: RunConfig) -> RunConfig:
+    """`--dtype auto` with --reuse takes the dtype the previous output was made with, so that
+    the two fingerprints agree (an explicit --dtype that differs is refused by check_reusable)."""
+    if not config.reuse or config.dtype != "auto":
+        return config
+    dtype = recorded_dtype(config.reuse, config.storage_options)
+    return dataclasses.replace(config, dtype=dtype) if dtype in DTYPES else config
 
 
 def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint: dict) -> None:

@@ -399,7 +399,8 @@ def first_line(error: BaseException) -> str:
 def merge_summary(total: RunSummary, part: dict) -> None:
     """Add one shard's summary to the run's: counts add up, lists extend, the rest is kept
     (duplicate ids are counted across shards from the actors' id hashes, not added up)."""
-    for name in ("rows", "error_rows", "truncated_rows", "batches", "real_tokens", "padded_tokens", "oom_splits"):
+    for name in ("rows", "error_rows", "truncated_rows", "batches", "real_tokens", "padded_tokens", "oom_splits",
+                 "reused_rows", "computed_rows"):
         setattr(total, name, getattr(total, name) + part[name])
     total.failed_shards.extend(part["failed_shards"])
     if part["flagged_rows"] is not None:  # job moderate

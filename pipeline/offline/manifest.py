@@ -4,6 +4,7 @@ workers' locks and summaries, and `lengthwise status`."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -46,6 +47,12 @@ def fingerprint_differences(recorded: dict, current: dict) -> list[str]:
     """Human-readable differences between two output fingerprints."""
     return [f"{key}: {recorded.get(key)!r} → {current.get(key)!r}"
             for key in sorted(set(recorded) | set(current)) if recorded.get(key) != current.get(key)]
+
+
+def fingerprint_digest(fingerprint: dict) -> str:
+    """A short stable digest of an output fingerprint, stamped on each done marker so that
+    `verify` finds shards committed under other settings than run.json records."""
+    return hashlib.blake2b(json.dumps(fingerprint, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
 class RunManifest:
@@ -114,6 +121,9 @@ class RunManifest:
         return markers
 
     def mark(self, stem: str, status: str, **details) -> None:
+        if status == "done" and "fingerprint" not in details:
+            recorded = self.read_run()  # what claim_output checked and recorded before this shard ran
+            details["fingerprint"] = fingerprint_digest(recorded["fingerprint"]) if recorded else None
         self._write_json(f"{self.root}/shards/{stem}.json",
                          {"shard": stem, "status": status, "at": _now(), **details})
 

@@ -46,6 +46,7 @@ from pipeline.core.probe import describe_plan, memory_plan_for
 from pipeline.core.settings import RunConfig, usable_cores
 from pipeline.core.tokenize import TokenizerPool
 from pipeline.offline.manifest import RunManifest
+from pipeline.offline.reuse import PreviousOutput, mark_reused
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
 from pipeline.offline.source import Shard, read_blocks
 from pipeline.offline.summary import IdTracker, RunSummary
@@ -92,7 +93,11 @@ class ShardRunner:
             with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
                 blocks = timed(read_blocks(shards, config.id_column, config.text_column, config.window_rows,
                                            config.storage_options, config.keep_columns), times, "read")
-                windows = tokenize_windows(pool, group_into_windows(blocks, config.window_rows), times)
+                grouped = group_into_windows(blocks, config.window_rows)
+                if config.reuse:
+                    grouped = mark_reused(grouped, shards, PreviousOutput(config.reuse, config.storage_options,
+                                                                          config.keep_columns))
+                windows = tokenize_windows(pool, grouped, times)
                 feeder = DeviceFeeder(device)
                 work = batches_of(windows, config, self.limits, loaded.tokenizer.pad_token_id, feeder, times)
                 for item, result in run_on_device(work, job, model, device, feeder, self.limits,

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.core.errors import StorageError, UsageError, as_storage_error
 from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
 from pipeline.offline.manifest import RunManifest, shown_path
+from pipeline.offline.reuse import TextHashSink, merge_reused
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RowStats, RunSummary, add_counts, top_counts
 from pipeline.offline.windows import Window, WindowPart
@@ -216,10 +218,12 @@ class ShardCounts:
         """The counts as a done marker's keys (the most frequent error reasons only)."""
         return {**dataclasses.asdict(self), "error_reasons": top_counts(self.error_reasons, MARKER_ERROR_REASONS)}
 
-    def add(self, table: pa.Table, valid: np.ndarray, truncated: np.ndarray, count_flagged) -> None:
+    def add(self, table: pa.Table, count_flagged) -> None:
+        """Count one written block, read off the table itself (a row reused from a previous
+        output never ran here, so the window knows nothing of it)."""
         self.rows += table.num_rows
-        self.error_rows += int((~valid).sum())
-        self.truncated_rows += int(truncated.sum())
+        self.error_rows += table.num_rows - table["error"].null_count
+        self.truncated_rows += int(pc.sum(table["truncated"]).as_py() or 0)
         for error in table["error"].to_pylist():
             if error is not None:
                 self.error_reasons[error] = self.error_reasons.get(error, 0) + 1
@@ -245,6 +249,8 @@ class WindowWriter:
         self.counts: dict[int, ShardCounts] = {}  # shard index → what its output holds so far
         self.ids = ids or IdTracker()  # an engine's own tracker counts duplicate ids across its runners
         self.row_stats = RowStats()
+        self.text_hashes = TextHashSink(manifest)  # what tomorrow's --reuse recognises rows by
+        self.reused_rows: dict[int, int] = {}  # shard index → rows that took the previous output's result
 
     def write(self, part: WindowPart) -> None:
         started = time.perf_counter()
@@ -255,30 +261,38 @@ class WindowWriter:
             if block.failure is not None:
                 self.failures[block.shard_index] = block.failure
                 self.sink.abort(block.shard_index)
+                self.text_hashes.abort(block.shard_index)
             if block.shard_index in self.failures:
                 continue
             shard = self.shards[block.shard_index]
-            table = output_table(block, window, positions.start, self.columns_of)
+            table = merge_reused(output_table(block, window, positions.start, self.columns_of), block.reuse)
             self.sink.write(block.shard_index, shard, table)
-            valid = window.valid[positions]
+            self.text_hashes.write(block.shard_index, shard, block, table["error"])
             counts = self.counts.setdefault(block.shard_index, ShardCounts())
-            counts.add(table, valid, window.encoded.truncated[positions] & valid, self.count_flagged)
+            counts.add(table, self.count_flagged)
+            if block.reuse is not None:
+                reused = int(block.reuse.mask.sum())
+                self.reused_rows[block.shard_index] = self.reused_rows.get(block.shard_index, 0) + reused
             if block.is_last_of_shard:
                 try:
                     self.sink.commit(block.shard_index, self.manifest)
+                    self.text_hashes.commit(block.shard_index)
                 except StaleAttempt as stale:  # a newer attempt owns the shard: neither committed nor failed here
                     log.warning(str(stale))
+                    self.text_hashes.abort(block.shard_index)
                     continue
                 except StorageError:  # the output's storage fails every shard alike: the run stops
                     raise
                 except Exception as error:  # e.g. the row count is wrong
                     self.failures[block.shard_index] = f"committing the output failed: {type(error).__name__}: {error}"
                     self.sink.abort(block.shard_index)
+                    self.text_hashes.abort(block.shard_index)
                     continue
                 self.manifest.mark(shard.stem, "done", input=shard.url, host=socket.gethostname(), pid=os.getpid(),
                                    **counts.marker_keys(),
                                    **({"attempt": self.sink.attempt} if self.sink.attempt else {}))
             self.ids.add(block.ids.to_pylist())
+            valid = window.valid[positions]
             self.row_stats.add(window.encoded.full_lengths[positions][valid], window.encoded.errors[positions])
         self.times.write += time.perf_counter() - started
 
@@ -286,6 +300,7 @@ class WindowWriter:
         """Drop shards left open (a failure, --fail-fast, an interrupt), mark failed shards
         failed, and put this run's rows, errors, truncations and duplicate ids into `summary`."""
         self.sink.abort_all()
+        self.text_hashes.abort_all()
         for shard_index, reason in sorted(self.failures.items()):
             shard = self.shards[shard_index]
             self.manifest.mark(shard.stem, "failed", input=shard.url, error=reason)
@@ -294,6 +309,8 @@ class WindowWriter:
         summary.rows = sum(c.rows for c in committed)
         summary.error_rows = sum(c.error_rows for c in committed)
         summary.truncated_rows = sum(c.truncated_rows for c in committed)
+        summary.reused_rows = int(sum(self.reused_rows.get(i, 0) for i in self.sink.committed))
+        summary.computed_rows = summary.rows - summary.reused_rows
         if self.count_flagged is not None:
             summary.flagged_rows = sum(c.flagged_rows or 0 for c in committed)
             summary.flagged_by_label = add_counts(c.flagged_by_label for c in committed)

@@ -48,6 +48,7 @@ class RowBlock:
     is_last_of_shard: bool
     failure: str | None = None  # set on a row-less block: this shard broke here, drop all of it
     kept: dict[str, pa.Array] = field(default_factory=dict)  # --keep-columns, copied to the output as they are
+    reuse: object | None = None  # --reuse: offline/reuse.py's ReusedRows (rows that take yesterday's result)
 
     @property
     def num_rows(self) -> int:

@@ -19,6 +19,8 @@ from pipeline.core.findings import diagnosis_lines
 @dataclass
 class RunSummary:
     rows: int = 0  # rows written by this run (output_totals: by every run that wrote the output)
+    reused_rows: int = 0  # --reuse: rows whose result was copied from the previous output (id and text unchanged)
+    computed_rows: int = 0  # rows written by this run that were not reused (new, edited, or without --reuse)
     error_rows: int = 0
     truncated_rows: int = 0
     shards: int = 0  # shards named by the input
@@ -91,6 +93,9 @@ class RunSummary:
         if self.flagged_rows is not None:
             lines.insert(1, f"flagged         {self.flagged_rows:,} of {self.rows:,} rows this run "
                             f"({label_counts(self.flagged_by_label)})")
+        if self.reused_rows:
+            lines.insert(1, f"reused          {self.reused_rows:,} rows from the previous output (id and text "
+                            f"unchanged); {self.computed_rows:,} computed")
         if self.shards_done_before:
             lines.append(f"resumed         {self.shards_done_before} of {self.shards} shards were already done")
         lines += [*totals_lines(self.output_totals), f"output          {self.output}"]

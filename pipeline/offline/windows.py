@@ -54,10 +54,14 @@ class Window:
     encoded: EncodedRows
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     valid: np.ndarray = field(init=False)  # rows that tokenized and go to the model
-    tokenize_errors: int = field(init=False)  # rows that never reach the model
+    tokenize_errors: int = field(init=False)  # rows that never reach the model (reused ones too)
 
     def __post_init__(self) -> None:
-        self.valid = np.array([error is None for error in self.encoded.errors], dtype=bool)
+        reused = np.concatenate([b.reuse.mask if b.reuse is not None else np.zeros(b.num_rows, bool)
+                                 for b in self.blocks]) if self.blocks else np.zeros(0, bool)
+        for row in np.flatnonzero(reused):  # --reuse: their text was dropped; they take yesterday's result
+            self.encoded.errors[row] = None
+        self.valid = np.array([error is None for error in self.encoded.errors], dtype=bool) & ~reused
         self.tokenize_errors = int((~self.valid).sum())
 
     def fail(self, rows: np.ndarray, error: str) -> None:

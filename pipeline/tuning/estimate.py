@@ -1,0 +1,144 @@
+"""`lengthwise plan --estimate`: will the job fit in its window? Rows from the footers, token
+lengths from a sample of rows tokenized here, and the throughput measured for this model,
+device and dtype (the saved sweep recommendation's tokens/s, else a short measurement on the
+sample with the real model) give the device seconds, the wall seconds, and how many workers
+(`--num-shards`) a window needs. The arithmetic is pure; `estimate_run` gathers its inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from pipeline.core.errors import UsageError
+from pipeline.core.settings import RunConfig
+
+EXPECTED_DEVICE_BUSY = 0.9  # share of a run's wall after setup that the device computes (reading, tokenizing
+# and writing overlap it; a run's summary prints the measured share as `device busy`)
+MEASURED_ROWS = 256  # rows of the sample run through the model when no sweep figure is saved
+WARMUP_ROWS = 32
+
+
+def device_seconds(tokens: int, tokens_per_s: float) -> float:
+    """Seconds the device needs for `tokens` real tokens at the measured rate."""
+    if tokens_per_s <= 0:
+        raise ValueError(f"tokens_per_s must be positive, got {tokens_per_s}")
+    return tokens / tokens_per_s
+
+
+def wall_seconds(device_s: float, setup_s: float, workers: int = 1, busy: float = EXPECTED_DEVICE_BUSY) -> float:
+    """Wall seconds of `workers` equal workers: each loads the model (setup) and does its share."""
+    return setup_s + device_s / busy / workers
+
+
+def workers_for_window(device_s: float, setup_s: float, window_s: float,
+                       busy: float = EXPECTED_DEVICE_BUSY) -> int | None:
+    """The fewest workers whose wall fits `window_s`; None when setup alone does not fit."""
+    if window_s <= setup_s:
+        return None
+    return max(1, math.ceil(device_s / busy / (window_s - setup_s)))
+
+
+def mean_tokens_per_row(lengths: np.ndarray) -> float:
+    """Mean real tokens a row sends to the device (rows that error send none)."""
+    return float(np.mean(lengths)) if len(lengths) else 0.0
+
+
+@dataclass
+class Estimate:
+    rows: int
+    shards: int
+    sample_rows: int
+    mean_tokens_per_row: float
+    tokens: int  # predicted real tokens of the whole input (after truncation)
+    tokens_per_s: float
+    basis: str  # where tokens_per_s comes from
+    device_seconds: float
+    setup_seconds: float  # model load, measured here
+    predicted_seconds: float  # wall of one worker
+    window_seconds: float | None = None
+    workers: int | None = None  # --num-shards that fits the window (None: no window, or it cannot fit)
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {key: round(value, 2) if isinstance(value, float) else value for key, value in asdict(self).items()}
+
+    def to_text(self) -> str:
+        lines = [f"rows            {self.rows:,} in {self.shards} shard(s) (from the footers)",
+                 f"tokens          {self.tokens:,} predicted ({self.mean_tokens_per_row:,.1f} a row in a sample of "
+                 f"{self.sample_rows:,})",
+                 f"throughput      {self.tokens_per_s:,.0f} tokens/s ({self.basis})",
+                 f"device          {self.device_seconds:,.0f}s; setup {self.setup_seconds:,.1f}s",
+                 f"predicted wall  {self.predicted_seconds:,.0f}s ({self.predicted_seconds / 3600:.2f}h) on one worker"]
+        if self.window_seconds is not None:
+            fits = (f"{self.workers} worker(s): --num-shards {self.workers}" if self.workers
+                    else "no number of workers (setup alone is longer)")
+            lines.append(f"window          {self.window_seconds / 3600:.2f}h needs {fits}")
+        if self.note:
+            lines.append(f"note            {self.note}")
+        return "\n".join(lines)
+
+
+def summarize_estimate(rows: int, shards: int, lengths: np.ndarray, tokens_per_s: float, basis: str, setup_s: float,
+                       window_s: float | None) -> Estimate:
+    """The estimate from its measured inputs (pure)."""
+    mean = mean_tokens_per_row(lengths)
+    tokens = int(round(mean * rows))
+    device_s = device_seconds(tokens, tokens_per_s)
+    estimate = Estimate(rows, shards, len(lengths), mean, tokens, tokens_per_s, basis, device_s, setup_s,
+                        wall_seconds(device_s, setup_s), window_s)
+    if window_s is not None:
+        estimate.workers = workers_for_window(device_s, setup_s, window_s)
+        if estimate.workers is not None and estimate.workers > shards:
+            estimate.note = (f"{estimate.workers} workers but only {shards} shard(s): a worker takes whole shards, "
+                             "so split the input into more files")
+    return estimate
+
+
+def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) -> Estimate:
+    """Read the footers, tokenize a sample, find the throughput (saved sweep, else measured
+    here on the sample), and predict."""
+    from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
+    from pipeline.core.model import load_model
+    from pipeline.core.tokenize import TokenizerPool
+    from pipeline.offline.source import list_shards
+    from pipeline.tuning.sweep import LevelSettings, measure_level, read_sample
+
+    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options,
+                         split=config.split)
+    rows = sum(shard.num_rows for shard in shards if not shard.problem)
+    started = time.perf_counter()
+    loaded = load_model(config)
+    setup_s = time.perf_counter() - started
+    config = dataclasses.replace(config, max_length=loaded.choice.max_length)
+    texts = read_sample(shards, config.text_column, config.id_column, sample_rows, 0, config.storage_options)
+    with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
+        encoded = pool.result(pool.submit(texts))
+    valid = np.array([error is None for error in encoded.errors], dtype=bool)
+    lengths = np.where(valid, encoded.lengths, 0)
+    saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
+    reference = sweep_reference(saved_for)
+    if reference:
+        tokens_per_s = reference["tokens_per_s"]
+        basis = (f"the saved sweep of {reference['created']}: --{reference['vary']} {reference['level']} "
+                 f"({reference['path']})")
+    else:
+        usable = np.flatnonzero(valid)
+        if len(usable) < 2:
+            raise UsageError("the sample has no usable text to measure the throughput on; check --text-column")
+        config = resolve_batch_setting(config, loaded.choice.device.type, saved_for)[0]
+        warmup = usable[:min(WARMUP_ROWS, len(usable) // 2)]
+        measured = usable[len(warmup):len(warmup) + MEASURED_ROWS]
+        level = LevelSettings(config.max_batch_tokens, config.max_batch_rows, config.max_length,
+                              config.prefetch_batches)
+        result = measure_level(loaded.job, loaded.model, loaded.choice.device, encoded, warmup, measured, level, 0,
+                               loaded.tokenizer.pad_token_id)
+        tokens_per_s = result.tokens_per_s
+        basis = (f"measured here on {len(measured)} sampled rows at --max-batch-tokens {config.max_batch_tokens}, "
+                 f"--max-batch-rows {config.max_batch_rows}; `lengthwise sweep` saves a figure")
+    device = f"{loaded.choice.device}, {loaded.choice.dtype}".replace("torch.", "")
+    return summarize_estimate(rows, len(shards), lengths, tokens_per_s, f"{basis}; {device}", setup_s, window_s)

@@ -1,0 +1,66 @@
+"""`plan --estimate`: the arithmetic as pure functions, and one run on the shipped sample."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+from pipeline.tuning.estimate import (
+    device_seconds,
+    mean_tokens_per_row,
+    summarize_estimate,
+    wall_seconds,
+    workers_for_window,
+)
+
+
+def test_device_and_wall_seconds():
+    assert device_seconds(1_000_000, 2_000.0) == 500.0
+    assert wall_seconds(900.0, 30.0, workers=1, busy=0.9) == pytest.approx(1030.0)
+    assert wall_seconds(900.0, 30.0, workers=4, busy=0.9) == pytest.approx(280.0)
+    with pytest.raises(ValueError):
+        device_seconds(10, 0.0)
+
+
+def test_workers_for_window_is_the_fewest_that_fit():
+    # 36,000 device seconds at 90% busy = 40,000 s of work; a 4 h window less 400 s setup holds 14,000 s a worker
+    assert workers_for_window(36_000.0, 400.0, 4 * 3600, busy=0.9) == 3
+    assert wall_seconds(36_000.0, 400.0, workers=3, busy=0.9) <= 4 * 3600 < wall_seconds(36_000.0, 400.0, 2, 0.9)
+    assert workers_for_window(10.0, 5.0, 3600) == 1
+    assert workers_for_window(10.0, 3600.0, 3600) is None
+
+
+def test_summarize_estimate_scales_the_sample_to_the_rows_and_says_when_shards_are_too_few():
+    lengths = np.array([10, 20, 0, 30])  # an error row sends no tokens
+    assert mean_tokens_per_row(lengths) == 15.0
+    estimate = summarize_estimate(rows=1_000_000, shards=2, lengths=lengths, tokens_per_s=1_500.0, basis="test",
+                                  setup_s=60.0, window_s=3600.0)
+    assert estimate.tokens == 15_000_000 and estimate.device_seconds == pytest.approx(10_000.0)
+    assert estimate.predicted_seconds == pytest.approx(60.0 + 10_000.0 / 0.9)
+    assert estimate.workers == 4 and "only 2 shard(s)" in estimate.note
+    assert set(estimate.to_dict()) >= {"rows", "tokens", "predicted_seconds", "basis", "workers"}
+
+
+@pytest.mark.slow
+def test_plan_estimate_on_the_shipped_sample(tiny_encoder_path):
+    from tests.conftest import SAMPLE_DIR
+
+    result = CliRunner().invoke(cli, ["plan", "--input", str(SAMPLE_DIR), "--estimate", "--window", "4h", "--json",
+                                      "--model", tiny_encoder_path, "--dtype", "float32", "--sample-rows", "100",
+                                      "--tokenize-workers", "0"])
+    assert result.exit_code == 0, result.output
+    estimate = json.loads(result.output[result.output.index("{"):])["estimate"]
+    assert estimate["rows"] == 400 and estimate["shards"] == 2 and estimate["sample_rows"] == 100
+    assert estimate["tokens"] > 400 and estimate["tokens_per_s"] > 0
+    assert estimate["predicted_seconds"] > estimate["device_seconds"] > 0
+    assert estimate["workers"] == 1 and "measured here on" in estimate["basis"]
+
+
+def test_estimate_needs_an_input_and_window_needs_estimate():
+    assert CliRunner().invoke(cli, ["plan", "--estimate"]).exit_code == 2
+    result = CliRunner().invoke(cli, ["plan", "--window", "4h", "--available", "1GiB", "--per-sample", "1MiB"])
+    assert result.exit_code == 2

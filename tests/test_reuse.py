@@ -1,0 +1,122 @@
+"""`run --reuse`: a second night with rows edited, added and deleted and a new shard reuses exactly
+the unchanged rows and equals a full run; other settings are refused (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+from pipeline.core.settings import RunConfig
+from pipeline.engines.local import run_job
+from pipeline.offline.reuse import RowHashes, ReusedRows, merge_reused, text_hash
+from pipeline.offline.verify import verify_output
+
+
+def test_text_hash_is_stable_and_tells_texts_apart():
+    assert text_hash("hello") == text_hash(b"hello") == text_hash("hello")
+    assert text_hash("hello") != text_hash("hello ") and text_hash(None) is None
+
+
+def test_merge_reused_takes_result_columns_of_reused_rows_only():
+    computed = pa.table({"id": [1, 2, 3], "score": [0.0, 0.5, 0.0], "error": ["x", None, "y"]})
+    reused = ReusedRows(RowHashes(np.zeros(3, np.int64), pa.array([0, 0, 0], pa.int64())),
+                        np.array([True, False, True]), pa.table({"score": [0.1, 0.3], "error": [None, None]}))
+    merged = merge_reused(computed, reused)
+    assert merged.to_pydict() == {"id": [1, 2, 3], "score": [0.1, 0.5, 0.3], "error": [None, None, None]}
+    assert merge_reused(computed, None) is computed
+
+
+def write_night(root, parts: dict[str, pa.Table]) -> str:
+    for partition, table in parts.items():
+        (root / partition).mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, root / partition / "part-00000.parquet", row_group_size=32)
+    return str(root)
+
+
+def run(input_dir, output, model, **settings) -> dict:
+    config = RunConfig(input=(input_dir,), output=str(output), model=model, max_length=128, dtype="float32",
+                       tokenize_workers=0, progress=False, max_batch_rows=1, **settings)
+    return json.loads(run_job(config).to_json())
+
+
+def read_output(output) -> pa.Table:
+    return pa.concat_tables(pq.read_table(p) for p in sorted(output.rglob("*.parquet"))
+                            if ".lengthwise" not in p.parts)
+
+
+@pytest.mark.slow
+def test_second_night_reuses_exactly_the_unchanged_rows_and_equals_a_full_run(tmp_path, rows_with_bad_ones,
+                                                                                 tiny_encoder_path):
+    first = {"region=eu": rows_with_bad_ones.slice(0, 120), "region=us": rows_with_bad_ones.slice(120, 80)}
+    night1 = write_night(tmp_path / "night1", first)
+    run(night1, tmp_path / "out1", tiny_encoder_path)
+
+    eu = first["region=eu"].to_pylist()
+    for position in (5, 40, 77):  # edited texts
+        eu[position]["text"] += " (edited)"
+    deleted = {eu[10]["id"], eu[11]["id"]}
+    eu = [row for row in eu if row["id"] not in deleted]
+    eu.insert(3, {"id": "new-1", "text": "a row added tonight"})
+    eu.append({"id": "new-2", "text": "another row added tonight"})
+    asia = [{"id": f"asia-{i}", "text": f"a text of a new shard, number {i}"} for i in range(30)]
+    second = {"region=eu": pa.Table.from_pylist(eu, schema=rows_with_bad_ones.schema), "region=us": first["region=us"],
+              "region=asia": pa.Table.from_pylist(asia, schema=rows_with_bad_ones.schema)}
+    night2 = write_night(tmp_path / "night2", second)
+
+    summary = run(night2, tmp_path / "out2", tiny_encoder_path, reuse=str(tmp_path / "out1"))
+    full = run(night2, tmp_path / "full", tiny_encoder_path)
+
+    error_rows = 4  # null and blank texts of rows_with_bad_ones: never reused, computed again
+    unchanged = (120 - 3 - 2) + 80 - error_rows
+    assert (summary["reused_rows"], summary["computed_rows"]) == (unchanged, 3 + 2 + 30 + error_rows)
+    assert summary["rows"] == full["rows"] == 120 - 2 + 2 + 80 + 30
+    assert (summary["error_rows"], summary["truncated_rows"]) == (full["error_rows"], full["truncated_rows"])
+    assert full["reused_rows"] == 0 and full["computed_rows"] == full["rows"]
+    ours, theirs = read_output(tmp_path / "out2"), read_output(tmp_path / "full")
+    assert ours.schema == theirs.schema
+    assert ours.equals(theirs), "a reused output must equal a full run cell for cell"
+    assert verify_output(None, str(tmp_path / "out2")).complete
+
+    # the third night reuses the second's output (its text hashes were written under --reuse too)
+    third = run(night2, tmp_path / "out3", tiny_encoder_path, reuse=str(tmp_path / "out2"))
+    assert (third["reused_rows"], third["computed_rows"]) == (summary["rows"] - error_rows, error_rows)
+    assert read_output(tmp_path / "out3").equals(theirs)
+
+
+@pytest.mark.slow
+def test_reuse_of_other_settings_is_refused_and_writes_nothing(tmp_path, rows_with_bad_ones, tiny_encoder_path):
+    night = write_night(tmp_path / "night", {"region=eu": rows_with_bad_ones.slice(0, 20)})
+    run(night, tmp_path / "out1", tiny_encoder_path)
+    arguments = ["run", "--input", night, "--model", tiny_encoder_path, "--dtype", "float32", "--tokenize-workers",
+                 "0", "--no-progress"]
+    result = CliRunner().invoke(cli, [*arguments, "--max-length", "64", "--output", str(tmp_path / "out2"),
+                                      "--reuse", str(tmp_path / "out1")])
+    assert result.exit_code == 2, result.output
+    assert "was made with other settings (max_length: 128 → 64)" in result.output
+    assert not (tmp_path / "out2").exists()
+    result = CliRunner().invoke(cli, [*arguments, "--max-length", "128", "--output", str(tmp_path / "out1"),
+                                      "--reuse", str(tmp_path / "out1")])
+    assert result.exit_code == 2 and "is --output itself" in result.output
+
+
+@pytest.mark.slow
+def test_indexed_workers_each_reuse_their_own_shards(tmp_path, rows_with_bad_ones, tiny_encoder_path):
+    texts = rows_with_bad_ones.slice(20, 60)  # no error rows
+    parts = {f"part={i}": texts.slice(20 * i, 20) for i in range(3)}
+    night1 = write_night(tmp_path / "night1", parts)
+    run(night1, tmp_path / "out1", tiny_encoder_path)
+    edited = parts["part=1"].to_pylist()
+    edited[0]["text"] += " (edited)"
+    night2 = write_night(tmp_path / "night2", {**parts, "part=1": pa.Table.from_pylist(edited, schema=texts.schema)})
+    summaries = [run(night2, tmp_path / "out2", tiny_encoder_path, reuse=str(tmp_path / "out1"), num_shards=2,
+                     shard_index=index) for index in (0, 1)]
+    assert sum(s["reused_rows"] for s in summaries) == 59 and sum(s["computed_rows"] for s in summaries) == 1
+    run(night2, tmp_path / "full", tiny_encoder_path)
+    assert read_output(tmp_path / "out2").equals(read_output(tmp_path / "full"))
+    assert verify_output(None, str(tmp_path / "out2")).complete
