@@ -69,9 +69,9 @@ def encode_with_sentence_transformers(config: str, rows: str, vectors: str, max_
         model.save(str(export))
         flags = open("/proc/cpuinfo").read()
         export_dynamic_quantized_onnx_model(model, "avx512_vnni" if "avx512_vnni" in flags else "avx2", str(export))
+        quantized = next(p for p in export.rglob("*.onnx") if "qint8" in p.name or "quantized" in p.name)
         model = SentenceTransformer(str(export), device="cpu", backend="onnx",
-                                    model_kwargs={"file_name": next(p.name for p in (export / "onnx").glob(
-                                        "*quantized*.onnx"))})
+                                    model_kwargs={"file_name": str(quantized.relative_to(export))})
     else:
         kwargs = {"st-bf16": {"model_kwargs": {"torch_dtype": torch.bfloat16}},
                   "st-openvino": {"backend": "openvino"}, "st-onnx": {"backend": "onnx"}}.get(config, {})

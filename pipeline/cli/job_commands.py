@@ -133,12 +133,12 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
             help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
 @env_option("--input", "inputs", env="INPUT", multiple=True, help="--estimate: the input shards of the run.")
 @with_options(INPUT_OPTIONS)
-@env_option("--estimate", env="PLAN_ESTIMATE", is_flag=True,
+@env_option("--estimate", env="ESTIMATE", is_flag=True,
             help="Predict the run's device and wall seconds on --input: rows from the footers, token lengths from a "
                  "sample, throughput from the saved sweep (else measured here on the sample).")
-@env_option("--window", "window_s", env="PLAN_WINDOW", type=Duration(), default=None,
+@env_option("--window", "window_s", env="WINDOW", type=Duration(), default=None,
             help="--estimate: the time the run must fit in (e.g. 4h); prints the --num-shards it needs.")
-@env_option("--sample-rows", env="PLAN_SAMPLE_ROWS", type=click.IntRange(1), default=2000, show_default=True,
+@env_option("--sample-rows", env="SAMPLE_ROWS", type=click.IntRange(1), default=2000, show_default=True,
             help="--estimate: rows tokenized to learn the token lengths.")
 @with_options(WORKER_OPTIONS)
 @with_options(LOG_OPTIONS)
