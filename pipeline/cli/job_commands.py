@@ -177,7 +177,7 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
         saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
         config, setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
                                                         model_config=loaded.model.config)
-        logging.getLogger("pipeline.cli.options").info(f"batch setting: {setting}")
+        logging.getLogger(__name__).info(f"batch setting: {setting}")
         memory_plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
     except UsageError as error:
         fail(str(error))
