@@ -69,7 +69,7 @@ def encode_with_sentence_transformers(config: str, rows: str, vectors: str, max_
         model.save(str(export))
         flags = open("/proc/cpuinfo").read()
         export_dynamic_quantized_onnx_model(model, "avx512_vnni" if "avx512_vnni" in flags else "avx2", str(export))
-        quantized = next(p for p in export.rglob("*.onnx") if "qint8" in p.name or "quantized" in p.name)
+        quantized = next(p for p in export.rglob("*.onnx") if "int8" in p.name)
         model = SentenceTransformer(str(export), device="cpu", backend="onnx",
                                     model_kwargs={"file_name": str(quantized.relative_to(export))})
     else:
