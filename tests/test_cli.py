@@ -141,6 +141,13 @@ def test_every_option_of_every_command_has_a_lengthwise_variable():
         assert not missing, f"`lengthwise {name}` options without a LENGTHWISE_ variable: {missing}"
 
 
+def test_no_command_defines_an_option_twice():
+    """Two decorators for one flag make click warn on every call and only one help text shows."""
+    for name, command in cli.commands.items():
+        flags = [flag for option in _options(command) for flag in option.opts]
+        assert len(flags) == len(set(flags)), (name, sorted({f for f in flags if flags.count(f) > 1}))
+
+
 def test_run_defaults_are_the_config_defaults():
     import dataclasses
 

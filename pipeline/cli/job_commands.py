@@ -76,9 +76,6 @@ from pipeline.engines.execute import execute_run
             help="--engine ray: actors. Default: one per GPU of the cluster, else cluster CPUs / --threads-per-worker.")
 @env_option("--threads-per-worker", env="THREADS_PER_WORKER", type=click.IntRange(1), default=None,
             help="--engine ray: torch threads (and CPUs reserved) per actor. Default: 1 for CPU actors.")
-@env_option("--torch-threads", env="TORCH_THREADS", type=click.IntRange(1), default=None,
-            help="Torch threads of the forward in this process. Default: torch's (the cores); two jobs on one machine "
-                 "should split the cores between them.")
 @env_option("--num-shards", env="NUM_SHARDS", type=click.IntRange(1), default=default_of("num_shards"),
             show_default=True,
             help="Run as one of N workers over the same input and output (Kubernetes Indexed Job, Slurm array, "

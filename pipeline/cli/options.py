@@ -323,8 +323,8 @@ BATCH_OPTIONS = [
 
 TORCH_THREADS_OPTION = env_option(
     "--torch-threads", env="TORCH_THREADS", type=click.IntRange(1), default=None,
-    help="Intra-op threads of the forward. Default: torch's (the cores). On a CPU shared with other processes fewer "
-         "can be much faster: see docs/online.md.")
+    help="Intra-op threads of the forward. Default: torch's (the cores). Two jobs on one machine should split "
+         "the cores between them; on a CPU shared with other processes fewer can be much faster: see docs/online.md.")
 
 
 WORKER_OPTIONS = [
