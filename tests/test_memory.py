@@ -278,3 +278,53 @@ def test_free_memory_moving_by_a_gib_reuses_the_cached_plan(tmp_path, tiny_encod
     assert less.source.startswith("from cache") and "made for 64 MiB, scaled to 48 MiB" in less.source
     assert all(b.probed_rows <= a.probed_rows for a, b in zip(first.buckets, less.buckets))
     assert len(list(tmp_path.glob("*.json"))) == 1  # one plan cached, not one per budget
+
+
+# ── large CPU checks through the first blocks ─────────────────────────────────────────
+
+
+def test_only_large_uncompiled_cpu_checks_run_through_the_first_blocks():
+    from pipeline.core.probe import check_through_first_blocks
+
+    threshold = 32 * MIB
+    large = dict(rows=393, length=128, hidden_size=384, element_bytes=4, mmap_threshold_bytes=threshold)  # 77 MiB
+    assert check_through_first_blocks("cpu", False, 6, **large)
+    assert not check_through_first_blocks("cuda", False, 6, **large)  # a GPU runs the checks in moments
+    assert not check_through_first_blocks("cpu", True, 6, **large)  # a compiled graph is the whole model
+    assert not check_through_first_blocks("cpu", False, 2, **large)  # nothing to leave out
+    small = dict(large, rows=64)  # 12.6 MiB hidden states come from the fragmenting heap: run whole
+    assert not check_through_first_blocks("cpu", False, 6, **small)
+
+
+def test_repeated_blocks_finds_the_encoder_layers_and_first_blocks_restores_them(minilm_path):
+    from jobs.registry import get_job
+    from pipeline.core.probe import KEPT_BLOCKS, first_blocks, repeated_blocks
+
+    model = get_job("embed").load(minilm_path, torch.device("cpu"), torch.float32)
+    stack = repeated_blocks(model)
+    parent, attribute, blocks = stack
+    assert len(blocks) == model.config.num_hidden_layers == 6 and getattr(parent, attribute) is blocks
+    with pytest.raises(RuntimeError), first_blocks(stack):
+        assert len(getattr(parent, attribute)) == KEPT_BLOCKS
+        raise RuntimeError("a check that fails")
+    assert getattr(parent, attribute) is blocks  # restored, even after an error
+
+
+@pytest.mark.slow
+def test_a_large_check_through_the_first_blocks_peaks_as_high_as_the_whole_model(minilm_path):
+    """The assumption the probe's speed rests on, measured on the real MiniLM-L6: at a size
+    whose hidden states glibc maps on their own, two blocks peak within 2% of six."""
+    from jobs.registry import get_job
+    from pipeline.core.device import keep_freed_host_memory
+    from pipeline.core.probe import first_blocks, forward_peak_bytes, repeated_blocks
+
+    job, cpu = get_job("embed"), torch.device("cpu")
+    model = job.load(minilm_path, cpu, torch.float32)
+    keep_freed_host_memory(cpu)
+    forward_peak_bytes(job, model, cpu, 1, 8)
+    rows, length = 96, 256  # 36 MiB hidden states
+    forward_peak_bytes(job, model, cpu, rows, length)  # the first forward of a shape pays one-off buffers
+    with first_blocks(repeated_blocks(model)):
+        shortened = forward_peak_bytes(job, model, cpu, rows, length)
+    whole = forward_peak_bytes(job, model, cpu, rows, length)
+    assert abs(shortened - whole) <= 0.02 * whole, (shortened / MIB, whole / MIB)
