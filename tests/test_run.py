@@ -57,6 +57,11 @@ def test_summary_counts_tokens_and_stages(baseline):
     assert 0 < summary["real_tokens"] <= summary["padded_tokens"]
     assert summary["padding_efficiency"] == pytest.approx(summary["real_tokens"] / summary["padded_tokens"])
     assert set(summary["stage_s"]) == {"setup", "read", "tokenize", "collate", "wait_for_batch", "forward", "write"}
+    # what setup spent its time on, in the order it ran; the tokenizer pool started before the model loaded
+    assert list(summary["setup_steps"]) == ["shards", "model code and dtype", "output check", "tokenizer",
+                                            "model load", "compile decision", "batch plan", "output claim",
+                                            "tokenizer pool", "other"]
+    assert sum(summary["setup_steps"].values()) == pytest.approx(summary["stage_s"]["setup"], abs=0.01)
     assert 0 < summary["device_busy_fraction"] <= 1
     assert summary["rows_per_s"] > 0 and summary["tokens_per_s"] > 0
 

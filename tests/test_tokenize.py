@@ -61,3 +61,23 @@ def test_text_without_tokens_is_a_row_error(spec):
 def test_spec_disables_padding_and_keeps_pad_id(spec):
     assert spec.max_length == 32 and spec.pad_token_id == 0
     assert '"padding":null' in spec.tokenizer_json.replace(" ", "")
+
+
+def test_a_pool_started_without_waiting_comes_up_on_first_use(spec):
+    """The run starts the pool before it loads the model; the processes come up meanwhile."""
+    with TokenizerPool(spec, workers=2, wait=False) as pool:
+        first_wait = pool.ready()
+        assert first_wait >= 0.0 and pool.ready() == 0.0  # seen up once, never waited for again
+        encoded = pool.result(pool.submit(["one", "two"]))
+    assert encoded.errors == [None, None] and len(encoded) == 2
+
+
+def test_setup_steps_add_up_to_the_setup_time():
+    from pipeline.core.clock import SetupClock
+
+    clock = SetupClock()
+    clock.add("model load", 0.5)
+    clock.add("batch plan", 0.25)
+    clock.add("model load", 0.25)  # a step timed twice adds up
+    assert clock.breakdown(1.2) == {"model load": 0.75, "batch plan": 0.25, "other": 0.2}
+    assert clock.breakdown(0.5)["other"] == 0.0  # never negative

@@ -23,6 +23,7 @@ from jobs.base import attention_implementation
 from jobs.registry import get_job, job_options
 from jobs.sentence_transformers_folder import DEFAULT_MAX_LENGTH, read_text_settings, resolve_prompt
 from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
+from pipeline.core.clock import SetupClock
 from pipeline.core.device import (
     DTYPES,
     device_name,
@@ -185,26 +186,39 @@ class LoadedModel:
 
 
 def load_model(settings, choice: ModelChoice | None = None,
-               workload: Callable[[TokenizerSpec], float] | None = None) -> LoadedModel:
-    """Tokenizer and model loaded once, the max length checked against the model, the host
-    allocator set up for the device (see `keep_freed_host_memory`), and the forward compiled
-    where `settings.compile` and a measurement say so. `workload(tokenizer)` estimates the
-    job's tokens (None: unknown, a sweep or a service, counted as large)."""
+               workload: Callable[[TokenizerSpec], float] | None = None, tokenizer: TokenizerSpec | None = None,
+               clock: SetupClock | None = None) -> LoadedModel:
+    """Tokenizer (unless given: `tokenizer_for`) and model loaded once, the max length checked
+    against the model, the host allocator set up for the device (see
+    `keep_freed_host_memory`), and the forward compiled where `settings.compile` and a
+    measurement say so. `workload(tokenizer)` estimates the job's tokens (None: unknown, a
+    sweep or a service, counted as large). `clock` records the steps' seconds."""
+    clock = clock or SetupClock()
     choice = choice or choose_model(settings)
     if choice.device.type == "cuda":
         torch.cuda.set_device(choice.device)  # cuda:N current for the main thread (kernels, caches, streams)
     job = get_job(settings.job)
-    tokenizer = load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
-                                    choice.lowercase)
-    model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
-                     **choice.job_options, allow_pickle=settings.allow_pickle,
-                     trust_remote_code=settings.trust_remote_code, attention=choice.attention)
+    if tokenizer is None:
+        with clock.step("tokenizer"):
+            tokenizer = tokenizer_for(settings, choice)
+    with clock.step("model load"):
+        model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
+                         **choice.job_options, allow_pickle=settings.allow_pickle,
+                         trust_remote_code=settings.trust_remote_code, attention=choice.attention)
     check_max_length(model.config, choice.max_length)
     keep_freed_host_memory(choice.device)
-    model, compile_choice = settle_compile(settings, choice, job, model, workload(tokenizer) if workload else None)
+    with clock.step("compile decision"):
+        model, compile_choice = settle_compile(settings, choice, job, model,
+                                               workload(tokenizer) if workload else None)
     log.info(compile_choice.reason + (f" ({compile_choice.compile_s:.1f} s to compile)" if compile_choice.compiled
                                       else ""))
     return LoadedModel(choice, job, model, tokenizer, compile_choice)
+
+
+def tokenizer_for(settings, choice: ModelChoice) -> TokenizerSpec:
+    """The run's tokenizer: the model's, truncating at the chosen max length, with its prompt."""
+    return load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
+                               choice.lowercase)
 
 
 FASTEST_EAGER_TOKENS_PER_S = 50_000.0  # MiniLM's eager bf16 forward on AMX at its best: a job too small even

@@ -208,25 +208,39 @@ class TokenizerPool:
     """
 
     def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int = CHUNK_ROWS,
-                 start_timeout_s: float = START_TIMEOUT_S):
+                 start_timeout_s: float = START_TIMEOUT_S, wait: bool = True):
+        """`wait` False starts the workers and returns at once, so they come up while the
+        caller loads the model; `ready()` (or the first `submit`) then sees them up."""
         self.spec = spec
         self.chunk_rows = chunk_rows
         self._executor = None
         self._spec_file = None
+        self._starting = None  # (readiness futures, start time, timeout) until seen up
         if workers > 0:
             self._spec_file = write_spec_file(spec)
             self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                                  initializer=_init_worker_from_file, initargs=(self._spec_file,))
-            self._wait_for_workers(workers, start_timeout_s)
+            self._starting = ([self._executor.submit(_worker_ready) for _ in range(workers)], time.monotonic(),
+                              start_timeout_s)
+            if wait:
+                self.ready()
         else:
             _init_worker(spec, in_worker=False)
 
-    def _wait_for_workers(self, workers: int, timeout_s: float) -> None:
-        """Start the workers now and see them come up. One that exits while starting would
-        otherwise leave the pool waiting forever (Python's pool does not notice a worker that
-        dies before it runs), and the usual cause is a script without a main guard."""
-        started = time.monotonic()
-        ready = [self._executor.submit(_worker_ready) for _ in range(workers)]
+    def ready(self) -> float:
+        """Wait until every worker is up (raises WorkerStartError if one cannot start); the
+        seconds waited here."""
+        if self._starting is None:
+            return 0.0
+        waited = time.monotonic()
+        starting, self._starting = self._starting, None
+        self._wait_for_workers(*starting)
+        return time.monotonic() - waited
+
+    def _wait_for_workers(self, ready: list, started: float, timeout_s: float) -> None:
+        """See the workers come up. One that exits while starting would otherwise leave the
+        pool waiting forever (Python's pool does not notice a worker that dies before it
+        runs), and the usual cause is a script without a main guard."""
         while True:
             done, waiting = concurrent.futures.wait(ready, timeout=0.2)
             broken = any(future.exception() is not None for future in done)  # BrokenProcessPool
@@ -246,6 +260,7 @@ class TokenizerPool:
                     f"(--tokenize-workers 0) to tokenize in this process")
 
     def submit(self, texts: list) -> list:
+        self.ready()
         chunks = [texts[i:i + self.chunk_rows] for i in range(0, len(texts), self.chunk_rows)]
         if self._executor is None:
             return [encode_texts(chunk) for chunk in chunks]

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from pipeline.core.clock import SetupClock
 from pipeline.core.device import DTYPES, dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.core.model import ModelChoice, choose_model, model_content_hash
@@ -23,9 +24,10 @@ log = logging.getLogger(__name__)
 
 # Runs a list of shards into the sink: (todo, sink, manifest, summary, started) → None
 ShardsRunner = Callable[[list[Shard], ShardSink, RunManifest, RunSummary, float], None]
-# An engine: loads and checks what it runs for (config, model choice, the shards to do) before the output is
-# touched; returns its shards runner and the config as it settled it (e.g. --compile auto → on or off)
-PrepareEngine = Callable[[RunConfig, ModelChoice, list[Shard]], tuple[ShardsRunner, RunConfig]]
+# An engine: loads and checks what it runs for (config, model choice, the shards to do; its setup steps timed on
+# the clock) before the output is touched; returns its shards runner and the config as it settled it (e.g.
+# --compile auto → on or off)
+PrepareEngine = Callable[[RunConfig, ModelChoice, list[Shard], SetupClock], tuple[ShardsRunner, RunConfig]]
 
 
 def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngine,
@@ -36,9 +38,10 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     output, hold this slot's lock and claim the output; run the pending shards with what the
     engine prepared and record this worker's summary.
     Every usage error comes before the first write, so it leaves the output untouched."""
-    started = time.perf_counter()
-    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot,
-                         config.keep_columns, config.split)
+    started, clock = time.perf_counter(), SetupClock()
+    with clock.step("shards"):
+        shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot,
+                             config.keep_columns, config.split)
     if slot.count > 1:
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.storage_options)
@@ -47,26 +50,29 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     if config.reuse and config.dtype == "auto":
         config = keep_reused_dtype(config)
         dtype_source = None if config.dtype == "auto" else f"what {config.reuse} was made with (--dtype auto, --reuse)"
-    choice = choose(config, dtype_source)
-    fingerprint = output_fingerprint(config, choice)
-    refuse_other_settings(config, manifest.read_run(), fingerprint)
-    if config.reuse:
-        check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
-    todo = shards if config.overwrite else pending_shards(shards, manifest)
+    with clock.step("model code and dtype"):  # importing the architecture's code is most of it
+        choice = choose(config, dtype_source)
+    with clock.step("output check"):
+        fingerprint = output_fingerprint(config, choice)
+        refuse_other_settings(config, manifest.read_run(), fingerprint)
+        if config.reuse:
+            check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
+        todo = shards if config.overwrite else pending_shards(shards, manifest)
     run_shards = None
     if todo:
-        run_shards, config = prepare_engine(config, choice, todo)
+        run_shards, config = prepare_engine(config, choice, todo, clock)
     sink.create()
     lock_note = manifest.acquire_lock(slot)
     if lock_note:
         log.warning(lock_note)
     try:
-        todo = claim_output(config, fingerprint, shards, sink, manifest, slot)
+        with clock.step("output claim"):
+            todo = claim_output(config, fingerprint, shards, sink, manifest, slot)
         summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output,
                              nothing_to_do=not todo)
         if todo:
             if run_shards is None:  # done shards can only become pending again under --overwrite
-                run_shards, config = prepare_engine(config, choice, todo)
+                run_shards, config = prepare_engine(config, choice, todo, clock)
             run_shards(todo, sink, manifest, summary, started)
         summary.wall_s = time.perf_counter() - started
         summary.output_totals = output_totals(manifest.shard_markers().values())

@@ -8,11 +8,12 @@ import os
 import sys
 from collections.abc import Mapping
 
-from pipeline.core.model import ModelChoice, load_model
+from pipeline.core.clock import SetupClock
+from pipeline.core.model import ModelChoice, load_model, tokenizer_for
 from pipeline.core.settings import RunConfig, set_torch_threads
 from pipeline.engines.claim import ShardsRunner, run_claimed
 from pipeline.offline.runner import ShardRunner
-from pipeline.core.tokenize import TokenizerSpec
+from pipeline.core.tokenize import TokenizerPool, TokenizerSpec
 from pipeline.offline.source import Shard, resolve_worker_slot
 from pipeline.offline.summary import RunSummary
 from pipeline.offline.workload import estimate_tokens
@@ -46,14 +47,23 @@ def refuse_while_a_worker_starts() -> None:
 EXIT_USAGE = 2  # as the CLI's usage errors
 
 
-def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard]) -> tuple[ShardsRunner, RunConfig]:
-    """The local engine: the model loaded once in this process (compiled if that pays back over
-    `todo`), one shard runner for all shards; the config with --compile settled."""
+def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],
+                 clock: SetupClock) -> tuple[ShardsRunner, RunConfig]:
+    """The local engine: the tokenizer pool started first, so that its processes come up while
+    the model loads; the model loaded once in this process (compiled if that pays back over
+    `todo`); one shard runner for all shards; the config with --compile settled."""
     set_torch_threads(config.torch_threads)
 
     def workload(spec: TokenizerSpec) -> float:
         return estimate_tokens(todo, config.id_column, config.text_column, spec, config.storage_options)
 
-    loaded = load_model(config, choice, workload)
-    settled = dataclasses.replace(config, compile="on" if loaded.compile.compiled else "off")
-    return ShardRunner(settled, loaded).run, settled
+    with clock.step("tokenizer"):
+        tokenizer = tokenizer_for(config, choice)
+        pool = TokenizerPool(tokenizer, config.tokenize_workers, wait=False)
+    try:
+        loaded = load_model(config, choice, workload, tokenizer, clock)
+        settled = dataclasses.replace(config, compile="on" if loaded.compile.compiled else "off")
+        return ShardRunner(settled, loaded, pool, clock).run, settled
+    except BaseException:
+        pool.close()
+        raise

@@ -167,9 +167,10 @@ def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None
     return dataclasses.replace(choice, device=torch.device("cuda"), dtype=DTYPES[dtype], dtype_reason=reason)
 
 
-def prepare_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard]):
+def prepare_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], clock=None):
     """What the driver can check before the output is touched (the actors load the model, and
-    each settles --compile auto from the cached verdict on its own device)."""
+    each settles --compile auto from the cached verdict on its own device; their setup is in
+    the summary's actor lines, not on the driver's `clock`)."""
     check_max_length(AutoConfig.from_pretrained(choice.path, trust_remote_code=config.trust_remote_code),
                      choice.max_length)
     return functools.partial(run_on_actors, config, choice), config

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
 from pipeline.core.buckets import padding_efficiency
+from pipeline.core.clock import SetupClock
 from pipeline.core.device import dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.core.forward import (
@@ -59,16 +60,20 @@ class ShardRunner:
     """One loaded model on one device, with its batch setting and memory plan settled once;
     `run` may be called for several lists of shards (a Ray actor gets them one by one)."""
 
-    def __init__(self, config: RunConfig, loaded: LoadedModel):
-        self.loaded = loaded
+    def __init__(self, config: RunConfig, loaded: LoadedModel, pool: TokenizerPool | None = None,
+                 clock: SetupClock | None = None):
+        """`pool`: a tokenizer pool already started for the first `run` (it closes it); `clock`:
+        the setup steps so far, for the first run's summary."""
+        self.loaded, self._started_pool, self.clock = loaded, pool, clock or SetupClock()
         config = dataclasses.replace(config, max_length=loaded.choice.max_length)
-        saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
-        self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
-                                                                   model_config=loaded.model.config)
-        log.info(f"batch setting: {self.batch_setting}")
-        self.sweep_reference = sweep_reference(saved_for)
-        self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
-                                    loaded.choice.device) if self.config.probe else None
+        with self.clock.step("batch plan"):
+            saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
+            self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
+                                                                       model_config=loaded.model.config)
+            log.info(f"batch setting: {self.batch_setting}")
+            self.sweep_reference = sweep_reference(saved_for)
+            self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
+                                        loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
         check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names)
 
@@ -78,7 +83,18 @@ class ShardRunner:
         this call (since `started`) counts as setup; `ids` collects the written rows' id hashes."""
         config, loaded = self.config, self.loaded
         job, model, device = loaded.job, loaded.model, loaded.choice.device
+        pool, self._started_pool = self._started_pool, None
+        try:
+            with self.clock.step("tokenizer pool"):  # only the wait for processes not yet up
+                pool = pool or TokenizerPool(loaded.tokenizer, config.tokenize_workers, wait=False)
+                pool.ready()
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
         times = StageTimes(setup=time.perf_counter() - started)
+        summary.setup_steps = self.clock.breakdown(times.setup)
+        self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
@@ -90,7 +106,7 @@ class ShardRunner:
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
         try:
-            with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
+            with pool:
                 blocks = timed(read_blocks(shards, config.id_column, config.text_column, config.window_rows,
                                            config.storage_options, config.keep_columns), times, "read")
                 grouped = group_into_windows(blocks, config.window_rows)

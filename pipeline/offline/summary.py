@@ -38,6 +38,7 @@ class RunSummary:
     tokens_per_s: float = 0.0
     wall_s: float = 0.0
     stage_s: dict = field(default_factory=dict)
+    setup_steps: dict = field(default_factory=dict)  # what setup spent its seconds on, in order (core/clock.py)
     device_busy_fraction: float = 0.0
     oom_splits: int = 0  # batches halved after running out of memory
     lowered_batch_rows: dict = field(default_factory=dict)  # padded length → rows after a split
@@ -79,6 +80,10 @@ class RunSummary:
         ]
         if stages:
             lines.append(f"stages          {stages}")
+        if self.setup_steps:
+            steps = " · ".join(f"{name} {seconds:.2f}s" for name, seconds in self.setup_steps.items()
+                               if seconds >= 0.05)  # the steps worth a look
+            lines.append(f"setup           {self.stage_s.get('setup', 0.0):.2f}s: {steps}")
         if self.device:
             lines += [f"device busy     {self.device_busy_fraction:.1%} of the time after setup "
                       f"({self.device}, {self.dtype})",
