@@ -285,7 +285,8 @@ def markdown(report: dict) -> str:
              f"{report['threads']} threads, {report['cpu']}, best of {report['rounds']} interleaved rounds",
              "", "| config | wall s | vs ST fp32 | vs ST bf16 | min cosine vs ST fp32 |", "|---|---:|---:|---:|---:|"]
     for config, result in report["results"].items():
-        lines.append(f"| {config} | {result['best_s']:.1f} | {result['vs_st_fp32']}x | {result['vs_st_bf16']}x | "
+        ratios = [f"{result[key]}x" if result[key] is not None else "—" for key in ("vs_st_fp32", "vs_st_bf16")]
+        lines.append(f"| {config} | {result['best_s']:.1f} | {ratios[0]} | {ratios[1]} | "
                      f"{result['min_cosine_vs_st_fp32']} |")
     ceiling = report["matmul_gflops"]
     lines.append(f"\nmatmul ceiling: {ceiling['bfloat16']:,} GFLOP/s bf16, {ceiling['float32']:,} fp32")

@@ -2,6 +2,7 @@
 the cached verdict, a resume that keeps the recorded choice, and a compiled forward that
 disagrees falling back to eager."""
 
+import os
 import json
 
 import pyarrow.parquet as pq
@@ -134,3 +135,19 @@ def test_a_compiled_forward_that_disagrees_falls_back_to_eager(tmp_path, shards,
     ours, summary = run(tmp_path, shards, tiny_encoder_path, "auto", job="embed-drifts")
     assert summary["compile"].startswith("eager: the compiled forward disagrees with eager (min cosine")
     assert ours["embedding"].to_pylist() == eager["embedding"].to_pylist()
+
+
+def test_inductor_caches_go_under_the_plan_cache_unless_the_user_chose_a_directory(tmp_path, monkeypatch):
+    """torch writes its default directory into the environment the first time it asks for it
+    (importing a model's code can do that first): that default must not keep the caches in /tmp."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from pipeline.core.compile import inductor_cache_dir, use_inductor_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()  # torch's own default, now in the environment
+    use_inductor_cache(tmp_path)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(inductor_cache_dir(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_inductor_cache(tmp_path)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -96,8 +96,14 @@ def inductor_cache_dir(cache: Path) -> Path:
 
 def use_inductor_cache(cache: Path) -> None:
     """Inductor's compiled kernels and FX graphs under the plan cache, so the next process (the
-    next night) loads them instead of compiling again. A directory of the user's own wins."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir(cache)))
+    next night) loads them instead of compiling again. A directory of the user's own wins;
+    torch's default does not (torch writes it into the environment the first time it asks, which
+    importing a model's code can do before this runs)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir(cache))
 
 
 def compiled_graphs() -> int:
