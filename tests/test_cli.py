@@ -41,6 +41,9 @@ def test_run_writes_one_file_per_shard_with_every_id_in_order(tmp_path, shards, 
             "stage_s", "device_busy_fraction"} <= set(summary)
     assert summary["rows"] == 90
     assert "padding efficiency" in result.output and f"output          {tmp_path / 'out'}" in result.output
+    status = invoke(["status", "--output", str(tmp_path / "out")])  # which batch setting (and its source) applied
+    assert f"batch setting   {summary['batch_setting']} (the last run's)" in status.output.splitlines()
+    assert "auto" in summary["batch_setting"]  # says where the limits came from
 
 
 @pytest.mark.slow

@@ -230,6 +230,8 @@ def status(output, storage_option, as_json) -> None:
     for failed in report["failed_shards"]:
         click.echo(f"failed  {failed['shard']}: {failed['error']}")
     workers = report["workers"]
+    for setting in dict.fromkeys(w["last_batch_setting"] for w in workers if w["last_batch_setting"]):
+        click.echo(f"batch setting   {setting} (the last run's)")
     if len(workers) > 1:
         for worker in workers:
             speed = f", last {worker['last_rows_per_s']:,.1f} rows/s" if worker["last_rows_per_s"] else ""

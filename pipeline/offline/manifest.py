@@ -278,7 +278,9 @@ def _shard_counts(stems: list[str], status_of: dict[str, str], by_stem: dict[str
 
 def _worker_status(shards: list[Shard], status_of: dict[str, str], by_stem: dict[str, Shard], count: int,
                    locks: list[dict], summaries: dict) -> list[dict]:
-    """Per worker slot of the recorded layout: its shards' counts, whether it runs, its last rows/s."""
+    """Per worker slot of the recorded layout: its shards' counts, whether it runs, its last rows/s
+    and the batch setting its last run used (and where that came from: a flag, a default, a
+    saved sweep recommendation)."""
     url_to_stem = {shard.url: shard.stem for shard in shards}
     workers = []
     for index in range(count):
@@ -288,7 +290,8 @@ def _worker_status(shards: list[Shard], status_of: dict[str, str], by_stem: dict
         workers.append({"index": index, **_shard_counts(stems, status_of, by_stem),
                         "running": bool(lock and lock.get("alive", True)),
                         "last_rows_per_s": last["summary"].get("rows_per_s") if last else None,
-                        "last_finished": last["at"] if last else None})
+                        "last_finished": last["at"] if last else None,
+                        "last_batch_setting": last["summary"].get("batch_setting") if last else None})
     return workers
 
 
