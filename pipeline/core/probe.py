@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
+from pipeline.core.compile import is_compiled
 from pipeline.core.errors import UsageError
 from pipeline.core.memory import (
     FIT_LENGTH_FRACTIONS,
@@ -112,7 +113,7 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
     from pipeline.core.device import HOST_MMAP_THRESHOLD_BYTES, dtype_name
 
     started = time.perf_counter()
-    compiled = hasattr(model, "_orig_mod")  # torch.compile's wrapper
+    compiled = is_compiled(model)
     stack = None if compiled else repeated_blocks(model)
     hidden_size = getattr(model.config, "hidden_size", 0)
     element_bytes = next(model.parameters()).element_size()
