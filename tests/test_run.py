@@ -99,3 +99,29 @@ def test_a_window_spanning_shards_is_cut_after_a_shards_last_row_into_parts_of_a
     inside = Window([dataclasses.replace(blocks[0], is_last_of_shard=False)], EncodedRows(
         np.zeros(300, np.int32), np.arange(301), np.zeros(300, bool), [None] * 300, 0.0))
     assert [(p.start_row, p.end_row) for p in window_parts(inside, min_rows=1)] == [(0, 300)]
+
+
+def test_a_tokenizer_pool_started_ahead_is_stopped_when_the_claim_fails(tmp_path, rows_with_bad_ones,
+                                                                         tiny_encoder_path, monkeypatch):
+    """The local engine starts its tokenizer processes before the model loads; a run that never
+    comes (here: the output's lock refused) must not leave them behind in the caller's process."""
+    import psutil
+
+    from pipeline.core.errors import UsageError
+    from pipeline.core.settings import RunConfig
+    from pipeline.engines.local import run_job
+    from pipeline.offline.manifest import RunManifest
+    from tests.conftest import write_shards
+
+    def refuse(self, slot):
+        raise UsageError("another run holds this output")
+
+    monkeypatch.setattr(RunManifest, "acquire_lock", refuse)
+    write_shards(tmp_path / "in", rows_with_bad_ones, [200])
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(UsageError, match="another run holds"):
+        run_job(RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
+                          progress=False, tokenize_workers=2, max_length=128, probe=False))
+    left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert [c for c in left if "resource_tracker" not in c] == []  # multiprocessing's tracker stays by design

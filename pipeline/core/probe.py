@@ -114,7 +114,7 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
 
     started = time.perf_counter()
     compiled = is_compiled(model)
-    stack = None if compiled else repeated_blocks(model)
+    stack = repeated_blocks(model)
     hidden_size = getattr(model.config, "hidden_size", 0)
     element_bytes = next(model.parameters()).element_size()
     shortened = []

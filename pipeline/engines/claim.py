@@ -3,6 +3,7 @@ the engine load what it runs, then lock and claim the output and run the pending
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -22,7 +23,9 @@ from pipeline.offline.summary import RunSummary, output_totals
 log = logging.getLogger(__name__)
 
 
-# Runs a list of shards into the sink: (todo, sink, manifest, summary, started) → None
+# Runs a list of shards into the sink: (todo, sink, manifest, summary, started) → None. One with a close()
+# holds something started ahead (the local engine's tokenizer pool): run_claimed closes it when the run is over,
+# or when it never comes (the claim failed, or another worker did every shard meanwhile)
 ShardsRunner = Callable[[list[Shard], ShardSink, RunManifest, RunSummary, float], None]
 # An engine: loads and checks what it runs for (config, model choice, the shards to do; its setup steps timed on
 # the clock) before the output is touched; returns its shards runner and the config as it settled it (e.g.
@@ -58,14 +61,16 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         if config.reuse:
             check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
         todo = shards if config.overwrite else pending_shards(shards, manifest)
-    run_shards = None
-    if todo:
-        run_shards, config = prepare_engine(config, choice, todo, clock)
-    sink.create()
-    lock_note = manifest.acquire_lock(slot)
-    if lock_note:
-        log.warning(lock_note)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        run_shards = None
+        if todo:
+            run_shards, config = prepare_engine(config, choice, todo, clock)
+            cleanup.callback(close_runner, run_shards)
+        sink.create()
+        lock_note = manifest.acquire_lock(slot)
+        cleanup.callback(manifest.release_lock, slot)
+        if lock_note:
+            log.warning(lock_note)
         with clock.step("output claim"):
             todo = claim_output(config, fingerprint, shards, sink, manifest, slot)
         summary = RunSummary(shards=len(shards), shards_done_before=len(shards) - len(todo), output=config.output,
@@ -73,13 +78,18 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         if todo:
             if run_shards is None:  # done shards can only become pending again under --overwrite
                 run_shards, config = prepare_engine(config, choice, todo, clock)
+                cleanup.callback(close_runner, run_shards)
             run_shards(todo, sink, manifest, summary, started)
         summary.wall_s = time.perf_counter() - started
         summary.output_totals = output_totals(manifest.shard_markers().values())
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
-    finally:
-        manifest.release_lock(slot)
+
+
+def close_runner(run_shards: ShardsRunner) -> None:
+    close = getattr(run_shards, "close", None)
+    if close is not None:
+        close()
 
 
 def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[RunConfig, str | None]:

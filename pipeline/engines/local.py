@@ -63,7 +63,7 @@ def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],
     try:
         loaded = load_model(config, choice, workload, tokenizer, clock)
         settled = dataclasses.replace(config, compile="on" if loaded.compile.compiled else "off")
-        return ShardRunner(settled, loaded, pool, clock).run, settled
+        return ShardRunner(settled, loaded, pool, clock), settled
     except BaseException:
         pool.close()
         raise

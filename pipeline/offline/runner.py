@@ -83,18 +83,7 @@ class ShardRunner:
         this call (since `started`) counts as setup; `ids` collects the written rows' id hashes."""
         config, loaded = self.config, self.loaded
         job, model, device = loaded.job, loaded.model, loaded.choice.device
-        pool, self._started_pool = self._started_pool, None
-        try:
-            with self.clock.step("tokenizer pool"):  # only the wait for processes not yet up
-                pool = pool or TokenizerPool(loaded.tokenizer, config.tokenize_workers, wait=False)
-                pool.ready()
-        except BaseException:
-            if pool is not None:
-                pool.close()
-            raise
-        times = StageTimes(setup=time.perf_counter() - started)
-        summary.setup_steps = self.clock.breakdown(times.setup)
-        self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
+        times = StageTimes()
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
@@ -105,8 +94,15 @@ class ShardRunner:
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
+        pool, self._started_pool = self._started_pool, None
+        pool = pool or TokenizerPool(loaded.tokenizer, config.tokenize_workers, wait=False)
         try:
             with pool:
+                with self.clock.step("tokenizer pool"):  # only the wait for processes not yet up
+                    pool.ready()
+                times.setup = time.perf_counter() - started
+                summary.setup_steps = self.clock.breakdown(times.setup)
+                self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
                 blocks = timed(read_blocks(shards, config.id_column, config.text_column, config.window_rows,
                                            config.storage_options, config.keep_columns), times, "read")
                 grouped = group_into_windows(blocks, config.window_rows)
@@ -155,6 +151,14 @@ class ShardRunner:
         summary.device_busy_fraction = times.forward / max(wall_s - times.setup, 1e-9)
         summary.lowered_batch_rows = dict(sorted(self.limits.lowered.items()))
         summary.compiled_graphs = loaded.compile.graphs()
+
+    __call__ = run  # an engine's ShardsRunner (pipeline/engines/claim.py)
+
+    def close(self) -> None:
+        """Stop a tokenizer pool started for a `run` that never came (the claim failed)."""
+        if self._started_pool is not None:
+            self._started_pool.close()
+            self._started_pool = None
 
     def _columns_of(self, outputs: dict, valid: np.ndarray, rows: int) -> dict:
         job, model = self.loaded.job, self.loaded.model
