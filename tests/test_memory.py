@@ -1,6 +1,7 @@
 """The memory formula, the fitted memory model, the probe and the plan cache."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -291,9 +292,17 @@ def test_only_large_uncompiled_cpu_checks_run_through_the_first_blocks():
     assert check_through_first_blocks("cpu", False, 6, **large)
     assert not check_through_first_blocks("cuda", False, 6, **large)  # a GPU runs the checks in moments
     assert not check_through_first_blocks("cpu", True, 6, **large)  # a compiled graph is the whole model
-    assert not check_through_first_blocks("cpu", False, 2, **large)  # nothing to leave out
+    assert not check_through_first_blocks("cpu", False, 1, **large)  # nothing to leave out
     small = dict(large, rows=64)  # 12.6 MiB hidden states come from the fragmenting heap: run whole
     assert not check_through_first_blocks("cpu", False, 6, **small)
+
+
+def test_a_shortened_check_counts_the_hidden_state_the_later_blocks_hold():
+    from pipeline.core.probe import shortened_check_bytes
+
+    assert shortened_check_bytes(740 * MIB, rows=393, length=128, hidden_size=384, element_bytes=4) == \
+        740 * MIB + 393 * 128 * 384 * 4
+    assert shortened_check_bytes(math.inf, rows=393, length=128, hidden_size=384, element_bytes=2) == math.inf
 
 
 def test_repeated_blocks_finds_the_encoder_layers_and_first_blocks_restores_them(minilm_path):
@@ -313,10 +322,11 @@ def test_repeated_blocks_finds_the_encoder_layers_and_first_blocks_restores_them
 @pytest.mark.slow
 def test_a_large_check_through_the_first_blocks_peaks_as_high_as_the_whole_model(minilm_path):
     """The assumption the probe's speed rests on, measured on the real MiniLM-L6: at a size
-    whose hidden states glibc maps on their own, two blocks peak within 2% of six."""
+    whose hidden states glibc maps on their own, the first block plus one hidden state peaks
+    within 2% of all six blocks."""
     from jobs.registry import get_job
     from pipeline.core.device import keep_freed_host_memory
-    from pipeline.core.probe import first_blocks, forward_peak_bytes, repeated_blocks
+    from pipeline.core.probe import first_blocks, forward_peak_bytes, repeated_blocks, shortened_check_bytes
 
     job, cpu = get_job("embed"), torch.device("cpu")
     model = job.load(minilm_path, cpu, torch.float32)
@@ -325,6 +335,7 @@ def test_a_large_check_through_the_first_blocks_peaks_as_high_as_the_whole_model
     rows, length = 96, 256  # 36 MiB hidden states
     with first_blocks(repeated_blocks(model)):
         forward_peak_bytes(job, model, cpu, rows, length)  # the first forward of a shape pays one-off buffers
-        shortened = forward_peak_bytes(job, model, cpu, rows, length)
+        shortened = shortened_check_bytes(forward_peak_bytes(job, model, cpu, rows, length), rows, length,
+                                          model.config.hidden_size, 4)
     whole = forward_peak_bytes(job, model, cpu, rows, length)
     assert abs(shortened - whole) <= 0.02 * whole, (shortened / MIB, whole / MIB)

@@ -54,14 +54,13 @@ def forward_peak_bytes(job, model, device, rows: int, length: int) -> float:
     return math.inf
 
 
-KEPT_BLOCKS = 2  # a check through the first two blocks reaches the steady state: one block's working set
-# while the previous block's output is still held (one block alone measured 10% under the full model)
+KEPT_BLOCKS = 1  # a large CPU check runs through the first block, plus one hidden state (check_through_first_blocks)
 
 
 def repeated_blocks(model) -> tuple[object, str, object] | None:
     """(parent module, attribute, the list) of the model's stack of identical blocks (an
-    encoder's layers): the ModuleList of at least three modules of one class holding the most
-    parameters; None if the model has no such stack."""
+    encoder's layers): the ModuleList of more than KEPT_BLOCKS modules of one class holding the
+    most parameters; None if the model has no such stack."""
     import torch
 
     best, best_parameters = None, 0
@@ -90,18 +89,33 @@ def first_blocks(stack: tuple[object, str, object]):
 
 def check_through_first_blocks(device_type: str, compiled: bool, blocks: int, rows: int, length: int,
                                hidden_size: int, element_bytes: int, mmap_threshold_bytes: int) -> bool:
-    """Whether a full-size check may run through the first KEPT_BLOCKS blocks only.
+    """Whether a full-size check may run through the first KEPT_BLOCKS blocks only, its peak
+    counted one hidden state higher (`shortened_check_bytes`).
 
-    An encoder's activations are freed block by block, so its peak is one block's working set
-    plus the hidden state handed on, the same in every block: two blocks peak as high as
-    twelve, at a fraction of the time (MiniLM-L6 at 393×128: 814 MiB through two blocks, 817
-    through six, 5 s instead of 14). That holds where the hidden states are large enough for
-    glibc to map them on their own (`mmap_threshold_bytes`); smaller ones come from the heap,
-    whose fragmentation grows with each block (64×128: 192 MiB through two, 229-240 through
-    six), and such checks are cheap to run whole. CPU only (a GPU runs the checks in
-    moments), and never on a compiled forward, whose graph is the whole model."""
-    hidden_bytes = rows * length * hidden_size * element_bytes
-    return device_type == "cpu" and not compiled and blocks > KEPT_BLOCKS and hidden_bytes >= mmap_threshold_bytes
+    An encoder's activations are freed block by block, so every block peaks at the same
+    working set plus what is held across it: its input and the embedding output, which the
+    model keeps referenced throughout. In the first block the two are one tensor; from the
+    second on they are two, so the first block plus one hidden state peaks as high as all of
+    them, at a fraction of the time (MiniLM-L6, fp32: 393×128 814 vs 821 MiB through six
+    blocks, 2.7 s instead of 13.3; 512×256 2,121 vs 2,123 MiB; a model that does not keep the
+    embedding output is over-counted by one hidden state, the safe side). That holds where
+    the hidden states are large enough for glibc to map them on their own
+    (`mmap_threshold_bytes`); smaller ones come from the heap, whose fragmentation grows with
+    each block (64×128: 192 MiB through two blocks, 229-240 through six), and such checks are
+    cheap to run whole. CPU only (a GPU runs the checks in moments), and never on a compiled
+    forward, whose graph is the whole model."""
+    return (device_type == "cpu" and not compiled and blocks > KEPT_BLOCKS
+            and hidden_state_bytes(rows, length, hidden_size, element_bytes) >= mmap_threshold_bytes)
+
+
+def hidden_state_bytes(rows: int, length: int, hidden_size: int, element_bytes: int) -> int:
+    return rows * length * hidden_size * element_bytes
+
+
+def shortened_check_bytes(peak_bytes: float, rows: int, length: int, hidden_size: int, element_bytes: int) -> float:
+    """The whole model's peak from a check through the first KEPT_BLOCKS blocks: one hidden
+    state more, the one later blocks hold besides their input (check_through_first_blocks)."""
+    return peak_bytes + hidden_state_bytes(rows, length, hidden_size, element_bytes)
 
 
 def probe_memory_plan(job, model, device, available_bytes: int, safety: float, max_length: int,
@@ -124,7 +138,8 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
                                                 element_bytes, HOST_MMAP_THRESHOLD_BYTES):
             shortened.append((rows, length))
             with first_blocks(stack):
-                return forward_peak_bytes(job, model, device, rows, length)
+                peak = forward_peak_bytes(job, model, device, rows, length)
+            return shortened_check_bytes(peak, rows, length, hidden_size, element_bytes)
         return forward_peak_bytes(job, model, device, rows, length)
 
     measure(1, min(8, max_length))  # the first call pays one-off allocations (thread pools, kernels)
@@ -139,8 +154,8 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
                            max_batch_rows, max_batch_tokens, measure, 1 if device.type == "cuda" else PROBE_ROUNDS,
                            measurements)
     if shortened:
-        log.info(f"memory probe: {len(shortened)} large check(s) ran through the first {KEPT_BLOCKS} of "
-                 f"{len(stack[2])} blocks (the peak is the same, see check_through_first_blocks)")
+        log.info(f"memory probe: {len(shortened)} large check(s) ran through {KEPT_BLOCKS} of "
+                 f"{len(stack[2])} blocks, counted one hidden state higher (see check_through_first_blocks)")
     return MemoryPlan(available_bytes, safety, coefficients, buckets, str(device),
                       dtype_name(next(model.parameters()).dtype),
                       round(time.perf_counter() - started, 2))
