@@ -4,7 +4,8 @@ Runs `lengthwise plan --no-plan-cache` (the probe, nothing cached) at several bu
 token budget off (`--max-batch-tokens` 2^30: batches sized by memory alone, the most expensive
 case), and records the wall time, the probe's own seconds and each bucket's measured peak.
 Then, in a fresh process, every bucket's planned batch (its length × its rows) runs once and
-its real peak is measured, so buckets the probe covered or interpolated are checked too.
+its real peak is measured above the process's resident set before its first forward, as the
+probe counts, so buckets the probe covered or interpolated are checked too.
 
     .venv/bin/python benchmarks/probe_speed.py --json benchmarks/results/probe_speed_cpu.json
 """
@@ -62,17 +63,18 @@ def main() -> None:
 
 
 def check_plan(plan: dict, dtype: str) -> None:
-    """Print the real peak of every bucket's planned batch, run once each in this fresh process."""
+    """Print the real peak of every bucket's planned batch, run once each in this fresh process,
+    each counted from before the first forward (one-off buffers included)."""
     import torch
 
     from pipeline.core.settings import RunConfig
-    from pipeline.core.probe import forward_peak_bytes
+    from pipeline.core.device import resident_bytes
     from pipeline.core.model import load_model
+    from pipeline.core.probe import forward_peak_bytes
 
     loaded = load_model(RunConfig(input=(), output="", device="cpu", dtype=dtype))
-    device = torch.device("cpu")
-    forward_peak_bytes(loaded.job, loaded.model, device, 1, 8)  # one-off allocations, as the probe does
-    print(json.dumps([forward_peak_bytes(loaded.job, loaded.model, device, b["probed_rows"], b["length"])
+    device, since = torch.device("cpu"), resident_bytes()
+    print(json.dumps([forward_peak_bytes(loaded.job, loaded.model, device, b["probed_rows"], b["length"], since)
                       for b in plan["buckets"]]))
 
 

@@ -95,6 +95,20 @@ def test_freed_activation_memory_is_reused_without_page_faults():
     assert faults < 5 * pages_per_block, f"{faults} page faults for 20 reused {block >> 20} MiB blocks"
 
 
+def test_a_cpu_peak_since_an_earlier_point_counts_what_earlier_calls_kept():
+    """The probe counts every peak from before its first forward: buffers a forward keeps
+    (thread pools, kernel caches) are a fresh process's first batches' too."""
+    from pipeline.core.device import measure_peak_bytes, resident_bytes
+
+    cpu, kept = torch.device("cpu"), []
+    since = resident_bytes()
+    measure_peak_bytes(lambda: kept.append(np.ones(64 * 2**20, dtype=np.uint8)), cpu)  # a one-off buffer
+    counted_from_before = measure_peak_bytes(lambda: None, cpu, since)
+    counted_from_the_call = measure_peak_bytes(lambda: None, cpu)
+    assert counted_from_before >= 64 * 2**20 > 8 * 2**20 > counted_from_the_call
+    assert kept[0].sum() == 64 * 2**20
+
+
 def test_the_allocator_setting_is_left_alone_on_other_devices():
     assert keep_freed_host_memory(torch.device("cuda")) is False
 

@@ -142,16 +142,17 @@ def _read_proc_status_kib(field_name: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field_name}")
 
 
-def measure_peak_bytes(run, device: torch.device) -> float:
+def measure_peak_bytes(run, device: torch.device, since_bytes: int | None = None) -> float:
     """Peak memory that `run()` adds on `device`, measured so that each call starts afresh.
 
     CUDA: the caching allocator's peak above where it stood before (reset per call): the peak
     reserved above reserved-before (what the device must really hold: fragmentation
     included), or allocated above allocated-before if larger; plus what grew outside the
     allocator (cuBLAS/cuDNN workspaces).
-    CPU (Linux): the process's peak resident set (VmHWM) above its resident set before the
-    call; freed heap memory is first returned to the OS (malloc_trim) and the peak is reset
-    through /proc/self/clear_refs, so earlier calls do not hide or inflate this one.
+    CPU (Linux): the process's peak resident set (VmHWM) above `since_bytes` (a
+    `resident_bytes()` read before the first forward) or, without it, above its resident set
+    before the call; freed heap memory is first returned to the OS (malloc_trim) and the peak
+    is reset through /proc/self/clear_refs, so earlier calls do not hide or inflate this one.
     """
     gc.collect()
     if device.type == "cuda":
@@ -168,13 +169,18 @@ def measure_peak_bytes(run, device: torch.device) -> float:
         within_allocator = max(torch.cuda.max_memory_allocated(device) - allocated_before,
                                torch.cuda.max_memory_reserved(device) - reserved_before)
         return float(within_allocator + max(0, outside_allocator))
-    _release_free_heap()
+    before = resident_bytes()
     if not reset_peak_rss():
         raise RuntimeError("measuring CPU peak memory needs Linux's /proc/self/clear_refs; "
                            "give --memory-budget and --no-probe, or run on Linux")
-    before = _read_proc_status_kib("VmRSS")
     run()
-    return float(_read_proc_status_kib("VmHWM") - before)
+    return float(_read_proc_status_kib("VmHWM") - (before if since_bytes is None else since_bytes))
+
+
+def resident_bytes() -> int:
+    """The process's resident set after freed heap memory went back to the OS (malloc_trim)."""
+    _release_free_heap()
+    return _read_proc_status_kib("VmRSS")
 
 
 def reset_peak_rss() -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
 from pipeline.core.compile import is_compiled
 from pipeline.core.errors import UsageError
+from pipeline.core.units import format_bytes
 from pipeline.core.memory import (
     FIT_LENGTH_FRACTIONS,
     FIT_ROWS,
@@ -27,10 +28,10 @@ from pipeline.core.memory import (
 log = logging.getLogger(__name__)
 
 
-def forward_peak_bytes(job, model, device, rows: int, length: int) -> float:
-    """Peak bytes of one forward pass of `rows` × `length`; infinite if it ran out of memory.
-    Every row has a padded position, as real batches do, so attention takes the same (masked)
-    kernel."""
+def forward_peak_bytes(job, model, device, rows: int, length: int, since_bytes: int | None = None) -> float:
+    """Peak bytes of one forward pass of `rows` × `length` (on the CPU above `since_bytes`, see
+    `measure_peak_bytes`); infinite if it ran out of memory. Every row has a padded position, as
+    real batches do, so attention takes the same (masked) kernel."""
     import torch
 
     from pipeline.core.device import is_out_of_memory, measure_peak_bytes, release_cached_memory
@@ -46,7 +47,7 @@ def forward_peak_bytes(job, model, device, rows: int, length: int) -> float:
             job.forward(model, input_ids, attention_mask)
 
     try:
-        return measure_peak_bytes(forward, device)
+        return measure_peak_bytes(forward, device, since_bytes)
     except Exception as error:
         if not is_out_of_memory(error):
             raise
@@ -124,7 +125,7 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
     (`plan_buckets`), large CPU checks through the first blocks only (`check_through_first_blocks`)."""
     import time
 
-    from pipeline.core.device import HOST_MMAP_THRESHOLD_BYTES, dtype_name
+    from pipeline.core.device import HOST_MMAP_THRESHOLD_BYTES, dtype_name, resident_bytes
 
     started = time.perf_counter()
     compiled = is_compiled(model)
@@ -132,23 +133,31 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
     hidden_size = getattr(model.config, "hidden_size", 0)
     element_bytes = next(model.parameters()).element_size()
     shortened = []
+    # CPU: forwards keep buffers (kernel and thread caches; for MiniLM they grow to 56 MiB over the fitting
+    # grid, then stay) that a fresh process pays in its first batches; full-size checks count from before the
+    # first forward, the fitting grid per call (their growth would steepen the fit) plus what was kept by its end
+    since = resident_bytes() if device.type == "cpu" else None
 
-    def measure(rows: int, length: int) -> float:
+    def measure(rows: int, length: int, since_bytes: int | None = since) -> float:
         if stack and check_through_first_blocks(device.type, compiled, len(stack[2]), rows, length, hidden_size,
                                                 element_bytes, HOST_MMAP_THRESHOLD_BYTES):
             shortened.append((rows, length))
             with first_blocks(stack):
-                peak = forward_peak_bytes(job, model, device, rows, length)
+                peak = forward_peak_bytes(job, model, device, rows, length, since_bytes)
             return shortened_check_bytes(peak, rows, length, hidden_size, element_bytes)
-        return forward_peak_bytes(job, model, device, rows, length)
+        return forward_peak_bytes(job, model, device, rows, length, since_bytes)
 
-    measure(1, min(8, max_length))  # the first call pays one-off allocations (thread pools, kernels)
+    measure(1, min(8, max_length), None)  # the first call's one-off costs (CUDA workspaces) stay out of the fit
     fit_lengths = sorted({max(1, int(max_length * f)) for f in FIT_LENGTH_FRACTIONS})
-    measurements = [PeakMeasurement(rows, length, measure(rows, length))
+    measurements = [PeakMeasurement(rows, length, measure(rows, length, None))
                     for rows in FIT_ROWS for length in fit_lengths]
     if any(math.isinf(m.peak_bytes) for m in measurements):
         raise ValueError(f"even the fitting batches ({max(FIT_ROWS)} rows × {max_length} tokens) run out of "
                          f"memory on {device}; lower --max-length")
+    kept = max(0, resident_bytes() - since) if since is not None else 0
+    measurements = [PeakMeasurement(m.rows, m.length, m.peak_bytes + kept) for m in measurements]
+    if kept:
+        log.info(f"memory probe: forwards keep {format_bytes(kept)} of caches, counted in every batch's peak")
     coefficients = fit_memory_model(measurements)
     buckets = plan_buckets(coefficients, available_bytes, safety, memory_bucket_lengths(max_length),
                            max_batch_rows, max_batch_tokens, measure, 1 if device.type == "cuda" else PROBE_ROUNDS,
