@@ -105,7 +105,8 @@ def test_a_cpu_peak_since_an_earlier_point_counts_what_earlier_calls_kept():
     measure_peak_bytes(lambda: kept.append(np.ones(64 * 2**20, dtype=np.uint8)), cpu)  # a one-off buffer
     counted_from_before = measure_peak_bytes(lambda: None, cpu, since)
     counted_from_the_call = measure_peak_bytes(lambda: None, cpu)
-    assert counted_from_before >= 64 * 2**20 > 8 * 2**20 > counted_from_the_call
+    # not quite 64 MiB: what the process held before may have shrunk since (garbage collected, trimmed)
+    assert counted_from_before > 56 * 2**20 > 8 * 2**20 > counted_from_the_call
     assert kept[0].sum() == 64 * 2**20
 
 
