@@ -11,7 +11,9 @@ import torch
 
 import jobs.registry
 import pipeline.core.model
-from jobs.embed import EmbedJob
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from jobs.classify import ClassifyJob
 from pipeline.core.compile import CompileVerdict, job_pays_back, pick_compile, worth_a_trial
 from pipeline.core.settings import RunConfig
 from pipeline.engines.local import run_job
@@ -73,8 +75,10 @@ def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resum
     assert verdict["agrees"] and verdict["speedup"] > 0 and verdict["compile_s"] > 0
     assert first["compile"].startswith("compiled" if verdict["speedup"] >= 1.1 else "eager")
 
-    # the cached verdict is used as it is: here one that says compile (inductor's caches warm: free)
-    cached[0].write_text(json.dumps({**verdict, "speedup": 1.5, "last_compile_s": 0.0}))
+    # the cached verdict is used as it is: here one that says compile, with the package the trial left loading free
+    packages = list((tmp_path / "cache" / "compiled").glob("*.pt2"))
+    assert len(packages) == 1
+    cached[0].write_text(json.dumps({**verdict, "speedup": 1.5, "last_load_s": 0.0}))
 
     def no_second_trial(*args):
         raise AssertionError("the cached verdict should have been used")
@@ -85,7 +89,7 @@ def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resum
     assert eager_summary["compile"] == "eager: --compile off"
     assert second["compile"].startswith("compiled: 1.50x faster") and second["compile_s"] > 0
     assert second["batches"] >= 4  # several bucket shapes ran …
-    assert second["compiled_graphs"] == 1  # … on one graph: no recompile per shape, for one row or unpadded batches
+    assert second["compiled_graphs"] == 1  # … on one exported graph, for one row or unpadded batches too
     assert compiled["id"].to_pylist() == eager["id"].to_pylist()
     a, b = torch.tensor(eager["embedding"].to_pylist()), torch.tensor(compiled["embedding"].to_pylist())
     assert float(torch.nn.functional.cosine_similarity(a, b).min()) >= 0.9999
@@ -102,32 +106,38 @@ def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resum
 
 
 class DriftsWhenCompiled(torch.nn.Module):
-    """An embedder whose compiled graph adds an offset: a compiled forward that disagrees with eager."""
+    """A classifier whose compiled graph shifts its logits: a compiled forward that disagrees with eager."""
 
     def __init__(self, inner):
         super().__init__()
-        self.inner, self.config, self.embedding_width = inner, inner.config, inner.embedding_width
+        self.inner, self.config = inner, inner.config
 
-    def forward(self, input_ids, attention_mask, padded=True):
-        outputs = self.inner(input_ids, attention_mask, padded)
-        return outputs + 0.05 * torch.arange(outputs.shape[1]) if torch.compiler.is_compiling() else outputs
+    def forward(self, input_ids, attention_mask):
+        logits = self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
+        if torch.compiler.is_compiling():
+            logits = logits + torch.arange(logits.shape[1])
+        return SequenceClassifierOutput(logits=logits)
 
 
-class DriftingEmbedJob(EmbedJob):
-    name = "embed-drifts"
+class DriftingClassifyJob(ClassifyJob):
+    name = "classify-drifts"
 
     def load(self, model_path, device, dtype, prompt_tokens=0, **loading):
         return DriftsWhenCompiled(super().load(model_path, device, dtype, prompt_tokens, **loading))
 
 
 @pytest.mark.slow
-def test_a_compiled_forward_that_disagrees_falls_back_to_eager(tmp_path, shards, tiny_encoder_path, monkeypatch):
-    monkeypatch.setitem(jobs.registry.JOBS, "embed-drifts", DriftingEmbedJob())
+def test_a_compiled_forward_that_disagrees_falls_back_to_eager(tmp_path, shards, tiny_classifier_path, monkeypatch):
+    """Also the classify job's way through the compile: its call exported, compiled and run (the trial
+    compares its outputs; a compile that failed would say so instead)."""
+    monkeypatch.setitem(jobs.registry.JOBS, "classify-drifts", DriftingClassifyJob())
     monkeypatch.setattr(pipeline.core.model, "COLD_COMPILE_S", 0.0)
-    eager, _ = run(tmp_path, shards, tiny_encoder_path, "eager", job="embed", compile="off")
-    ours, summary = run(tmp_path, shards, tiny_encoder_path, "auto", job="embed-drifts")
-    assert summary["compile"].startswith("eager: the compiled forward disagrees with eager (min cosine")
-    assert ours["embedding"].to_pylist() == eager["embedding"].to_pylist()
+    eager, _ = run(tmp_path, shards, tiny_classifier_path, "eager", job="classify", compile="off")
+    ours, summary = run(tmp_path, shards, tiny_classifier_path, "auto", job="classify-drifts")
+    assert summary["compile"].startswith("eager: the compiled forward disagrees with eager (same top label on")
+    assert "max |Δscore| 0.0000" not in summary["compile"]
+    assert ours["scores"].to_pylist() == eager["scores"].to_pylist()
+    assert ours["label"].to_pylist() == eager["label"].to_pylist()
 
 
 def test_inductor_caches_go_under_the_plan_cache_unless_the_user_chose_a_directory(tmp_path, monkeypatch):

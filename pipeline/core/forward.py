@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pipeline.core.buckets import bucket_bounds, plan_batches
-from pipeline.core.compile import is_compiled
+from pipeline.core.compiled_forward import is_compiled
 from pipeline.core.device import is_out_of_memory, padding_multiple, release_cached_memory
 from pipeline.core.memory import MemoryPlan
 from pipeline.core.tokenize import EncodedRows

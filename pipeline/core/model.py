@@ -33,19 +33,8 @@ from pipeline.core.device import (
     resolve_device,
     resolve_dtype,
 )
-from pipeline.core.compile import (
-    CompileChoice,
-    CompileVerdict,
-    compile_model,
-    compile_trial,
-    compiled_graphs,
-    eager_tokens_per_s,
-    first_call_s,
-    pick_compile,
-    trial_batches,
-    use_inductor_cache,
-    worth_a_trial,
-)
+from pipeline.core.compile import CompileChoice, CompileVerdict, pick_compile, use_inductor_cache, worth_a_trial
+from pipeline.core.compiled_forward import compile_model, compile_trial, eager_tokens_per_s
 from pipeline.core.errors import UsageError
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 
@@ -239,34 +228,49 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     path = cache / f"compile-{name}.json"
     record = read_keyed(path, key) if setting != "off" else None
     verdict = CompileVerdict(**{f: record[f] for f in CompileVerdict.__dataclass_fields__}) if record else None
-    if setting != "off":
-        use_inductor_cache(cache)
+    if setting == "off":
+        return model, CompileChoice(False, "eager: --compile off")
+    use_inductor_cache(cache)
+    package = compiled_package_path(cache, settings, choice)
     if setting == "auto" and verdict is None and job_tokens is not None:
         too_few = f"eager: {job_tokens:,.0f} tokens are too few to try a compile"
         if not worth_a_trial(job_tokens, FASTEST_EAGER_TOKENS_PER_S, COLD_COMPILE_S):
             return model, CompileChoice(False, too_few)  # not even worth timing the eager forward
-        graphs_before = compiled_graphs()
         try:
             if not worth_a_trial(job_tokens, eager_tokens_per_s(job, model, choice.device), COLD_COMPILE_S):
                 return model, CompileChoice(False, too_few)
-            verdict, compiled = compile_trial(job, model, choice.device)
+            verdict, compiled = compile_trial(job, model, choice.device, package)
         except Exception as error:  # noqa: BLE001 - out of memory, an op inductor lacks: eager is always safe
             return model, CompileChoice(False, f"eager: the compile trial failed ({type(error).__name__}: {error})")
         write_keyed(path, key, {**dataclasses.asdict(verdict), "last_compile_s": verdict.compile_s})
         use, reason = pick_compile(setting, verdict, job_tokens, expected_compile_s=0.0)  # already compiled
         if not use:
             return model, CompileChoice(False, reason)
-        return compiled, CompileChoice(True, reason, verdict.compile_s, graphs_before)
-    expected = record.get("last_compile_s", verdict.compile_s) if record else COLD_COMPILE_S
+        return compiled, CompileChoice(True, reason, verdict.compile_s)
+    loads = package.exists()  # a package compiled before: loading it costs under a second, not a compile
+    if loads:
+        expected = record.get("last_load_s", PACKAGE_LOAD_S) if record else PACKAGE_LOAD_S
+    else:
+        expected = record.get("last_compile_s", verdict.compile_s) if record else COLD_COMPILE_S
     use, reason = pick_compile(setting, verdict, job_tokens, expected)
     if not use:
         return model, CompileChoice(False, reason)
-    graphs_before = compiled_graphs()
-    compiled = compile_model(model)
-    compile_s = first_call_s(job, compiled, trial_batches(model, choice.device, shapes=((2, 16),)))
+    compiled, compile_s = compile_model(job, model, choice.device, package)
     if record:
-        write_keyed(path, key, {**record, "last_compile_s": compile_s})
-    return compiled, CompileChoice(True, reason, compile_s, graphs_before)
+        write_keyed(path, key, {**record, "last_load_s" if loads else "last_compile_s": compile_s})
+    return compiled, CompileChoice(True, reason, compile_s)
+
+
+PACKAGE_LOAD_S = 1.0  # loading a compiled package (MiniLM: 0.1-0.6 s)
+
+
+def compiled_package_path(cache: Path, settings, choice: ModelChoice) -> Path:
+    """Where the compiled package of this model, job, device and dtype lives: keyed by the
+    weights' content (they are folded into it) and what the job builds around them."""
+    key, name = plan_cache_key(kind="package", model=model_content_hash(choice.path), job=settings.job,
+                               device=device_name(choice.device), dtype=dtype_name(choice.dtype),
+                               attention=choice.attention, prompt=choice.prompt, **choice.job_options)
+    return cache / "compiled" / f"{name}.pt2"
 
 
 def check_max_length(model_config, max_length: int) -> None:

@@ -10,7 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
-from pipeline.core.compile import is_compiled
 from pipeline.core.errors import UsageError
 from pipeline.core.units import format_bytes
 from pipeline.core.memory import (
@@ -125,6 +124,7 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
     (`plan_buckets`), large CPU checks through the first blocks only (`check_through_first_blocks`)."""
     import time
 
+    from pipeline.core.compiled_forward import is_compiled
     from pipeline.core.device import HOST_MMAP_THRESHOLD_BYTES, dtype_name, resident_bytes
 
     started = time.perf_counter()

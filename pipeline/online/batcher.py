@@ -283,7 +283,7 @@ class DynamicBatcher:
 
         import torch
 
-        from pipeline.core.compile import is_compiled
+        from pipeline.core.compiled_forward import is_compiled
         from pipeline.core.forward import HostCopy, collate, forward_splitting_on_oom, has_padding
 
         started = time.perf_counter()
