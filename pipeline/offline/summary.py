@@ -48,8 +48,8 @@ class RunSummary:
     dtype: str = ""
     dtype_reason: str = ""  # why this dtype (e.g. bfloat16: avx512_bf16, 1.7x faster, min cosine 0.9999 …)
     compile: str = ""  # eager or compiled, and why (--compile; e.g. compiled: 1.4x faster, min cosine 1.00000)
-    compile_s: float = 0.0  # seconds this process spent compiling (in setup)
-    compiled_graphs: int = 0  # graphs the compiled forward ran on (more than one: it recompiled for new shapes)
+    compile_s: float = 0.0  # seconds this process spent compiling, or loading the compiled package (in setup)
+    compiled_graphs: int = 0  # graphs the compiled forward runs on: 1, one exported graph for every shape
     model: str = ""
     output: str = ""
     workers: list = field(default_factory=list)  # engine ray: per actor pid, host, shards, rows, rows/s
