@@ -15,6 +15,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from jobs.classify import ClassifyJob
 from pipeline.core.compile import CompileVerdict, job_pays_back, pick_compile, worth_a_trial
+from pipeline.core.model import choose_model, compiled_package_path
 from pipeline.core.settings import RunConfig
 from pipeline.engines.local import run_job
 from tests.conftest import read_outputs, write_shards
@@ -68,6 +69,11 @@ def run(tmp_path, shards, model, output="out", **settings):
 def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resume_keeps_the_recorded_choice(
         tmp_path, shards, tiny_encoder_path, monkeypatch):
     monkeypatch.setattr(pipeline.core.model, "COLD_COMPILE_S", 0.0)  # this small job counts as large enough
+    # a damaged package where the compile will go (cut short by a full disk, say): compiled anew, not a failure
+    settings = RunConfig(input=(str(shards),), output="", model=tiny_encoder_path, dtype="float32", max_length=128)
+    damaged = compiled_package_path(tmp_path / "cache", settings, choose_model(settings))
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"PK\x03\x04 not a whole package")
     _, first = run(tmp_path, shards, tiny_encoder_path, "first")
     cached = list((tmp_path / "cache").glob("compile-*.json"))
     assert len(cached) == 1
@@ -77,7 +83,7 @@ def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resum
 
     # the cached verdict is used as it is: here one that says compile, with the package the trial left loading free
     packages = list((tmp_path / "cache" / "compiled").glob("*.pt2"))
-    assert len(packages) == 1
+    assert packages == [damaged] and damaged.stat().st_size > 100_000  # the trial's package replaced the damaged one
     cached[0].write_text(json.dumps({**verdict, "speedup": 1.5, "last_load_s": 0.0}))
 
     def no_second_trial(*args):

@@ -4,6 +4,7 @@ it against eager, and the wrapper the rest of the pipeline runs."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 
 from pipeline.core.compile import CompileVerdict
+
+log = logging.getLogger(__name__)
 
 TRIAL_SHAPES = ((64, 32), (16, 128))  # rows × length of the trial batches: short rows, where the gain is
 TRIAL_REPEATS = 3  # timed forwards per shape, best taken
@@ -88,7 +91,7 @@ def export_call(job, model, device) -> tuple[tuple, dict, dict]:
 
 def compile_model(job, model, device, package: Path) -> tuple[CompiledModel, float]:
     """(`model` compiled ahead of time, seconds it took): the package at `package` is loaded if
-    it is there (a second night: under a second), else the job's call to the model is exported
+    it is there and loads (a second night: under a second), else the job's call to the model is exported
     with dynamic rows and length (one graph for every bucket's shape: no recompile) and
     compiled by AOTInductor with frozen weights (folded and prepacked as constants), then
     written there for the next process. Frozen weights are why the package is keyed by the
@@ -97,15 +100,22 @@ def compile_model(job, model, device, package: Path) -> tuple[CompiledModel, flo
     import torch._inductor
 
     started = time.perf_counter()
-    if not package.exists():
-        args, kwargs, dynamic_shapes = export_call(job, model, device)
-        with torch.no_grad():
-            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
-        package.parent.mkdir(parents=True, exist_ok=True)
-        temporary = package.with_name(f"{package.name}.{os.getpid()}.tmp.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(temporary),
-                                                 inductor_configs={"freezing": True})
-        os.replace(temporary, package)  # whole or not at all, for another process compiling the same
+    if package.exists():
+        try:
+            return CompiledModel(model, torch._inductor.aoti_load_package(str(package)), package), \
+                time.perf_counter() - started
+        except Exception as error:  # noqa: BLE001 - cut short or damaged outside lengthwise: compile it anew
+            log.warning(f"the compiled package {package} does not load ({type(error).__name__}: {error}); "
+                        "compiling it again")
+            package.unlink(missing_ok=True)
+    args, kwargs, dynamic_shapes = export_call(job, model, device)
+    with torch.no_grad():
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
+    package.parent.mkdir(parents=True, exist_ok=True)
+    temporary = package.with_name(f"{package.name}.{os.getpid()}.tmp.pt2")
+    torch._inductor.aoti_compile_and_package(program, package_path=str(temporary),
+                                             inductor_configs={"freezing": True})
+    os.replace(temporary, package)  # whole or not at all, for another process compiling the same
     runner = torch._inductor.aoti_load_package(str(package))
     return CompiledModel(model, runner, package), time.perf_counter() - started
 
