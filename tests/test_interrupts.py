@@ -77,7 +77,7 @@ def test_sigterm_stops_cleanly_with_143_and_a_rerun_finishes(tmp_path, clean_run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])  # killed at 3.8 s (loading, first shards) and 8.7 s (mid-shards)
 def test_sigkill_at_a_random_moment_then_rerun_equals_a_clean_run(tmp_path, clean_run, tiny_encoder_path, seed):
     inputs, expected = clean_run
     delay_s = random.Random(seed).uniform(3.0, 9.0)  # from model loading to the middle of the shards

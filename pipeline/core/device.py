@@ -169,18 +169,25 @@ def measure_peak_bytes(run, device: torch.device, since_bytes: int | None = None
         within_allocator = max(torch.cuda.max_memory_allocated(device) - allocated_before,
                                torch.cuda.max_memory_reserved(device) - reserved_before)
         return float(within_allocator + max(0, outside_allocator))
-    before = resident_bytes()
+    _release_free_heap()
     if not reset_peak_rss():
-        raise RuntimeError("measuring CPU peak memory needs Linux's /proc/self/clear_refs; "
-                           "give --memory-budget and --no-probe, or run on Linux")
+        raise RuntimeError(NEEDS_PROC)
+    before = _read_proc_status_kib("VmRSS")
     run()
     return float(_read_proc_status_kib("VmHWM") - (before if since_bytes is None else since_bytes))
+
+
+NEEDS_PROC = ("measuring CPU peak memory needs Linux's /proc/self/clear_refs; give --memory-budget and --no-probe, "
+              "or run on Linux")
 
 
 def resident_bytes() -> int:
     """The process's resident set after freed heap memory went back to the OS (malloc_trim)."""
     _release_free_heap()
-    return _read_proc_status_kib("VmRSS")
+    try:
+        return _read_proc_status_kib("VmRSS")
+    except OSError as error:
+        raise RuntimeError(NEEDS_PROC) from error
 
 
 def reset_peak_rss() -> bool:
