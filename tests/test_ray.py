@@ -126,12 +126,15 @@ def test_two_ray_actors_give_the_outputs_of_a_local_run(tmp_path, ray_cluster, r
     assert (summary["rows"], summary["error_rows"], summary["shards"]) == (200, 4, 6)
     # two actors start; one that loads its model first may run every small shard before the other is ready
     assert 1 <= len(summary["workers"]) <= 2 and sum(w["shards"] for w in summary["workers"]) == 6
-    assert sum(w["rows"] for w in summary["workers"]) == 200 and all(w["rows_per_s"] > 0 for w in summary["workers"])
+    # an actor that came up after the other had taken every shard is listed with none (and no speed)
+    working = [w for w in summary["workers"] if w["shards"]]
+    assert all(w["rows"] == 0 for w in summary["workers"] if not w["shards"])
+    assert sum(w["rows"] for w in working) == 200 and all(w["rows_per_s"] > 0 for w in working)
     assert len({w["pid"] for w in summary["workers"]}) == len(summary["workers"]) and os.getpid() not in {w["pid"] for w in
                                                                                      summary["workers"]}
     # the console reports the actors' model loading as the setup and their own device time, not the driver's
     assert summary["stage_s"]["setup"] == round(sum(w["setup_s"] for w in summary["workers"]), 3) > 0
-    assert all(0 < w["device_busy_fraction"] <= 1 for w in summary["workers"])
+    assert all(0 < w["device_busy_fraction"] <= 1 for w in working)
     assert "model loaded in" in result.output and "device busy" in result.output
     assert summary["dtype_reason"] == "float32: --dtype"
     assert logging.getLogger(RAY_AUTH_LOGGER).level == logging.ERROR  # Ray's token-auth notice is silenced
