@@ -154,8 +154,8 @@ def measure_peak_bytes(run, device: torch.device, since_bytes: int | None = None
     before the call; freed heap memory is first returned to the OS (malloc_trim) and the peak
     is reset through /proc/self/clear_refs, so earlier calls do not hide or inflate this one.
     """
-    gc.collect()
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -169,10 +169,9 @@ def measure_peak_bytes(run, device: torch.device, since_bytes: int | None = None
         within_allocator = max(torch.cuda.max_memory_allocated(device) - allocated_before,
                                torch.cuda.max_memory_reserved(device) - reserved_before)
         return float(within_allocator + max(0, outside_allocator))
-    _release_free_heap()
+    before = resident_bytes()
     if not reset_peak_rss():
         raise RuntimeError(NEEDS_PROC)
-    before = _read_proc_status_kib("VmRSS")
     run()
     return float(_read_proc_status_kib("VmHWM") - (before if since_bytes is None else since_bytes))
 
@@ -182,7 +181,9 @@ NEEDS_PROC = ("measuring CPU peak memory needs Linux's /proc/self/clear_refs; gi
 
 
 def resident_bytes() -> int:
-    """The process's resident set after freed heap memory went back to the OS (malloc_trim)."""
+    """The process's resident set after garbage is collected and freed heap memory went back to
+    the OS (malloc_trim): a baseline that later collections do not lower."""
+    gc.collect()
     _release_free_heap()
     try:
         return _read_proc_status_kib("VmRSS")
