@@ -14,6 +14,7 @@ import pyarrow as pa
 import torch
 import transformers
 
+from pipeline.core.compiled_forward import is_compiled
 from pipeline.core.errors import UsageError
 
 
@@ -106,8 +107,9 @@ def model_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor,
     Under SDPA, transformers checks `mask.all()` on every forward to see whether it may drop a
     2-D mask: a host-device sync per batch, which stalls the host until the GPU has finished all
     queued work. A prepared 4-D mask is used as it is, without that check, where
-    `takes_prepared_mask` found it gives the same outputs."""
-    if not padded:
+    `takes_prepared_mask` found it gives the same outputs. A compiled model always gets its mask:
+    its package was exported with one."""
+    if not padded and not is_compiled(model):
         return None
     return prepared_mask(attention_mask) if getattr(model, "takes_prepared_mask", False) else attention_mask
 

@@ -59,8 +59,9 @@ class CompiledModel(_Delegating):
 
 
 def is_compiled(model) -> bool:
-    """Whether `model`'s forward runs compiled. Its batches always get their attention mask: the
-    package was exported with one, and the no-padding fast path (mask None) would not match it."""
+    """Whether `model`'s forward runs compiled. Its batches always get their attention mask
+    (`jobs.base.model_attention_mask`): the package was exported with one, and the no-padding
+    fast path (mask None) would not match it."""
     return isinstance(model, CompiledModel)
 
 
@@ -100,24 +101,32 @@ def compile_model(job, model, device, package: Path) -> tuple[CompiledModel, flo
     import torch._inductor
 
     started = time.perf_counter()
-    if package.exists():
-        try:
-            return CompiledModel(model, torch._inductor.aoti_load_package(str(package)), package), \
-                time.perf_counter() - started
-        except Exception as error:  # noqa: BLE001 - cut short or damaged outside lengthwise: compile it anew
-            log.warning(f"the compiled package {package} does not load ({type(error).__name__}: {error}); "
-                        "compiling it again")
-            package.unlink(missing_ok=True)
-    args, kwargs, dynamic_shapes = export_call(job, model, device)
-    with torch.no_grad():
-        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
-    package.parent.mkdir(parents=True, exist_ok=True)
-    temporary = package.with_name(f"{package.name}.{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(program, package_path=str(temporary),
-                                             inductor_configs={"freezing": True})
-    os.replace(temporary, package)  # whole or not at all, for another process compiling the same
-    runner = torch._inductor.aoti_load_package(str(package))
+    runner = load_package(package) if package.exists() else None
+    if runner is None:
+        args, kwargs, dynamic_shapes = export_call(job, model, device)
+        with torch.no_grad():
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
+        package.parent.mkdir(parents=True, exist_ok=True)
+        temporary = package.with_name(f"{package.name}.{os.getpid()}.tmp.pt2")
+        torch._inductor.aoti_compile_and_package(program, package_path=str(temporary),
+                                                 inductor_configs={"freezing": True})
+        os.replace(temporary, package)  # whole or not at all, for another process compiling the same
+        runner = torch._inductor.aoti_load_package(str(package))
     return CompiledModel(model, runner, package), time.perf_counter() - started
+
+
+def load_package(package: Path):
+    """The runner of a compiled package; None (and the file removed) if it does not load: cut
+    short or damaged outside lengthwise, it is compiled anew."""
+    import torch._inductor
+
+    try:
+        return torch._inductor.aoti_load_package(str(package))
+    except Exception as error:  # noqa: BLE001 - whatever is wrong with the file, compiling again mends it
+        log.warning(f"the compiled package {package} does not load ({type(error).__name__}: {error}); "
+                    "compiling it again")
+        package.unlink(missing_ok=True)
+        return None
 
 
 def trial_batches(model, device, shapes=TRIAL_SHAPES):

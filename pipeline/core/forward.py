@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from pipeline.core.buckets import bucket_bounds, plan_batches
-from pipeline.core.compiled_forward import is_compiled
 from pipeline.core.device import is_out_of_memory, padding_multiple, release_cached_memory
 from pipeline.core.memory import MemoryPlan
 from pipeline.core.tokenize import EncodedRows
@@ -276,7 +275,6 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
     device time from CUDA events. On the CPU the forward is synchronous and each batch is
     yielded at once."""
     keep_in_flight = device.type == "cuda"
-    compiled = is_compiled(model)
 
     def forward(input_ids, attention_mask, padded=True):
         # inputs still on the host (their copy ran out of memory) move here, under the back-off
@@ -302,7 +300,7 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
             started = time.perf_counter()
             started_event = device_timer_start(device)
             input_ids, attention_mask = feeder.receive(item.tensors, item.copied)
-            result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded or compiled), input_ids,
+            result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded), input_ids,
                                               attention_mask, device)
             if result.splits:
                 limits.lower(item.padded_length, max(1, result.largest_ok_rows))

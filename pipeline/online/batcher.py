@@ -283,7 +283,6 @@ class DynamicBatcher:
 
         import torch
 
-        from pipeline.core.compiled_forward import is_compiled
         from pipeline.core.forward import HostCopy, collate, forward_splitting_on_oom, has_padding
 
         started = time.perf_counter()
@@ -294,7 +293,7 @@ class DynamicBatcher:
         input_ids, attention_mask = collate(token_ids, offsets, np.arange(len(batch)), padded_length,
                                             self.loaded.tokenizer.pad_token_id)
         job, model, device = self.loaded.job, self.loaded.model, self.loaded.choice.device
-        padded = has_padding(lengths, padded_length) or is_compiled(model)
+        padded = has_padding(lengths, padded_length)
 
         def forward(ids, mask):  # inputs left on the host (no room for their copy) move here, under the back-off
             return job.forward(model, ids.to(device, non_blocking=True), mask.to(device, non_blocking=True), padded)
