@@ -267,3 +267,41 @@ def test_reuse_and_verify_on_s3(tmp_path, bucket, endpoint, tiny_encoder_path):
     verify = CliRunner().invoke(cli, ["verify", "--output", f"s3://{name}/out2/", "--storage-option",
                                       f"endpoint_url={endpoint}"])
     assert verify.exit_code == 1 and "part-00002: no output file" in verify.output
+
+
+@pytest.mark.slow
+def test_nested_credentials_never_reach_the_buckets_run_json(bucket, endpoint, tiny_encoder_path):
+    """client_kwargs carrying a key and secret (moto accepts any): the run works with them, run.json
+    keeps the endpoint only, and `status` reaches the store with the caller's own credentials."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    fs, name = bucket
+    nested = json.dumps({"endpoint_url": endpoint, "aws_access_key_id": "AKIDNESTED",
+                         "aws_secret_access_key": "nested-secret-value"})
+    args = run_args(endpoint, name, tiny_encoder_path)
+    args[args.index(f"endpoint_url={endpoint}")] = f"client_kwargs={nested}"
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    run_json = fs.cat(f"{name}/out/.lengthwise/run.json").decode()
+    assert "AKIDNESTED" not in run_json and "nested-secret-value" not in run_json
+    assert json.loads(run_json)["config"]["storage_options"] == {
+        "client_kwargs": {"endpoint_url": endpoint, "aws_access_key_id": "<redacted>",
+                          "aws_secret_access_key": "<redacted>"}}
+    status = CliRunner().invoke(cli, ["status", "--output", f"s3://{name}/out/", "--json",
+                                      "--storage-option", f"endpoint_url={endpoint}"])
+    assert status.exit_code == 0, status.output
+    assert json.loads(status.output)["done"] == 3
+
+
+@pytest.mark.slow
+def test_credentials_in_an_input_url_are_not_printed_when_listing_fails(endpoint, tiny_encoder_path):
+    result = subprocess.run([LENGTHWISE, "run", "--input", "s3://AKIDINURL:secret-in-url@no-such-bucket-x/in/",
+                             "--output", "s3://no-such-bucket-x/out/", "--model", tiny_encoder_path,
+                             "--storage-option", f"endpoint_url={endpoint}", "--no-progress"],
+                            env={**__import__("os").environ, **CREDENTIALS}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert "secret-in-url" not in result.stderr and "AKIDINURL" not in result.stderr, result.stderr
+    assert "no-such-bucket-x" in result.stderr

@@ -14,12 +14,14 @@ import logging
 import os
 import signal
 import sys
+import traceback
 
 import click
 
 from pipeline.cli.job_commands import plan, run, status, verify
 from pipeline.cli.options import COMMANDS, configure_logging
 from pipeline.cli.tuning_commands import loadtest, sweep
+from pipeline.core.redact import redact_text
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -50,7 +52,13 @@ def _raise_interrupted(signal_number, frame) -> None:
     raise Interrupted(signal_number)
 
 
+def _print_redacted_traceback(kind, value, trace) -> None:
+    """An unexpected error's traceback (exit 1), without the credentials a URL in it may carry."""
+    sys.stderr.write(redact_text("".join(traceback.format_exception(kind, value, trace))))
+
+
 def main() -> None:
+    sys.excepthook = _print_redacted_traceback
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach for a hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for signal_number in EXIT_INTERRUPTED:
@@ -63,5 +71,6 @@ def main() -> None:
     except click.exceptions.Abort:
         sys.exit(EXIT_INTERRUPTED[signal.SIGINT])
     except click.ClickException as error:
+        error.message = redact_text(error.message)
         error.show()
         sys.exit(error.exit_code)

@@ -13,6 +13,7 @@ import click
 from click.core import ParameterSource
 
 from pipeline.core.errors import UsageError
+from pipeline.core.redact import redact_text
 from pipeline.core.settings import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig, device_batch_limit
 
 if sys.version_info >= (3, 11):
@@ -134,10 +135,18 @@ class _CurrentStderr(logging.StreamHandler):
         pass
 
 
+class _RedactingFormatter(logging.Formatter):
+    """Bare messages, with credentials in URLs (userinfo, signed query parameters) taken out."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record))
+
+
 def configure_logging(level: int) -> None:
-    """The one logger setup: lengthwise's messages (pipeline.*, jobs.*) on stderr, bare."""
+    """The one logger setup: lengthwise's messages (pipeline.*, jobs.*) on stderr, bare, and
+    without the credentials a URL may carry."""
     handler = _CurrentStderr()
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(_RedactingFormatter("%(message)s"))
     for name in ("pipeline", "jobs"):
         logger = logging.getLogger(name)
         logger.handlers = [handler]
@@ -393,5 +402,5 @@ def loadtest_default(name: str):
 
 
 def fail(message: str, exit_code: int = EXIT_USAGE) -> None:
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {redact_text(message)}", err=True)
     sys.exit(exit_code)

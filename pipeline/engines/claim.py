@@ -14,6 +14,7 @@ from pipeline.core.device import DTYPES, dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.core.model import ModelChoice, choose_model, model_content_hash
 from pipeline.core.settings import RunConfig
+from pipeline.offline.locations import check_locations
 from pipeline.offline.manifest import RunManifest, fingerprint_differences, pending, recorded_config
 from pipeline.offline.reuse import check_reusable, recorded_dtype
 from pipeline.offline.sink import ShardSink
@@ -42,6 +43,7 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     engine prepared and record this worker's summary.
     Every usage error comes before the first write, so it leaves the output untouched."""
     started, clock = time.perf_counter(), SetupClock()
+    check_locations(config.input, config.output, config.storage_options, config.reuse)
     with clock.step("shards"):
         shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot,
                              config.keep_columns, config.split)

@@ -15,16 +15,14 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.core.errors import UsageError, as_storage_error
+from pipeline.core.redact import recordable_options, redact_url, usable_recorded_options
 from pipeline.core.retry import retry_transient
 from pipeline.core.settings import RunConfig
+from pipeline.offline.locations import LEGACY_MANIFEST_DIR, MANIFEST_DIR
 from pipeline.offline.source import Shard, WorkerSlot, list_shards, slot_of
 from pipeline.offline.summary import output_totals
 
 log = logging.getLogger(__name__)
-
-
-MANIFEST_DIR = ".lengthwise"  # hidden: readers of the output folder (datasets, pyarrow, Spark) skip it
-LEGACY_MANIFEST_DIR = "_lengthwise"  # where outputs made before the rename keep theirs
 
 
 def manifest_root(fs: fsspec.AbstractFileSystem, output_dir: str) -> str:
@@ -227,16 +225,16 @@ class RunManifest:
                 log.warning(f"could not remove the lock {path}: {type(error).__name__}: {error}")
 
 
-SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
-
-
 def recorded_config(config: RunConfig) -> dict:
     """The resolved config as saved beside the outputs (the same for every worker: its own
-    index is left out), with secret storage options blanked."""
+    index is left out), with no credential in it: storage options keep only harmless values,
+    URLs lose their userinfo and signatures (core/redact.py)."""
     data = config.to_dict()
     data.pop("shard_index", None)
-    data["storage_options"] = {k: "<redacted>" if any(w in k.lower() for w in SECRET_WORDS) else v
-                               for k, v in config.storage_options.items()}
+    data["storage_options"] = recordable_options(config.storage_options)
+    data["input"] = [redact_url(url) for url in config.input]
+    for key in ("output", "reuse"):
+        data[key] = data[key] and redact_url(data[key])
     return data
 
 
@@ -251,7 +249,7 @@ def run_status(output: str, storage_options: dict) -> dict:
     recorded = manifest.read_run()
     markers = manifest.shard_markers()
     config = recorded["config"]
-    recorded_options = {k: v for k, v in config.get("storage_options", {}).items() if v != "<redacted>"}
+    recorded_options = usable_recorded_options(config.get("storage_options", {}))
     shards = list_shards(config["input"], config["id_column"], config["text_column"],
                          {**recorded_options, **storage_options}, split=config.get("split"))
     by_stem = {shard.stem: shard for shard in shards}

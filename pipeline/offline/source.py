@@ -20,11 +20,9 @@ import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError
 from pipeline.core.retry import backoff_delay_s, is_transient, retry_transient
+from pipeline.offline.locations import GLOB_CHARACTERS, LEGACY_MANIFEST_DIR, MANIFEST_DIR, outside_outputs
 
 log = logging.getLogger(__name__)
-
-
-GLOB_CHARACTERS = "*?["
 
 
 @dataclass(frozen=True)
@@ -69,13 +67,15 @@ def _expand_once(pattern: str, storage_options: dict, split: str | None) -> dict
         root = path.rstrip("/")
         if any(ch in path for ch in GLOB_CHARACTERS):
             root = path[:min(path.index(ch) for ch in GLOB_CHARACTERS if ch in path)].rsplit("/", 1)[0]
-            paths = [p for p in fs.glob(path) if not fs.isdir(p)]
+            paths = outside_outputs(fs, [p for p in fs.glob(path) if not fs.isdir(p) and not any(
+                part in (MANIFEST_DIR, LEGACY_MANIFEST_DIR) for part in p.split("/"))], root)
         elif fs.isdir(path) and (fs.exists(f"{path}/state.json") or fs.exists(f"{path}/dataset_dict.json")):
             paths = _saved_dataset_files(fs, root, pattern, split)
             root = paths[0].rsplit("/", 1)[0] if paths else root
         elif fs.isdir(path):
-            paths = [p for p in fs.find(path) if p.endswith(".parquet")
-                     and not any(part.startswith(("_", ".")) for part in p[len(root):].split("/"))]
+            found = fs.find(path)
+            paths = outside_outputs(fs, [p for p in found if p.endswith(".parquet") and not any(
+                part.startswith(("_", ".")) for part in p[len(root):].split("/"))], root, listed=found)
         elif fs.exists(path):
             root = root.rsplit("/", 1)[0]
             paths = [path]

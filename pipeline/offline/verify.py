@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError
+from pipeline.core.redact import usable_recorded_options
 from pipeline.offline.manifest import MANIFEST_DIR, RunManifest, fingerprint_digest, manifest_root
 from pipeline.offline.sink import TEMPORARY_NAME, output_paths
 from pipeline.offline.source import _record_batches, list_shards, output_stem, relative_name
@@ -154,7 +155,7 @@ def verify_output(inputs: list[str] | None, output: str, storage_options: dict |
     if recorded is None:
         raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
     config = recorded["config"]
-    recorded_options = {k: v for k, v in config.get("storage_options", {}).items() if v != "<redacted>"}
+    recorded_options = usable_recorded_options(config.get("storage_options", {}))
     shards = list_shards(list(inputs or config["input"]), config["id_column"], config["text_column"],
                          {**recorded_options, **storage_options}, split=config.get("split"))
     markers = manifest.shard_markers()
