@@ -15,7 +15,13 @@ from pipeline.core.errors import UsageError
 from pipeline.core.model import ModelChoice, choose_model, model_content_hash
 from pipeline.core.settings import RunConfig
 from pipeline.offline.locations import check_locations
-from pipeline.offline.manifest import RunManifest, fingerprint_differences, pending, recorded_config
+from pipeline.offline.manifest import (
+    RunManifest,
+    done_marker_problem,
+    fingerprint_differences,
+    pending,
+    recorded_config,
+)
 from pipeline.offline.reuse import check_reusable, recorded_dtype
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
@@ -62,7 +68,7 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         refuse_other_settings(config, manifest.read_run(), fingerprint)
         if config.reuse:
             check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
-        todo = shards if config.overwrite else pending_shards(shards, manifest)
+        todo = shards if config.overwrite else pending_shards(shards, manifest, sink)
     with contextlib.ExitStack() as cleanup:
         run_shards = None
         if todo:
@@ -132,11 +138,26 @@ def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint:
                          "rerun with the same settings, choose another --output, or add --overwrite to redo it")
 
 
-def pending_shards(shards: list[Shard], manifest: RunManifest) -> list[Shard]:
-    """The shards not yet done, in input order (failed ones are retried)."""
-    done = {stem for stem, marker in manifest.shard_markers().items() if marker["status"] == "done"}
+def pending_shards(shards: list[Shard], manifest: RunManifest, sink: ShardSink) -> list[Shard]:
+    """The shards not yet done, in input order: failed ones are retried, and so is a shard whose
+    done marker its output does not back (untrusted_done_markers)."""
+    markers = manifest.shard_markers()
+    untrusted = untrusted_done_markers(shards, markers, sink)
+    done = {stem for stem, marker in markers.items() if marker["status"] == "done" and stem not in untrusted}
     todo_stems = set(pending([s.stem for s in shards], done))
     return [shard for shard in shards if shard.stem in todo_stems]
+
+
+def untrusted_done_markers(shards: list[Shard], markers: dict[str, dict], sink: ShardSink) -> dict[str, str]:
+    """Stem → why its done marker is not backed by its output (a file deleted or replaced by hand, an input
+    shard rewritten since): such a shard is redone."""
+    done = [shard for shard in shards if markers.get(shard.stem, {}).get("status") == "done"]
+    if not done:
+        return {}
+    sizes = sink.output_bytes()
+    problems = {shard.stem: done_marker_problem(markers[shard.stem], shard.num_rows, sizes.get(shard.stem),
+                                                lambda stem=shard.stem: sink.output_rows(stem)) for shard in done}
+    return {stem: problem for stem, problem in problems.items() if problem}
 
 
 def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink: ShardSink,
@@ -153,9 +174,14 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
         sink.remove_outputs(stems)
     if sink.remove_stale_temporaries(stems):
         log.info("removed temporary files of an interrupted run")
+    untrusted = untrusted_done_markers(shards, manifest.shard_markers(), sink)
+    for shard in shards:
+        if shard.stem in untrusted:
+            log.warning(f"{shard.url} is marked done but {untrusted[shard.stem]}; redoing it")
+    manifest.clear_markers(list(untrusted))
     if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:
         manifest.write_run(fingerprint, recorded_config(config))  # once for N workers: they all check it
-    todo = pending_shards(shards, manifest)
+    todo = pending_shards(shards, manifest, sink)
     if not todo:
         log.info(f"nothing to do: {len(shards)} of {len(shards)} shards done")
     elif len(todo) < len(shards):

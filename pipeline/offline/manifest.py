@@ -41,6 +41,21 @@ def pending(shard_stems: list[str], done_stems: set[str]) -> list[str]:
     return [stem for stem in shard_stems if stem not in done_stems]
 
 
+def done_marker_problem(marker: dict, input_rows: int, output_bytes: int | None, output_rows) -> str | None:
+    """Why a done marker cannot be trusted, or None: it counts only with its output file, holding
+    the input shard's rows. `output_rows()` reads the output's footer, only when the file's size is
+    not the one the marker recorded (a marker from before sizes were recorded, or another file)."""
+    if output_bytes is None:
+        return "its output file is missing"
+    if marker.get("rows") is not None and marker["rows"] != input_rows:
+        return f"it records {marker['rows']:,} rows and the input shard now has {input_rows:,}"
+    if marker.get("bytes") != output_bytes:
+        rows = output_rows()
+        if rows != input_rows:
+            return f"its output file has {rows:,} rows and the input shard {input_rows:,}"
+    return None
+
+
 def fingerprint_differences(recorded: dict, current: dict) -> list[str]:
     """Human-readable differences between two output fingerprints."""
     return [f"{key}: {recorded.get(key)!r} → {current.get(key)!r}"

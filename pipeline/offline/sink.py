@@ -64,6 +64,7 @@ class ShardWriter:
         self.attempt = attempt
         self.final_path, self.temp_path = output_paths(output_dir, shard.stem)
         self.rows_written = 0
+        self.bytes_written: int | None = None
         self._file = None
         self._writer = None
 
@@ -93,6 +94,7 @@ class ShardWriter:
                                f"attempt {holder}")
         try:
             self._writer.close()
+            self.bytes_written = self._file.tell()  # recorded in the done marker: a rerun checks the file by it
             self._file.close()  # an object store uploads here
         except Exception as error:
             raise as_storage_error(error, shown_path(self.fs, self.temp_path)) or error
@@ -136,6 +138,7 @@ class ShardSink:
         self.output_dir = self.output_dir.rstrip("/")
         self._writers: dict[int, ShardWriter] = {}
         self.committed: dict[int, str] = {}  # shard index → final path, for outputs committed so far
+        self.committed_bytes: dict[int, int | None] = {}  # shard index → size of its committed output
 
     def create(self) -> None:
         try:
@@ -149,10 +152,23 @@ class ShardSink:
         self._writers[shard_index].write(table)
 
     def commit(self, shard_index: int, manifest: RunManifest | None = None) -> str:
-        path = self._writers[shard_index].commit(manifest)  # on failure the writer stays, so abort() finds it
+        writer = self._writers[shard_index]
+        path = writer.commit(manifest)  # on failure the writer stays, so abort() finds it
         del self._writers[shard_index]
         self.committed[shard_index] = path
+        self.committed_bytes[shard_index] = writer.bytes_written
         return path
+
+    def output_bytes(self) -> dict[str, int]:
+        """Shard stem → size of its committed output file, for every output file there is (one listing)."""
+        found = self.fs.find(self.output_dir, detail=True)
+        return {path[len(self.output_dir) + 1:-len(".parquet")]: info["size"] for path, info in found.items()
+                if path.endswith(".parquet") and not path.rsplit("/", 1)[-1].startswith(".")}
+
+    def output_rows(self, stem: str) -> int:
+        """The row count in a committed output's footer."""
+        with self.fs.open(output_paths(self.output_dir, stem)[0], "rb") as f:
+            return pq.ParquetFile(f).metadata.num_rows
 
     def abort(self, shard_index: int) -> None:
         writer = self._writers.pop(shard_index, None)
@@ -289,7 +305,7 @@ class WindowWriter:
                     self.text_hashes.abort(block.shard_index)
                     continue
                 self.manifest.mark(shard.stem, "done", input=shard.url, host=socket.gethostname(), pid=os.getpid(),
-                                   **counts.marker_keys(),
+                                   bytes=self.sink.committed_bytes[block.shard_index], **counts.marker_keys(),
                                    **({"attempt": self.sink.attempt} if self.sink.attempt else {}))
             self.ids.add(block.ids.to_pylist())
             valid = window.valid[positions]

@@ -1,0 +1,54 @@
+"""A done marker is trusted only with its output: a missing output file, or one that does not hold
+the input shard's rows, is redone by the next run, which says so."""
+
+import json
+import logging
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.engines.local import run_job
+from pipeline.offline.manifest import done_marker_problem
+from tests.test_reliability import config_for, read_outputs, three_shards  # noqa: F401 (a fixture)
+
+
+def never_read():
+    raise AssertionError("the footer is read only when the file's size is not the recorded one")
+
+
+def test_a_marker_with_its_file_of_the_recorded_size_is_trusted_without_a_read():
+    assert done_marker_problem({"rows": 30, "bytes": 1234}, 30, 1234, never_read) is None
+
+
+def test_a_missing_file_or_rows_that_differ_untrust_the_marker():
+    assert done_marker_problem({"rows": 30, "bytes": 1234}, 30, None, never_read) == "its output file is missing"
+    assert done_marker_problem({"rows": 30, "bytes": 1234}, 31, 1234, never_read) == \
+        "it records 30 rows and the input shard now has 31"
+    assert done_marker_problem({"rows": 30, "bytes": 1234}, 30, 999, lambda: 12) == \
+        "its output file has 12 rows and the input shard 30"
+    assert done_marker_problem({"rows": 30, "bytes": 1234}, 30, 999, lambda: 30) is None  # rewritten, same rows
+    assert done_marker_problem({"rows": 30}, 30, 999, lambda: 30) is None  # a marker from before sizes
+
+
+@pytest.mark.slow
+def test_a_deleted_or_replaced_output_is_redone_by_the_next_run(tmp_path, three_shards, tiny_encoder_path, caplog):
+    run_job(config_for(tmp_path, tiny_encoder_path))
+    out = tmp_path / "out"
+    clean = read_outputs(out)
+    marker = json.loads((out / ".lengthwise" / "shards" / "part-00000.json").read_text())
+    assert marker["bytes"] == (out / "part-00000.parquet").stat().st_size
+    (out / "part-00001.parquet").unlink()  # the marker stays: status said done, verify said rerun
+    pq.write_table(clean["part-00002"].slice(0, 5), out / "part-00002.parquet")  # replaced by hand, 5 rows
+    with caplog.at_level(logging.WARNING, logger="pipeline"):
+        second = run_job(config_for(tmp_path, tiny_encoder_path))
+    assert second.shards_done_before == 1 and second.rows == 60
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"file://{three_shards}/part-00001.parquet is marked done but its output file is missing; redoing it" in warnings
+    assert (f"file://{three_shards}/part-00002.parquet is marked done but its output file has 5 rows and the input shard "
+            "30; redoing it") in warnings
+    again = read_outputs(out)
+    assert again.keys() == clean.keys()
+    for stem in clean:
+        assert again[stem]["id"].equals(clean[stem]["id"])
+    third = run_job(config_for(tmp_path, tiny_encoder_path))
+    assert third.shards_done_before == 3 and third.rows == 0
