@@ -4,7 +4,19 @@
 import numpy as np
 import pytest
 
-from pipeline.core.buckets import Batch, batch_capacity, bucket_bounds, padded_lengths, padding_efficiency, plan_batches
+from pathlib import Path
+
+from pipeline.core.buckets import (
+    MAX_BATCH_PADDING,
+    Batch,
+    batch_capacity,
+    bucket_bounds,
+    padded_lengths,
+    padding_efficiency,
+    plan_batches,
+)
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def list_batches(*args) -> list[Batch]:
@@ -40,14 +52,16 @@ def test_padded_lengths_round_up_to_the_next_bound():
 
 
 def slow_plan(lengths, max_batch_tokens, max_batch_rows, bounds):
-    """Row by row: take rows longest first (ties in input order) while the batch fits."""
+    """Row by row: take rows longest first (ties in input order) while the batch fits and the
+    row pads by no more than MAX_BATCH_PADDING of the batch's padded length."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches, current, current_pad = [], [], 0
     for i in order:
         pad = min(b for b in bounds if b >= lengths[i])
         if not current:
             current, current_pad = [i], pad
-        elif len(current) + 1 <= max_batch_rows and (len(current) + 1) * current_pad <= max_batch_tokens:
+        elif (len(current) + 1 <= max_batch_rows and (len(current) + 1) * current_pad <= max_batch_tokens
+              and pad >= (1 - MAX_BATCH_PADDING) * current_pad):
             current.append(i)
         else:
             batches.append((current, current_pad))
@@ -90,10 +104,47 @@ def test_short_rows_travel_in_big_batches_and_long_rows_in_small_ones():
     lengths = np.array([8] * 100 + [256] * 100)
     plan = list_batches(lengths, 2048, 512, bucket_bounds(256))
     sizes = [(b.padded_length, len(b.rows)) for b in plan]
-    # the 13th long batch is topped up with 4 short rows rather than left half empty
-    assert sizes == [(256, 8)] * 13 + [(8, 96)]
+    # the last long batch is left short rather than padding short rows to 256
+    assert sizes == [(256, 8)] * 12 + [(256, 4), (8, 100)]
 
 
+def test_a_batch_closes_before_a_row_that_would_pad_by_more_than_an_eighth():
+    lengths = np.array([64] * 3 + [56] * 3 + [48] * 3)
+    plan = list_batches(lengths, 1 << 20, 4096, bucket_bounds(64))
+    assert [(b.padded_length, b.rows.tolist()) for b in plan] == [(64, [0, 1, 2, 3, 4, 5]), (48, [6, 7, 8])]
+
+
+def shared_lengths(name: str, tokenizer_path: str, most_files: int) -> np.ndarray:
+    """Token lengths (≤ 256) of the texts of a shared data set's first files, as MiniLM's tokenizer counts them."""
+    import pyarrow.parquet as pq
+    import tokenizers
+
+    files = sorted((SHARED_DATA / name).glob("*.parquet"))[:most_files]
+    if not files:
+        pytest.skip(f"no shared data {name} beside the checkout")
+    tokenizer = tokenizers.Tokenizer.from_file(str(Path(tokenizer_path) / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    texts = [text for path in files for text in pq.read_table(path, columns=["text"])["text"].to_pylist()]
+    return np.minimum([len(encoding.ids) for encoding in tokenizer.encode_batch(texts)], 256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, most_files, window_rows, floor", [("tweets", 4, 8192, 0.88),
+                                                                  ("tweets", 4, 65536, 0.88),
+                                                                  ("imdb-reviews", 2, 16384, 0.96)])
+def test_gpu_sized_batches_of_real_lengths_are_mostly_text(minilm_path, name, most_files, window_rows, floor):
+    """At the CUDA budget (262,144 tokens, 4,096 rows) a batch no longer spans a window's whole
+    length range: 0.47 of tweet tokens were text before, with 8,192-row windows."""
+    lengths = np.random.default_rng(0).permutation(shared_lengths(name, minilm_path, most_files))
+    bounds = bucket_bounds(256)
+    real = padded = 0
+    for start in range(0, len(lengths), window_rows):
+        window = lengths[start:start + window_rows]
+        for batch in plan_batches(window, 262144, 4096, bounds):
+            real += int(window[batch.rows].sum())
+            padded += batch.padded_tokens
+    assert padding_efficiency(real, padded) >= floor
 def test_a_row_longer_than_the_budget_still_gets_a_batch_of_one():
     plan = list_batches(np.array([256, 256]), 100, 512, bucket_bounds(256))
     assert [b.rows.tolist() for b in plan] == [[0], [1]]

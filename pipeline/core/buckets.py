@@ -56,11 +56,20 @@ def batch_capacity(padded_length: int, max_batch_tokens: int | None, max_batch_r
     return max(1, rows)
 
 
+# A batch closes before it is full when the next row would make more than this share of its padded tokens
+# padding that batching adds (each row's own rounding up to its bucket bound aside). Large batches otherwise span a
+# window's whole length range: at 262,144 tokens a batch of tweets was half padding.
+MAX_BATCH_PADDING = 1 / 8
+
+
 def plan_batches(lengths: np.ndarray, max_batch_tokens: int | None, max_batch_rows: int,
-                 bounds: np.ndarray, memory_rows: Callable[[int], int] | None = None) -> Iterator[Batch]:
+                 bounds: np.ndarray, memory_rows: Callable[[int], int] | None = None,
+                 max_padding: float = MAX_BATCH_PADDING) -> Iterator[Batch]:
     """Pack every row exactly once, longest first, under the padded-token and row limits and
     the memory plan's rows per padded length. Lazily: each batch asks `memory_rows` when it is
     packed, so a limit lowered after an out-of-memory error applies to the rest of the window.
+    A batch also closes where taking the next rows would make more than `max_padding` of it
+    padding added by batching (`fill_under_padding`).
 
     The sort is stable, so equal lengths keep input order and plans are reproducible. A row
     longer than the token budget on its own still gets a batch of one.
@@ -74,9 +83,18 @@ def plan_batches(lengths: np.ndarray, max_batch_tokens: int | None, max_batch_ro
     start = 0
     while start < len(order):
         padded_length = int(padded[start])
-        stop = min(len(order), start + batch_capacity(padded_length, max_batch_tokens, max_batch_rows, memory_rows))
+        capacity = batch_capacity(padded_length, max_batch_tokens, max_batch_rows, memory_rows)
+        stop = start + fill_under_padding(padded[start:start + capacity], max_padding)
         yield Batch(rows=order[start:stop], padded_length=padded_length)
         start = stop
+
+
+def fill_under_padding(own_padded: np.ndarray, max_padding: float) -> int:
+    """How many of these rows (their own padded lengths, longest first) one batch takes: up to
+    the first row that would pad by more than `max_padding` of the batch's padded length; at
+    least one."""
+    too_short = np.flatnonzero(own_padded < (1 - max_padding) * own_padded[0])
+    return int(too_short[0]) if too_short.size else len(own_padded)
 
 
 def padding_efficiency(real_tokens: int, padded_tokens: int) -> float:
