@@ -20,6 +20,7 @@ from pipeline.cli.options import (
     WORKER_OPTIONS,
     ByteSize,
     Duration,
+    FiniteFloatRange,
     NameList,
     default_of,
     env_option,
@@ -54,7 +55,7 @@ from pipeline.engines.execute import execute_run
 @env_option("--threshold", env="THRESHOLD", multiple=True, callback=merge_config_table,
             help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
                  "--config file a [thresholds] table, which a flag overrides label by label.")
-@env_option("--default-threshold", env="DEFAULT_THRESHOLD", type=click.FloatRange(0, 1),
+@env_option("--default-threshold", env="DEFAULT_THRESHOLD", type=FiniteFloatRange(0, 1),
             default=default_of("default_threshold"), show_default=True,
             help="--job moderate: the threshold of every flag label without a --threshold.")
 @env_option("--flag-labels", env="FLAG_LABELS", type=NameList(), default=None,
