@@ -25,6 +25,7 @@ from pipeline.cli.options import (
     default_of,
     env_option,
     fail,
+    fail_on_storage_error,
     merge_config_table,
     model_or_default,
     parse_storage_options,
@@ -196,6 +197,8 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
         found = estimate_run(config, sample_rows, window_s)
     except UsageError as error:
         fail(str(error))
+    except StorageError as error:  # the input's store could not be listed
+        fail(str(error), EXIT_STORAGE)
     click.echo(json.dumps({"estimate": found.to_dict()}, indent=2) if as_json else found.to_text())
 
 
@@ -221,6 +224,9 @@ def status(output, storage_option, as_json) -> None:
         report = run_status(output, parse_storage_options(storage_option))
     except UsageError as error:
         fail(str(error))
+    except Exception as error:
+        fail_on_storage_error(error, output)
+        raise
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -264,6 +270,9 @@ def verify(inputs, output, storage_option, as_json) -> None:
         report = verify_output(list(inputs), output, parse_storage_options(storage_option))
     except UsageError as error:
         fail(str(error))
+    except Exception as error:
+        fail_on_storage_error(error, output)
+        raise
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.to_text())
     if not report.complete:
         sys.exit(EXIT_SHARDS_FAILED)

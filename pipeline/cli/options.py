@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.settings import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig, device_batch_limit
 
 if sys.version_info >= (3, 11):
@@ -456,3 +456,13 @@ def loadtest_default(name: str):
 def fail(message: str, exit_code: int = EXIT_USAGE) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(exit_code)
+
+
+def fail_on_storage_error(error: Exception, path: str) -> None:
+    """Exit with one line when `error`, raised reaching `path`, is the storage's: 2 for missing
+    credentials, 4 for storage that refused or could not be reached (the traceback only with
+    --verbose). Returns for any other error, which the caller raises."""
+    known = as_credentials_error(error, path) or as_storage_error(error, path)
+    if known is not None:
+        logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
+        fail(str(known), EXIT_USAGE if isinstance(known, UsageError) else EXIT_STORAGE)
