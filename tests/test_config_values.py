@@ -22,6 +22,7 @@ def error_line(result) -> str:
     ('overwrite = "yes"', "overwrite is a string, but it takes a boolean (true or false)"),
     ('model = { path = "models/x" }', "model is a table, but it takes a string"),
     ("input = [1, 2]", "input holds an integer, but it takes a list of strings or a string"),
+    ("compile = false", 'compile is a boolean, but it takes one of "auto", "on", "off"'),
     ('safety = "high"', "safety is a string, but it takes a number"),
     ("memory_budget = 4.5", 'memory_budget is a float, but it takes a size (bytes, or a string such as "4GiB")'),
     ("keep_columns = [1]", "keep_columns holds an integer, but it takes a list of strings or a string"),

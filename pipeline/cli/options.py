@@ -98,6 +98,8 @@ def toml_type_problem(value, parameter: click.Parameter) -> str | None:
         allowed, expected = (int, str), 'a size (bytes, or a string such as "4GiB")'
     elif isinstance(kind, Duration):
         allowed, expected = (int, float, str), 'seconds, or a string such as "30s"'
+    elif isinstance(kind, click.Choice):
+        allowed, expected = (str,), f"one of {', '.join(json.dumps(choice) for choice in kind.choices)}"
     else:
         allowed, expected = (str,), "a string"
 
