@@ -77,9 +77,20 @@ def test_run_without_credentials_is_one_line_exit_2(endpoint, bucket, no_credent
     assert not (tmp_path / "out").exists()
 
 
+def test_run_to_an_output_on_s3_without_credentials_is_one_line_exit_2(endpoint, bucket, no_credentials,
+                                                                      tiny_encoder_path, tmp_path, sample_table):
+    (tmp_path / "in").mkdir()
+    pq.write_table(sample_table.slice(0, 10), tmp_path / "in" / "part-00000.parquet")
+    result = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "in"), "--output", f"s3://{bucket}/out",
+                                      "--model", tiny_encoder_path, "--storage-option", f"endpoint_url={endpoint}",
+                                      "--no-progress"])
+    assert result.exit_code == 2
+    assert only_line(result) == f"error: s3://{bucket}/out: {NO_CREDENTIALS}"
+
+
 @pytest.mark.parametrize("command", ["status", "verify"])
 def test_status_and_verify_without_credentials_are_one_line_exit_2(endpoint, bucket, no_credentials, command):
-    output = f"s3://{bucket}/out/"
+    output = f"s3://{bucket}/out"  # as verify shows it: without a trailing slash
     result = CliRunner().invoke(cli, [command, "--output", output, "--storage-option", f"endpoint_url={endpoint}"])
     assert result.exit_code == 2
     assert only_line(result) == f"error: {output}: {NO_CREDENTIALS}"
@@ -105,10 +116,10 @@ def test_run_with_the_store_down_is_one_line_exit_4_and_verbose_adds_the_traceba
 @pytest.mark.parametrize("command", ["status", "verify"])
 def test_status_and_verify_with_the_store_down_are_one_line_exit_4(command):
     down = f"http://127.0.0.1:{free_port()}"
-    result = CliRunner().invoke(cli, [command, "--output", "s3://nightly/out/", "--storage-option",
+    result = CliRunner().invoke(cli, [command, "--output", "s3://nightly/out", "--storage-option",
                                       f"endpoint_url={down}", "--storage-option", "key=testing", "--storage-option",
                                       "secret=testing", "--storage-option", ONE_TRY])
     assert result.exit_code == 4
     line = only_line(result)
-    assert line.startswith(f"error: s3://nightly/out/: {UNREACHABLE}\"{down}/nightly/out")
+    assert line.startswith(f"error: s3://nightly/out: {UNREACHABLE}\"{down}/nightly/out")
     assert line.endswith(f"); {UNREACHABLE_ADVICE}")

@@ -14,7 +14,7 @@ import uuid
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.core.errors import UsageError, as_storage_error
+from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.retry import retry_transient
 from pipeline.core.settings import RunConfig
 from pipeline.offline.source import Shard, WorkerSlot, list_shards, slot_of
@@ -96,7 +96,11 @@ class RunManifest:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str):
         self.fs = fs
-        self.root = manifest_root(fs, output_dir)  # created by the first write (the lock), not on open
+        try:  # the first look at the output's storage: no credentials, or a store down, is one line here
+            self.root = manifest_root(fs, output_dir)  # created by the first write (the lock), not on open
+        except Exception as error:
+            where = shown_path(fs, output_dir)
+            raise as_credentials_error(error, where) or as_storage_error(error, where) or error
 
     def _write_json(self, path: str, data: dict) -> None:
         def write() -> None:
