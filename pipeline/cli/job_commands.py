@@ -20,10 +20,12 @@ from pipeline.cli.options import (
     WORKER_OPTIONS,
     ByteSize,
     Duration,
+    FiniteFloatRange,
     NameList,
     default_of,
     env_option,
     fail,
+    fail_on_storage_error,
     merge_config_table,
     model_or_default,
     parse_storage_options,
@@ -54,7 +56,7 @@ from pipeline.engines.execute import execute_run
 @env_option("--threshold", env="THRESHOLD", multiple=True, callback=merge_config_table,
             help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
                  "--config file a [thresholds] table, which a flag overrides label by label.")
-@env_option("--default-threshold", env="DEFAULT_THRESHOLD", type=click.FloatRange(0, 1),
+@env_option("--default-threshold", env="DEFAULT_THRESHOLD", type=FiniteFloatRange(0, 1),
             default=default_of("default_threshold"), show_default=True,
             help="--job moderate: the threshold of every flag label without a --threshold.")
 @env_option("--flag-labels", env="FLAG_LABELS", type=NameList(), default=None,
@@ -195,6 +197,8 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
         found = estimate_run(config, sample_rows, window_s)
     except UsageError as error:
         fail(str(error))
+    except StorageError as error:  # the input's store could not be listed
+        fail(str(error), EXIT_STORAGE)
     click.echo(json.dumps({"estimate": found.to_dict()}, indent=2) if as_json else found.to_text())
 
 
@@ -220,6 +224,9 @@ def status(output, storage_option, as_json) -> None:
         report = run_status(output, parse_storage_options(storage_option))
     except UsageError as error:
         fail(str(error))
+    except Exception as error:
+        fail_on_storage_error(error, output)
+        raise
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -263,6 +270,9 @@ def verify(inputs, output, storage_option, as_json) -> None:
         report = verify_output(list(inputs), output, parse_storage_options(storage_option))
     except UsageError as error:
         fail(str(error))
+    except Exception as error:
+        fail_on_storage_error(error, output)
+        raise
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.to_text())
     if not report.complete:
         sys.exit(EXIT_SHARDS_FAILED)

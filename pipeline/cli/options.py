@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.redact import redact_text
 from pipeline.core.settings import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig, device_batch_limit
 
@@ -59,10 +60,59 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
                                      ctx=ctx, param=param)
         if name == "input" and isinstance(value, str):
             value = [value]
+        parameter = next(p for p in ctx.command.params if p.name == known[name])
+        problem = toml_type_problem(value, parameter)
+        if problem:
+            raise click.BadParameter(f"{path}: {key} {problem}; fix it in the file", ctx=ctx, param=param)
         defaults[known[name]] = value
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     ctx.meta[CONFIG_TABLES] = {name: defaults[name] for name in TABLE_OPTIONS if name in defaults}
     return path
+
+
+TOML_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "a list",
+                   dict: "a table"}
+
+
+def toml_type_name(value) -> str:
+    return next((name for kind, name in TOML_TYPE_NAMES.items() if isinstance(value, kind)), "a date or time")
+
+
+def toml_type_problem(value, parameter: click.Parameter) -> str | None:
+    """What is wrong with the type of a --config value for `parameter` ("is a list, but it takes
+    a string"), or None. Never coerced: click would make `output = ["a", "b"]` a folder named
+    "['a', 'b']" and `max_batch_rows = 64.7` 64. An integer where a float goes is fine."""
+    kind = parameter.type
+    item = None  # a list's items, for options that take one
+    if parameter.multiple or isinstance(kind, (NameList, IntList)):
+        allowed, item = (list, str), (int,) if isinstance(kind, IntList) else (str,)
+        expected = "a list of integers or a string" if isinstance(kind, IntList) else "a list of strings or a string"
+    elif (isinstance(parameter, click.Option) and parameter.is_flag) or isinstance(kind, click.types.BoolParamType):
+        allowed, expected = (bool,), "a boolean (true or false)"
+    elif isinstance(kind, click.types.IntParamType):
+        allowed, expected = (int,), "an integer"
+    elif isinstance(kind, click.types.FloatParamType):
+        allowed, expected = (int, float), "a number"
+    elif isinstance(kind, CountOrAuto):
+        allowed, expected = (int, str), 'an integer or "auto"'
+    elif isinstance(kind, ByteSize):
+        allowed, expected = (int, str), 'a size (bytes, or a string such as "4GiB")'
+    elif isinstance(kind, Duration):
+        allowed, expected = (int, float, str), 'seconds, or a string such as "30s"'
+    elif isinstance(kind, click.Choice):
+        allowed, expected = (str,), f"one of {', '.join(json.dumps(choice) for choice in kind.choices)}"
+    else:
+        allowed, expected = (str,), "a string"
+
+    def fits(candidate, kinds) -> bool:
+        return isinstance(candidate, kinds) and (bool in kinds or not isinstance(candidate, bool))
+
+    if not fits(value, allowed):
+        return f"is {toml_type_name(value)}, but it takes {expected}"
+    wrong_items = [v for v in value if not fits(v, item)] if isinstance(value, list) else []
+    if wrong_items:
+        return f"holds {toml_type_name(wrong_items[0])}, but it takes {expected}"
+    return None
 
 
 COMMANDS: dict[str, click.Command] = {}  # every `lengthwise` command by name, filled by pipeline.cli
@@ -188,6 +238,17 @@ class ByteSize(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange that also refuses nan and inf: nan passes every comparison of a range
+    check (and of what the value feeds: `--safety nan` turned the memory plan off)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number; give one in {self._describe_range()}", param, ctx)
+        return number
+
+
 class NameList(click.ParamType):
     """Comma-separated names (a TOML list too): offensive,hate."""
 
@@ -226,17 +287,17 @@ def level_test_options(what: str, throughput: str, p99: str, config) -> list:
     """The recommendation, output and comparison options that `sweep` and `loadtest` share
     (`config`: the dataclass their defaults come from), with one env var each."""
     return [
-        env_option("--max-p99-ms", env="MAX_P99_MS", type=click.FloatRange(0, min_open=True),
+        env_option("--max-p99-ms", env="MAX_P99_MS", type=FiniteFloatRange(0, min_open=True),
                    default=None, help=f"Recommend only levels whose {p99} is within this."),
-        env_option("--memory-headroom", env="MEMORY_HEADROOM", type=click.FloatRange(0, 0.9),
+        env_option("--memory-headroom", env="MEMORY_HEADROOM", type=FiniteFloatRange(0, 0.9),
                    default=default_of("memory_headroom", config), show_default=True,
                    help="Recommend only levels that leave this share of the memory budget free."),
         env_option("--compare", "compare_with", env="COMPARE", type=click.Path(dir_okay=False),
                    default=None, help=f"An earlier {what} CSV: print the change per level and flag regressions."),
-        env_option("--max-throughput-drop", env="MAX_THROUGHPUT_DROP", type=click.FloatRange(0, 1),
+        env_option("--max-throughput-drop", env="MAX_THROUGHPUT_DROP", type=FiniteFloatRange(0, 1),
                    default=0.05, show_default=True,
                    help=f"--compare flags a level whose {throughput} fell by more than this share."),
-        env_option("--max-p99-rise", env="MAX_P99_RISE", type=click.FloatRange(0), default=0.10,
+        env_option("--max-p99-rise", env="MAX_P99_RISE", type=FiniteFloatRange(0), default=0.10,
                    show_default=True, help=f"--compare flags a level whose {p99} rose by more than this share."),
         env_option("--fail-on-regression", env="FAIL_ON_REGRESSION", is_flag=True,
                    help="Exit 3 when --compare flags any level."),
@@ -303,7 +364,7 @@ MEMORY_OPTIONS = [
     env_option("--memory-budget", env="MEMORY_BUDGET", type=ByteSize(), default=None,
                help="Memory batches may use (e.g. 4GiB). Default: GPU free memory less --memory-reserve; "
                     "on CPU half of the available RAM."),
-    env_option("--memory-reserve", env="MEMORY_RESERVE", type=click.FloatRange(0, 0.9),
+    env_option("--memory-reserve", env="MEMORY_RESERVE", type=FiniteFloatRange(0, 0.9),
                default=default_of("memory_reserve"), show_default=True,
                help="Share of GPU memory kept free when no --memory-budget is given."),
     env_option("--plan-cache", env="PLAN_CACHE", type=click.Path(file_okay=False), default=None,
@@ -322,7 +383,7 @@ BATCH_OPTIONS = [
                     f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU and "
                     f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA."),
     *MEMORY_OPTIONS,
-    env_option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=default_of("safety"),
+    env_option("--safety", env="SAFETY", type=FiniteFloatRange(1.0, 4.0), default=default_of("safety"),
                show_default=True,
                help="Headroom factor of the memory formula."),
     env_option("--no-plan-cache", "no_plan_cache", env="NO_PLAN_CACHE", is_flag=True, default=False,
@@ -388,6 +449,8 @@ class Duration(click.ParamType):
                 seconds = float(text[:len(text) - len(unit)]) * self.UNITS.get(unit, 1.0)
             except ValueError:
                 self.fail(f"{value!r} is not a duration such as 30s, 500ms or 2m", param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite duration; give one such as 30s, 500ms or 2m", param, ctx)
         if seconds < 0:
             self.fail(f"{value!r} is negative", param, ctx)
         return seconds
@@ -404,3 +467,13 @@ def loadtest_default(name: str):
 def fail(message: str, exit_code: int = EXIT_USAGE) -> None:
     click.echo(f"error: {redact_text(message)}", err=True)
     sys.exit(exit_code)
+
+
+def fail_on_storage_error(error: Exception, path: str) -> None:
+    """Exit with one line when `error`, raised reaching `path`, is the storage's: 2 for missing
+    credentials, 4 for storage that refused or could not be reached (the traceback only with
+    --verbose). Returns for any other error, which the caller raises."""
+    known = as_credentials_error(error, path) or as_storage_error(error, path)
+    if known is not None:
+        logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
+        fail(str(known), EXIT_USAGE if isinstance(known, UsageError) else EXIT_STORAGE)

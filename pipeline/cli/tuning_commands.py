@@ -18,6 +18,7 @@ from pipeline.cli.options import (
     WORKER_OPTIONS,
     CountOrAuto,
     Duration,
+    FiniteFloatRange,
     IntList,
     batcher_default,
     default_of,
@@ -125,7 +126,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @env_option("--vary", env="VARY", required=True, type=click.Choice(LOADTEST_VARIES),
             help="The one batcher setting that changes between levels.")
 @env_option("--values", env="VALUES", required=True, type=IntList(), help="Its levels, e.g. 1,2,4,8,16,32,64.")
-@env_option("--qps", env="QPS", type=click.FloatRange(0, min_open=True), default=loadtest_default("qps"),
+@env_option("--qps", env="QPS", type=FiniteFloatRange(0, min_open=True), default=loadtest_default("qps"),
             show_default=True, help="Mean arrival rate, requests per second (Poisson arrivals, open loop).")
 @env_option("--concurrency", env="CONCURRENCY", type=click.IntRange(1),
             default=loadtest_default("concurrency"), show_default=True,
@@ -144,10 +145,10 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
             help="Padded tokens per batch (also a trigger); auto: the device's default, "
                  f"{device_batch_limit('cpu', 'max_batch_tokens')} on CPU and "
                  f"{device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it.")
-@env_option("--batch-timeout-ms", env="BATCH_TIMEOUT_MS", type=click.FloatRange(0),
+@env_option("--batch-timeout-ms", env="BATCH_TIMEOUT_MS", type=FiniteFloatRange(0),
             default=batcher_default("batch_timeout_ms"), show_default=True,
             help="The oldest waiting request waits at most this long for others.")
-@env_option("--request-timeout-ms", env="REQUEST_TIMEOUT_MS", type=click.FloatRange(0, min_open=True),
+@env_option("--request-timeout-ms", env="REQUEST_TIMEOUT_MS", type=FiniteFloatRange(0, min_open=True),
             default=batcher_default("request_timeout_ms"), show_default=True,
             help="A request not answered within this fails with a timeout (never computed if still queued).")
 @env_option("--max-queue", env="MAX_QUEUE", type=click.IntRange(1), default=batcher_default("max_queue"),
@@ -159,7 +160,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @with_options(INPUT_OPTIONS)
 @with_options(MEMORY_OPTIONS)
 @with_options([TORCH_THREADS_OPTION])
-@env_option("--safety", env="SAFETY", type=click.FloatRange(1.0, 4.0), default=default_of("safety"), show_default=True,
+@env_option("--safety", env="SAFETY", type=FiniteFloatRange(1.0, 4.0), default=default_of("safety"), show_default=True,
             help="Headroom factor of the memory formula.")
 @env_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
             help="Cap batches by the memory plan (cached, or probed on the device first).")

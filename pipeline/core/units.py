@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -16,7 +17,10 @@ def parse_bytes(text: str | int) -> int:
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a size; write e.g. 4GiB, 512MiB or 2GB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    count = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(count):
+        raise ValueError(f"{text!r} is not a finite size; write e.g. 4GiB, 512MiB or 2GB")
+    return int(count)
 
 
 def format_bytes(count: float) -> str:

@@ -14,7 +14,7 @@ import uuid
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.core.errors import UsageError, as_storage_error
+from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.redact import recordable_options, redact_url, usable_recorded_options
 from pipeline.core.retry import retry_transient
 from pipeline.core.settings import RunConfig
@@ -68,6 +68,38 @@ def fingerprint_digest(fingerprint: dict) -> str:
     return hashlib.blake2b(json.dumps(fingerprint, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
+class DamagedManifestFile(UsageError):
+    """A manifest file that is empty, truncated, not JSON or of another shape than lengthwise
+    writes (a disk that filled, a hand edit, a copy cut short); the message names the file, what
+    is wrong with it and what to do."""
+
+
+RUN_FIELDS = {"fingerprint": dict, "config": dict}
+MARKER_FIELDS = {"shard": str, "status": str}
+WORKER_SUMMARY_FIELDS = {"index": int, "count": int, "at": str, "summary": dict}
+RUN_ADVICE = ("it records the settings the output's results were made with: delete it and rerun the job with those "
+              "settings (shards marked done are kept) or with --overwrite (every shard is redone)")
+
+
+def parse_record(data: bytes, fields: dict[str, type]) -> dict:
+    """The JSON object in `data`, with each of `fields` of its type; a ValueError saying what is
+    wrong otherwise."""
+    if not data.strip():
+        raise ValueError("it is empty")
+    try:
+        record = json.loads(data)
+    except ValueError as error:
+        raise ValueError(f"it is truncated or not JSON: {error}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"it holds a JSON {type(record).__name__}, not an object")
+    for name, kind in fields.items():
+        if name not in record:
+            raise ValueError(f"it has no {name!r}")
+        if not isinstance(record[name], kind):
+            raise ValueError(f"its {name!r} is a JSON {type(record[name]).__name__}")
+    return record
+
+
 class RunManifest:
     """`OUTPUT/.lengthwise/`: run.json (resolved config and the fingerprint of everything that
     changes outputs), shards/<stem>.json (one marker per finished or failed shard, written
@@ -77,7 +109,11 @@ class RunManifest:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str):
         self.fs = fs
-        self.root = manifest_root(fs, output_dir)  # created by the first write (the lock), not on open
+        try:  # the first look at the output's storage: no credentials, or a store down, is one line here
+            self.root = manifest_root(fs, output_dir)  # created by the first write (the lock), not on open
+        except Exception as error:
+            where = shown_path(fs, output_dir)
+            raise as_credentials_error(error, where) or as_storage_error(error, where) or error
 
     def _write_json(self, path: str, data: dict) -> None:
         def write() -> None:
@@ -104,8 +140,20 @@ class RunManifest:
         except FileNotFoundError:
             return None
 
-    def read_run(self) -> dict | None:
-        return self._read_json(f"{self.root}/run.json")
+    def _read_record(self, path: str, fields: dict[str, type], advice: str) -> dict | None:
+        """The record at `path`, None when there is none; DamagedManifestFile (saying `advice`)
+        when it is not a JSON object with `fields`."""
+        try:
+            data = self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        try:
+            return parse_record(data, fields)
+        except ValueError as problem:
+            raise DamagedManifestFile(f"{shown_path(self.fs, path)} is damaged ({problem}); {advice}") from None
+
+    def read_run(self, advice: str = RUN_ADVICE) -> dict | None:
+        return self._read_record(f"{self.root}/run.json", RUN_FIELDS, advice)
 
     def write_run(self, fingerprint: dict, config: dict) -> None:
         self._write_json(f"{self.root}/run.json", {"fingerprint": fingerprint, "config": config,
@@ -120,15 +168,28 @@ class RunManifest:
         """(index, count) → the last summary that worker wrote."""
         found = {}
         for path in self.fs.glob(f"{self.root}/workers/*.json"):
-            record = self._read_json(path)
+            try:
+                record = self._read_record(path, WORKER_SUMMARY_FIELDS, "that worker's last speed is not shown; "
+                                           "its next run writes the file anew")
+            except DamagedManifestFile as damaged:
+                log.warning(str(damaged))
+                continue
             if record is not None:
                 found[(record["index"], record["count"])] = record
         return found
 
     def shard_markers(self) -> dict[str, dict]:
+        """Shard stem → its marker. A damaged marker is left out, with a warning: its shard
+        counts as not done, so a run redoes it (its output is replaced by the commit) and writes
+        the marker anew; nothing else depends on it."""
         markers = {}
         for path in [p for p in self.fs.find(f"{self.root}/shards") if p.endswith(".json")]:
-            marker = self._read_json(path)
+            try:
+                marker = self._read_record(path, MARKER_FIELDS, "its shard counts as not done: a run redoes it and "
+                                           "writes the marker anew")
+            except DamagedManifestFile as damaged:
+                log.warning(str(damaged))
+                continue
             if marker is not None:
                 markers[marker["shard"]] = marker
         return markers

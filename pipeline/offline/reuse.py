@@ -121,6 +121,9 @@ class TextHashSink:
                     self.fs.rm(temp)
 
 
+REUSE_ADVICE = "it says which settings the --reuse output was made with: name another --reuse, or drop --reuse"
+
+
 def check_reusable(previous: str, output: str, storage_options: dict, fingerprint: dict) -> None:
     """--reuse names another lengthwise output made with the same fingerprint; else a usage error
     (exit 2) saying what differs."""
@@ -129,7 +132,7 @@ def check_reusable(previous: str, output: str, storage_options: dict, fingerprin
     if (fs.unstrip_protocol(previous_dir.rstrip("/")) == output_fs.unstrip_protocol(output_dir.rstrip("/"))):
         raise UsageError(f"--reuse {previous} is --output itself; name yesterday's output (a rerun into the same "
                          "output resumes without --reuse)")
-    recorded = RunManifest(fs, previous_dir.rstrip("/")).read_run()
+    recorded = RunManifest(fs, previous_dir.rstrip("/")).read_run(REUSE_ADVICE)
     if recorded is None:
         raise UsageError(f"--reuse {previous} is no lengthwise output (no {MANIFEST_DIR}/run.json); check --reuse")
     if recorded["fingerprint"] != fingerprint:
@@ -141,7 +144,7 @@ def check_reusable(previous: str, output: str, storage_options: dict, fingerprin
 def recorded_dtype(previous: str, storage_options: dict) -> str | None:
     """The dtype the previous output was made with (so `--dtype auto` matches it)."""
     fs, previous_dir = fsspec.core.url_to_fs(previous, **storage_options)
-    recorded = RunManifest(fs, previous_dir.rstrip("/")).read_run()
+    recorded = RunManifest(fs, previous_dir.rstrip("/")).read_run(REUSE_ADVICE)
     return recorded and recorded["fingerprint"].get("dtype")
 
 

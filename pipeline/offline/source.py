@@ -18,7 +18,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.retry import backoff_delay_s, is_transient, retry_transient
 from pipeline.offline.locations import GLOB_CHARACTERS, LEGACY_MANIFEST_DIR, MANIFEST_DIR, outside_outputs
 
@@ -56,9 +56,17 @@ class RowBlock:
 def _expand(pattern: str, storage_options: dict, split: str | None = None) -> dict[str, str]:
     """URL → path relative to the input's root, for the Parquet files a directory, glob or file
     names (or the Arrow files of a `datasets` folder), URLs with their protocol kept. The root
-    is the directory, a glob's folder before its first wildcard, or a file's own folder."""
-    return retry_transient(lambda: _expand_once(pattern, storage_options, split), f"listing {pattern}",
-                           log=log.warning)
+    is the directory, a glob's folder before its first wildcard, or a file's own folder.
+    No credentials is a usage error; a store that cannot be reached, or kept failing through
+    the retries, a StorageError (exit 4): one line each, as when writing."""
+    try:
+        return retry_transient(lambda: _expand_once(pattern, storage_options, split), f"listing {pattern}",
+                               log=log.warning)
+    except UsageError:
+        raise
+    except Exception as error:
+        what = f"cannot list input {pattern!r}"
+        raise as_credentials_error(error, what) or as_storage_error(error, what) or error
 
 
 def _expand_once(pattern: str, storage_options: dict, split: str | None) -> dict[str, str]:
