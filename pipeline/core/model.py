@@ -10,7 +10,6 @@ forward runs compiled (`core/compile.py`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ import torch
 from jobs.base import attention_implementation
 from jobs.registry import get_job, job_options
 from jobs.sentence_transformers_folder import DEFAULT_MAX_LENGTH, read_text_settings, resolve_prompt
-from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
+from pipeline.core.cache import cache_dir, model_content_hash, plan_cache_key, read_keyed, write_keyed
 from pipeline.core.clock import SetupClock
 from pipeline.core.device import (
     DTYPES,
@@ -116,13 +115,12 @@ def pick_cpu_dtype(feature: str | None, capability: str, speedup: float | None, 
 def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None) -> tuple[torch.dtype, str]:
     """`--dtype auto` on the CPU: bfloat16 when the CPU runs it natively and a trial batch is
     at least BF16_MIN_SPEEDUP times faster in it and agrees with float32 (the job's test);
-    else float32. The decision is cached per model, job, CPU and torch version."""
+    else float32. The decision is cached per model content, job, CPU and torch version
+    (`dtype_verdict_key`)."""
     feature = native_bf16_feature()
     if feature is None:
         return torch.float32, pick_cpu_dtype(None, torch.backends.cpu.get_cpu_capability(), None, None, "")[1]
-    key, name = plan_cache_key(kind="cpu-dtype", model=model_memory_fingerprint(path), job=settings.job,
-                               device=device_name(torch.device("cpu")), torch=torch.__version__,
-                               length=min(TRIAL_LENGTH, max_length))
+    key, name = dtype_verdict_key(settings, path, max_length)
     cache = cache_dir(settings.plan_cache) / f"dtype-{name}.json"
     cached = read_keyed(cache, key)
     if cached and cached.get("dtype") in DTYPES:
@@ -137,6 +135,14 @@ def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None
     chosen, reason = pick_cpu_dtype(feature, torch.backends.cpu.get_cpu_capability(), speedup, agrees, agreement)
     write_keyed(cache, key, {"dtype": chosen, "reason": reason})
     return DTYPES[chosen], reason
+
+
+def dtype_verdict_key(settings, path: str, max_length: int) -> tuple[dict, str]:
+    """What a CPU dtype verdict holds for: the model's content (weights, pooling, normalisation,
+    prompts: a retrained checkpoint of the same shape gets its own trial), job, CPU, torch."""
+    return plan_cache_key(kind="cpu-dtype", model=model_content_hash(path, settings.plan_cache), job=settings.job,
+                          device=device_name(torch.device("cpu")), torch=torch.__version__,
+                          length=min(TRIAL_LENGTH, max_length))
 
 
 def bf16_trial(job, path: str, loading: dict, length: int) -> tuple[float, bool, str]:
@@ -222,9 +228,7 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     there is none and the job is large enough to pay a compile back)."""
     setting = getattr(settings, "compile", "off")
     cache = cache_dir(settings.plan_cache)
-    key, name = plan_cache_key(kind="compile", model=model_memory_fingerprint(choice.path), job=settings.job,
-                               device=device_name(choice.device), dtype=dtype_name(choice.dtype),
-                               attention=choice.attention)
+    key, name = compile_verdict_key(settings, choice)
     path = cache / f"compile-{name}.json"
     record = read_keyed(path, key) if setting != "off" else None
     verdict = CompileVerdict(**{f: record[f] for f in CompileVerdict.__dataclass_fields__}) if record else None
@@ -261,14 +265,22 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     return compiled, CompileChoice(True, reason, compile_s)
 
 
+def compile_verdict_key(settings, choice: ModelChoice) -> tuple[dict, str]:
+    """What a compile verdict holds for: its agreement test ran on this model's content, job,
+    device, dtype and attention."""
+    return plan_cache_key(kind="compile", model=model_content_hash(choice.path, settings.plan_cache),
+                          job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
+                          attention=choice.attention)
+
+
 PACKAGE_LOAD_S = 1.0  # loading a compiled package (MiniLM: 0.1-0.6 s)
 
 
 def compiled_package_path(cache: Path, settings, choice: ModelChoice) -> Path:
     """Where the compiled package of this model, job, device and dtype lives: keyed by the
     weights' content (they are folded into it) and what the job builds around them."""
-    key, name = plan_cache_key(kind="package", model=model_content_hash(choice.path), job=settings.job,
-                               device=device_name(choice.device), dtype=dtype_name(choice.dtype),
+    key, name = plan_cache_key(kind="package", model=model_content_hash(choice.path, settings.plan_cache),
+                               job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
                                attention=choice.attention, prompt=choice.prompt, **choice.job_options)
     return cache / "compiled" / f"{name}.pt2"
 
@@ -278,18 +290,3 @@ def check_max_length(model_config, max_length: int) -> None:
     if positions is not None and max_length > positions:
         raise UsageError(f"--max-length {max_length} is more than the model's {positions} positions; "
                          f"set --max-length {positions} or less")
-
-
-def model_content_hash(model_path: str) -> str:
-    """sha256 over the model's config, tokenizer and weight files and the config.json of its
-    sentence-transformers modules (1_Pooling/config.json …): names and bytes."""
-    digest = hashlib.sha256()
-    folder = Path(model_path)
-    suffixes = (".json", ".safetensors", ".txt", ".model", ".bin")
-    top = [p for p in folder.iterdir() if p.is_file() and p.suffix in suffixes]
-    for path in sorted(top + list(folder.glob("*/config.json"))):
-        digest.update(path.relative_to(folder).as_posix().encode())
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:24]
