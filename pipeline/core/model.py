@@ -35,6 +35,7 @@ from pipeline.core.device import (
 from pipeline.core.compile import CompileChoice, CompileVerdict, pick_compile, use_inductor_cache, worth_a_trial
 from pipeline.core.compiled_forward import compile_model, compile_trial, eager_tokens_per_s
 from pipeline.core.errors import UsageError
+from pipeline.core.positions import PositionLimit, check_max_length, position_limit
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class LoadedModel:
     model: torch.nn.Module  # what runs: compiled when `compile.compiled`
     tokenizer: TokenizerSpec
     compile: CompileChoice = CompileChoice(False, "eager")
+    position_limit: PositionLimit | None = None  # the longest row the model takes
 
 
 def load_model(settings, choice: ModelChoice | None = None,
@@ -200,14 +202,15 @@ def load_model(settings, choice: ModelChoice | None = None,
         model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
                          **choice.job_options, allow_pickle=settings.allow_pickle,
                          trust_remote_code=settings.trust_remote_code, attention=choice.attention)
-    check_max_length(model.config, choice.max_length)
+    limit = position_limit(model)
+    check_max_length(limit, choice.max_length, model.config.model_type)
     keep_freed_host_memory(choice.device)
     with clock.step("compile decision"):
         model, compile_choice = settle_compile(settings, choice, job, model,
                                                workload(tokenizer) if workload else None)
     log.info(compile_choice.reason + (f" ({compile_choice.compile_s:.1f} s to compile)" if compile_choice.compiled
                                       else ""))
-    return LoadedModel(choice, job, model, tokenizer, compile_choice)
+    return LoadedModel(choice, job, model, tokenizer, compile_choice, limit)
 
 
 def tokenizer_for(settings, choice: ModelChoice) -> TokenizerSpec:
@@ -283,10 +286,3 @@ def compiled_package_path(cache: Path, settings, choice: ModelChoice) -> Path:
                                job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
                                attention=choice.attention, prompt=choice.prompt, **choice.job_options)
     return cache / "compiled" / f"{name}.pt2"
-
-
-def check_max_length(model_config, max_length: int) -> None:
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if positions is not None and max_length > positions:
-        raise UsageError(f"--max-length {max_length} is more than the model's {positions} positions; "
-                         f"set --max-length {positions} or less")
