@@ -75,7 +75,7 @@ def test_each_family_takes_512_of_514_positions_loaded_or_from_its_config_alone(
     path = family_paths[model_type]
     config = transformers.AutoConfig.from_pretrained(path)
     assert config.max_position_embeddings == 514
-    assert position_limit_of_config(config) == PositionLimit(512, 514, 1)  # the Ray driver's check
+    assert position_limit_of_config(config) == PositionLimit(512, 514, 1)  # choose_model's check, before the dtype trial
     model = getattr(transformers, FAMILIES[model_type][1]).from_pretrained(path)
     assert position_limit(model) == PositionLimit(512, 514, 1)
 
@@ -100,6 +100,7 @@ def test_roberta_above_its_limit_exits_2_with_one_line_before_any_work(tmp_path,
         f"--max-length {max_length} is more than the 512 tokens this roberta model takes (514 positions, "
         "counted from its padding index 1 + 1, so 512 tokens); set --max-length 512 or less")
     assert "Traceback" not in result.output
+    assert not [line for line in result.output.splitlines() if line.startswith("dtype ")]  # before the dtype trial
     assert not output.exists()
 
 

@@ -35,7 +35,7 @@ from pipeline.core.device import (
 from pipeline.core.compile import CompileChoice, CompileVerdict, pick_compile, use_inductor_cache, worth_a_trial
 from pipeline.core.compiled_forward import compile_model, compile_trial, eager_tokens_per_s
 from pipeline.core.errors import UsageError
-from pipeline.core.positions import PositionLimit, check_max_length, position_limit
+from pipeline.core.positions import PositionLimit, check_folder_max_length, check_max_length, position_limit
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ def choose_model(settings, dtype_source: str | None = None) -> ModelChoice:
     text = read_text_settings(path)
     device = resolve_device(settings.device)
     max_length = settings.max_length or text.max_seq_length or DEFAULT_MAX_LENGTH
+    check_folder_max_length(path, max_length, settings.trust_remote_code)
     dtype = resolve_dtype(settings.dtype, device)
     attention = attention_implementation(get_job(settings.job).auto_class, path)
     if attention == "eager":

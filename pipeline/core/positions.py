@@ -76,6 +76,19 @@ def position_limit_of_config(model_config, trust_remote_code: bool = False) -> P
     return position_limit(model)
 
 
+def check_folder_max_length(model_path: str, max_length: int, trust_remote_code: bool = False) -> None:
+    """`check_max_length` from the folder's config alone, before the dtype trial and the output
+    check: a refusal costs no work. A config only the model's remote code can read is checked
+    once the model is loaded."""
+    import transformers
+
+    try:
+        model_config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return
+    check_max_length(position_limit_of_config(model_config, trust_remote_code), max_length, model_config.model_type)
+
+
 def check_max_length(limit: PositionLimit | None, max_length: int, model_type: str) -> None:
     """Refuse a --max-length longer than the model takes, naming the real limit."""
     if limit is not None and max_length > limit.tokens:

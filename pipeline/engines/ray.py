@@ -29,13 +29,11 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from tqdm import tqdm
-from transformers import AutoConfig
 
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.model import ModelChoice, choose_model, load_model
-from pipeline.core.positions import check_max_length, position_limit_of_config
 from pipeline.core.settings import RunConfig
 from pipeline.engines.claim import run_claimed
 from pipeline.offline.manifest import RunManifest
@@ -169,12 +167,10 @@ def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None
 
 
 def prepare_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], clock=None):
-    """What the driver can check before the output is touched (the actors load the model, and
-    each settles --compile auto from the cached verdict on its own device; their setup is in
-    the summary's actor lines, not on the driver's `clock`)."""
-    model_config = AutoConfig.from_pretrained(choice.path, trust_remote_code=config.trust_remote_code)
-    check_max_length(position_limit_of_config(model_config, config.trust_remote_code), choice.max_length,
-                     model_config.model_type)
+    """Nothing to load on the driver: the actors load the model (the max length was checked
+    against its architecture in `choose_model`), and each settles --compile auto from the
+    cached verdict on its own device; their setup is in the summary's actor lines, not on the
+    driver's `clock`."""
     return functools.partial(run_on_actors, config, choice), config
 
 
