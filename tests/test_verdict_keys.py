@@ -64,6 +64,11 @@ def settings(tmp_path, model, job="classify", **extra) -> RunConfig:
                      plan_cache=str(tmp_path / "cache"), **extra)
 
 
+def verdict_name(run: RunConfig) -> str:
+    """The file name of the dtype verdict a run on its input's rows looks for."""
+    return dtype_verdict_key(run, run.model, run.max_length, {}, "", True)[1]
+
+
 def test_a_retrained_checkpoint_of_equal_config_and_sizes_gets_its_own_verdict_keys(tmp_path, retrained):
     first, second = (Path(p) for p in retrained)
     assert (first / "config.json").read_bytes() == (second / "config.json").read_bytes()
@@ -72,7 +77,7 @@ def test_a_retrained_checkpoint_of_equal_config_and_sizes_gets_its_own_verdict_k
     # the old key: equal; it still keys the memory plans and sweep recommendations, which follow shapes only
     assert model_memory_fingerprint(str(first)) == model_memory_fingerprint(str(second))
     runs = [settings(tmp_path, str(model), dtype="float32") for model in (first, second)]
-    assert dtype_verdict_key(runs[0], str(first), 128)[1] != dtype_verdict_key(runs[1], str(second), 128)[1]
+    assert verdict_name(runs[0]) != verdict_name(runs[1])
     choices = [choose_model(run) for run in runs]
     assert compile_verdict_key(runs[0], choices[0])[1] != compile_verdict_key(runs[1], choices[1])[1]
     assert output_fingerprint(runs[0], choices[0])["model"] != output_fingerprint(runs[1], choices[1])["model"]
@@ -82,7 +87,7 @@ def test_a_cls_and_a_mean_pooling_embedder_of_the_same_weights_get_their_own_ver
     cls, mean = poolings
     assert Path(cls, "model.safetensors").read_bytes() == Path(mean, "model.safetensors").read_bytes()
     runs = [settings(tmp_path, model, job="embed", dtype="float32") for model in poolings]
-    assert dtype_verdict_key(runs[0], cls, 128)[1] != dtype_verdict_key(runs[1], mean, 128)[1]
+    assert verdict_name(runs[0]) != verdict_name(runs[1])
     choices = [choose_model(run) for run in runs]
     assert compile_verdict_key(runs[0], choices[0])[1] != compile_verdict_key(runs[1], choices[1])[1]
 
@@ -128,15 +133,15 @@ def test_the_content_hash_is_cached_by_file_identity_and_a_touched_file_gets_the
     weights = model / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # touched
     assert model_content_hash(str(model), cache) == first and len(hashed) == 2  # hashed again, same hash
-    key = dtype_verdict_key(settings(tmp_path, str(model)), str(model), 128)[1]
-    assert dtype_verdict_key(settings(tmp_path, str(model)), str(model), 128)[1] == key and len(hashed) == 2
+    key = verdict_name(settings(tmp_path, str(model)))
+    assert verdict_name(settings(tmp_path, str(model))) == key and len(hashed) == 2
 
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # retrained in place: same size, same inode
     with open(weights, "r+b") as f:
         f.write(data)
     assert model_content_hash(str(model), cache) != first and len(hashed) == 3
-    assert dtype_verdict_key(settings(tmp_path, str(model)), str(model), 128)[1] != key
+    assert verdict_name(settings(tmp_path, str(model))) != key
 
 
 def test_the_pooling_config_is_part_of_the_content(poolings):

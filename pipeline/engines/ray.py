@@ -153,12 +153,14 @@ def actor_device_and_dtype(device: str, dtype: str, cluster: dict) -> tuple[str,
     return "cuda", chosen, f"{chosen}: the default on the cluster's GPUs ({', '.join(kinds) or 'type not reported'})"
 
 
-def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None = None) -> ModelChoice:
+def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None = None,
+                      trial_texts=None) -> ModelChoice:
     """The run's model choice with the device and dtype its actors will run in (see
-    `actor_device_and_dtype`); everything else is settled on the driver as for a local run."""
+    `actor_device_and_dtype`); everything else is settled on the driver as for a local run
+    (on CPUs the bf16 trial runs on `trial_texts()`)."""
     device, dtype, reason = actor_device_and_dtype(config.device, config.dtype, cluster)
     if device == "cpu":
-        return choose_model(dataclasses.replace(config, device="cpu"), dtype_source)
+        return choose_model(dataclasses.replace(config, device="cpu"), dtype_source, trial_texts)
     import torch
 
     choice = choose_model(dataclasses.replace(config, device="cpu", dtype="float32"))  # the driver needs no GPU
