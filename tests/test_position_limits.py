@@ -75,7 +75,7 @@ def test_each_family_takes_512_of_514_positions_loaded_or_from_its_config_alone(
     path = family_paths[model_type]
     config = transformers.AutoConfig.from_pretrained(path)
     assert config.max_position_embeddings == 514
-    assert position_limit_of_config(config) == PositionLimit(512, 514, 1)  # choose_model's check, before the dtype trial
+    assert position_limit_of_config(config) == PositionLimit(512, 514, 1)  # choose_model's check, before the trial
     model = getattr(transformers, FAMILIES[model_type][1]).from_pretrained(path)
     assert position_limit(model) == PositionLimit(512, 514, 1)
 

@@ -168,7 +168,8 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
 def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     """Everything that changes the output values. Batch sizes, workers and memory settings
     are left out on purpose: they must not change results."""
-    return {"job": config.job, "model": model_content_hash(choice.path, config.plan_cache), "max_length": choice.max_length,
+    return {"job": config.job, "model": model_content_hash(choice.path, config.plan_cache),
+            "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
             "id_column": config.id_column, "text_column": config.text_column, **choice.job_options,
             **({"keep_columns": list(config.keep_columns)} if config.keep_columns else {})}
