@@ -34,9 +34,10 @@ class Job(Protocol):
         the host, that no row of the batch has padding (see `model_attention_mask`)."""
 
     def agreement(self, reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
-                  strict: bool = False) -> tuple[bool, str]:
+                  strict: bool = False, model: torch.nn.Module | None = None) -> tuple[bool, str]:
         """Whether `candidate` (the same batch in another dtype, or `strict`ly: compiled in the
-        same dtype) is as good as `reference`, and how close."""
+        same dtype) is as good as `reference`, and how close. `model` (the reference's) lets a
+        job count what its outputs decide, such as `moderate`'s flags."""
 
     def output_schema(self, model: torch.nn.Module) -> pa.Schema:
         """The job's output columns (the pipeline adds id, truncated and error)."""

@@ -34,7 +34,7 @@ class ClassifyJob:
         scores = logits.sigmoid() if uses_sigmoid(model.config) else logits.softmax(dim=-1)
         return {"scores": scores}
 
-    def agreement(self, reference, candidate, strict: bool = False) -> tuple[bool, str]:
+    def agreement(self, reference, candidate, strict: bool = False, model=None) -> tuple[bool, str]:
         """Another dtype is as good as `reference` when every row keeps its top label and no
         score moves by more than MAX_SCORE_CHANGE (MAX_SCORE_CHANGE_STRICT when `strict`)."""
         a, b = reference["scores"].float(), candidate["scores"].float()

@@ -103,7 +103,7 @@ class EmbedJob:
     def forward(self, model, input_ids, attention_mask, padded: bool = True):
         return {"embedding": model(input_ids, attention_mask, padded)}
 
-    def agreement(self, reference, candidate, strict: bool = False) -> tuple[bool, str]:
+    def agreement(self, reference, candidate, strict: bool = False, model=None) -> tuple[bool, str]:
         """Whether `candidate` outputs are as good as `reference`: cosine ≥ MIN_COSINE on every row
         (MIN_COSINE_STRICT when `strict`)."""
         a, b = reference["embedding"].float(), candidate["embedding"].float()

@@ -95,6 +95,17 @@ class ModerateJob(ClassifyJob):
         labels = model_labels(classifier.config)
         return Moderator(classifier, thresholds or {name: RunConfig.default_threshold for name in labels}).eval()
 
+    def agreement(self, reference, candidate, strict: bool = False, model=None) -> tuple[bool, str]:
+        """`classify`'s test, and with `model` (its labels and thresholds) no row's flags may
+        change: a score that stays within 0.01 can still cross a threshold."""
+        agrees, how = super().agreement(reference, candidate, strict)
+        if model is None:
+            return agrees, how
+        hits = [flag_hits(outputs["scores"].float().numpy(), model.labels, model.thresholds)
+                for outputs in (reference, candidate)]
+        changed = int((hits[0] != hits[1]).any(axis=1).sum())
+        return agrees and changed == 0, f"{how}, flags changed on {changed}/{len(hits[0])} rows"
+
     def output_schema(self, model):
         return pa.schema([("flagged", pa.bool_()), ("flagged_labels", pa.list_(pa.string())),
                           ("scores", pa.struct([(name, pa.float32()) for name in model.labels]))])

@@ -31,7 +31,9 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 
 USAGE_ERRORS = {
-    "max length beyond the model": (["--max-length", "100000"], "more than the model's 512 positions"),
+    "max length beyond the model": (["--max-length", "100000"],
+                                    "more than the 512 tokens this bert model takes (512 positions); "
+                                    "set --max-length 512 or less"),
     "missing model": (["--model", "/nowhere/model"], "is not a Hugging Face model folder"),
     "threshold of no label": (["--job", "moderate", "--threshold", "toxc=0.8"], "not a label of this model"),
     "threshold out of range": (["--job", "moderate", "--threshold", "toxic=1.5"], "outside 0…1"),

@@ -10,19 +10,20 @@ forward runs compiled (`core/compile.py`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from jobs.base import attention_implementation
 from jobs.registry import get_job, job_options
 from jobs.sentence_transformers_folder import DEFAULT_MAX_LENGTH, read_text_settings, resolve_prompt
-from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
+from pipeline.core.cache import cache_dir, model_content_hash, plan_cache_key, read_keyed, write_keyed
 from pipeline.core.clock import SetupClock
 from pipeline.core.device import (
     DTYPES,
@@ -36,6 +37,7 @@ from pipeline.core.device import (
 from pipeline.core.compile import CompileChoice, CompileVerdict, pick_compile, use_inductor_cache, worth_a_trial
 from pipeline.core.compiled_forward import compile_model, compile_trial, eager_tokens_per_s
 from pipeline.core.errors import UsageError
+from pipeline.core.positions import PositionLimit, check_folder_max_length, check_max_length, position_limit
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 
 log = logging.getLogger(__name__)
@@ -70,15 +72,19 @@ class ModelChoice:
     job_options: dict = field(default_factory=dict)  # the job's own output-changing settings (thresholds)
 
 
-def choose_model(settings, dtype_source: str | None = None) -> ModelChoice:
+def choose_model(settings, dtype_source: str | None = None,
+                 trial_texts: Callable[[], list[str]] | None = None) -> ModelChoice:
     """`settings`: a RunConfig or SweepConfig (model, device, dtype, max_length, prompt, prompt_name).
     `dtype_source` says where a dtype the caller set came from (e.g. the output's record on a
-    resume); without it a dtype other than auto came from --dtype."""
+    resume); without it a dtype other than auto came from --dtype. `trial_texts()`: a sample of
+    the job's own texts for the bf16 trial (read only if a trial runs); without it (a sweep, a
+    service) the trial runs on random token ids."""
     path = resolve_model_path(settings.model)
     options = job_options(settings, path)
     text = read_text_settings(path)
     device = resolve_device(settings.device)
     max_length = settings.max_length or text.max_seq_length or DEFAULT_MAX_LENGTH
+    check_folder_max_length(path, max_length, settings.trust_remote_code)
     dtype = resolve_dtype(settings.dtype, device)
     attention = attention_implementation(get_job(settings.job).auto_class, path)
     if attention == "eager":
@@ -86,19 +92,24 @@ def choose_model(settings, dtype_source: str | None = None) -> ModelChoice:
                     "(slower, more memory per row)")
     reason = f"{dtype_name(dtype)}: " + (dtype_source or ("--dtype" if settings.dtype != "auto"
                                                           else f"the default on {device.type}"))
+    prompt = resolve_prompt(text, settings.prompt, settings.prompt_name)
     if device.type == "cpu" and settings.dtype == "auto":
-        dtype, reason = choose_cpu_dtype(settings, path, max_length, attention)
+        spec = functools.partial(load_tokenizer_spec, path, max_length, settings.trust_remote_code, prompt,
+                                 text.lowercase)
+        rows = functools.partial(input_trial_batches, trial_texts, spec) if trial_texts else None
+        dtype, reason = choose_cpu_dtype(settings, path, max_length, attention, options, prompt, rows)
     elif device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_feature() is None:
         log.warning(f"--dtype bfloat16 on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}) "
                     "is emulated and runs several times slower than float32; --dtype auto picks float32 here")
     log.info(f"dtype {reason}")
     return ModelChoice(path=path, device=device, dtype=dtype, max_length=max_length,
-                       prompt=resolve_prompt(text, settings.prompt, settings.prompt_name), lowercase=text.lowercase,
+                       prompt=prompt, lowercase=text.lowercase,
                        dtype_reason=reason, attention=attention, job_options=options)
 
 
 BF16_MIN_SPEEDUP = 1.2  # below this, the precision is not worth it
-TRIAL_ROWS, TRIAL_LENGTH = 64, 128  # the trial batch: 64 rows of 32…128 tokens, padded
+TRIAL_ROWS, TRIAL_LENGTH = 64, 128  # the trial: 64 rows; random ids are 32…128 tokens, padded
+TRIAL_BATCHES = 4  # the input's trial rows run in this many batches by length, each padded to its longest
 
 
 def pick_cpu_dtype(feature: str | None, capability: str, speedup: float | None, agrees: bool | None,
@@ -109,60 +120,133 @@ def pick_cpu_dtype(feature: str | None, capability: str, speedup: float | None, 
     if not agrees:
         return "float32", f"float32: bfloat16 disagrees with float32 ({agreement})"
     if speedup < BF16_MIN_SPEEDUP:
-        return "float32", f"float32: bfloat16 only {speedup:.2f}x as fast on {feature} (needs {BF16_MIN_SPEEDUP}x)"
+        return "float32", (f"float32: bfloat16 only {speedup:.2f}x as fast on {feature} (needs {BF16_MIN_SPEEDUP}x; "
+                           f"{agreement})")
     return "bfloat16", f"bfloat16: {feature}, {speedup:.2f}x faster, {agreement}"
 
 
-def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None) -> tuple[torch.dtype, str]:
-    """`--dtype auto` on the CPU: bfloat16 when the CPU runs it natively and a trial batch is
-    at least BF16_MIN_SPEEDUP times faster in it and agrees with float32 (the job's test);
-    else float32. The decision is cached per model, job, CPU and torch version."""
+@dataclass(frozen=True)
+class TrialBatches:
+    """What the bf16 trial runs: (input ids, attention mask) batches, and what they are, in words."""
+
+    batches: list
+    rows: str  # "64 of the input's rows (3–128 tokens)", "64 random-id rows"
+    prompt_tokens: int = 0  # leading prompt tokens in every row (pooling may leave them out)
+
+
+def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None, options: dict, prompt: str,
+                     input_rows: Callable[[], TrialBatches | None] | None) -> tuple[torch.dtype, str]:
+    """`--dtype auto` on the CPU: bfloat16 when the CPU runs it natively and the trial is at
+    least BF16_MIN_SPEEDUP times faster in it and agrees with float32 (the job's test, flag
+    flips included) on the job's own rows (`input_rows()`; random ids without them); else
+    float32. The decision is cached per model content, job and its options, trial, CPU and
+    torch version (`dtype_verdict_key`)."""
     feature = native_bf16_feature()
     if feature is None:
         return torch.float32, pick_cpu_dtype(None, torch.backends.cpu.get_cpu_capability(), None, None, "")[1]
-    key, name = plan_cache_key(kind="cpu-dtype", model=model_memory_fingerprint(path), job=settings.job,
-                               device=device_name(torch.device("cpu")), torch=torch.__version__,
-                               length=min(TRIAL_LENGTH, max_length))
-    cache = cache_dir(settings.plan_cache) / f"dtype-{name}.json"
-    cached = read_keyed(cache, key)
+    key, name = dtype_verdict_key(settings, path, max_length, options, prompt, input_rows is not None)
+    cached = read_keyed(cache_dir(settings.plan_cache) / f"dtype-{name}.json", key)
     if cached and cached.get("dtype") in DTYPES:
         return DTYPES[cached["dtype"]], cached["reason"] + " (cached)"
     job = get_job(settings.job)
     loading = {"allow_pickle": settings.allow_pickle, "trust_remote_code": settings.trust_remote_code,
-               "attention": attention}
+               "attention": attention, **options}
     try:
-        speedup, agrees, agreement = bf16_trial(job, path, loading, min(TRIAL_LENGTH, max_length))
+        trial = input_rows() if input_rows else None
+        if trial is None:  # no rows (a sweep, a service, an input with no readable text): random ids
+            key, name = dtype_verdict_key(settings, path, max_length, options, prompt, False)
+        speedup, agrees, agreement = bf16_trial(job, path, loading, trial, min(TRIAL_LENGTH, max_length))
     except Exception as error:  # noqa: BLE001 - out of memory, an op bf16 lacks: float32 is always safe
         return torch.float32, f"float32: the bfloat16 trial failed ({type(error).__name__}: {error})"
     chosen, reason = pick_cpu_dtype(feature, torch.backends.cpu.get_cpu_capability(), speedup, agrees, agreement)
-    write_keyed(cache, key, {"dtype": chosen, "reason": reason})
+    write_keyed(cache_dir(settings.plan_cache) / f"dtype-{name}.json", key, {"dtype": chosen, "reason": reason})
     return DTYPES[chosen], reason
 
 
-def bf16_trial(job, path: str, loading: dict, length: int) -> tuple[float, bool, str]:
-    """(bf16 speed-up over fp32, whether the job's outputs agree, how closely) on one padded
-    trial batch of random token ids, best of three timed forwards after a warm-up each."""
-    device = torch.device("cpu")
-    models = {dtype: job.load(path, device, dtype, **loading) for dtype in (torch.float32, torch.bfloat16)}
+def dtype_verdict_key(settings, path: str, max_length: int, options: dict, prompt: str,
+                      on_input_rows: bool) -> tuple[dict, str]:
+    """What a CPU dtype verdict holds for: the model's content (weights, pooling, normalisation,
+    prompts: a retrained checkpoint of the same shape gets its own trial), the job and its
+    options (thresholds decide flag flips), the prompt, which rows it ran on, CPU, torch."""
+    return plan_cache_key(kind="cpu-dtype", model=model_content_hash(path, settings.plan_cache), job=settings.job,
+                          options=options, prompt=prompt, trial="input rows" if on_input_rows else "random ids",
+                          device=device_name(torch.device("cpu")), torch=torch.__version__,
+                          length=max_length if on_input_rows else min(TRIAL_LENGTH, max_length))
+
+
+def spread_over_lengths(lengths: np.ndarray, count: int) -> np.ndarray:
+    """Up to `count` row indices spread evenly over the rows sorted by length (shortest to
+    longest), so the trial sees short, typical and long rows; rows of length 0 (no text) are
+    left out."""
+    order = np.argsort(lengths, kind="stable")
+    order = order[lengths[order] > 0]
+    if len(order) <= count:
+        return order
+    return order[np.unique(np.linspace(0, len(order) - 1, count).round().astype(np.int64))]
+
+
+def input_trial_batches(texts: Callable[[], list[str]], spec: Callable[[], TokenizerSpec]) -> TrialBatches | None:
+    """TRIAL_ROWS of the job's own texts, tokenized as the run will (`spec()`), spread over their
+    lengths (`spread_over_lengths`) in TRIAL_BATCHES batches by length; None without any text."""
+    from tokenizers import Tokenizer
+
+    from pipeline.core.forward import collate
+    from pipeline.core.tokenize import encode_texts
+
+    sample = texts()
+    if not sample:
+        return None
+    tokenizer_spec = spec()
+    encoded = encode_texts(sample, Tokenizer.from_str(tokenizer_spec.tokenizer_json), tokenizer_spec)
+    rows = spread_over_lengths(encoded.lengths, TRIAL_ROWS)
+    if not len(rows):
+        return None
+    batches = []
+    for part in np.array_split(rows, min(TRIAL_BATCHES, len(rows))):
+        input_ids, attention_mask = collate(encoded.token_ids, encoded.offsets, part, int(encoded.lengths[part].max()),
+                                            tokenizer_spec.pad_token_id)
+        batches.append((torch.from_numpy(input_ids), torch.from_numpy(attention_mask)))
+    lengths = encoded.lengths[rows]
+    return TrialBatches(batches, f"{len(rows)} of the input's rows ({lengths.min()}–{lengths.max()} tokens)",
+                        count_prompt_tokens(tokenizer_spec))
+
+
+def random_trial_batches(vocab: int, length: int) -> TrialBatches:
+    """One padded batch of TRIAL_ROWS rows of random token ids, 1/4 to all of `length` long."""
     generator = torch.Generator().manual_seed(0)
-    vocab = getattr(models[torch.float32].config, "vocab_size", 1000)
     lengths = torch.randint(max(1, length // 4), length + 1, (TRIAL_ROWS,), generator=generator)
     lengths[0] = length
     attention_mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
     input_ids = torch.randint(1000 if vocab > 2000 else 1, vocab, (TRIAL_ROWS, length), generator=generator)
-    input_ids = input_ids * attention_mask
+    return TrialBatches([(input_ids * attention_mask, attention_mask)], f"{TRIAL_ROWS} random-id rows")
+
+
+def forward_batches(job, model, batches: list) -> dict[str, torch.Tensor]:
+    """The job's outputs of every batch, rows concatenated in batch order."""
+    outputs = [job.forward(model, input_ids, attention_mask) for input_ids, attention_mask in batches]
+    return {name: torch.cat([output[name] for output in outputs]) for name in outputs[0]}
+
+
+def bf16_trial(job, path: str, loading: dict, trial: TrialBatches | None, length: int) -> tuple[float, bool, str]:
+    """(bf16 speed-up over fp32, whether the job's outputs agree, how closely) on `trial` (None:
+    random ids up to `length` tokens), best of three timed passes after a warm-up each."""
+    device = torch.device("cpu")
+    prompt_tokens = trial.prompt_tokens if trial else 0
+    models = {dtype: job.load(path, device, dtype, prompt_tokens=prompt_tokens, **loading)
+              for dtype in (torch.float32, torch.bfloat16)}
+    trial = trial or random_trial_batches(getattr(models[torch.float32].config, "vocab_size", 1000), length)
     seconds, outputs = {}, {}
     with torch.inference_mode():
         for dtype, model in models.items():
-            outputs[dtype] = job.forward(model, input_ids, attention_mask)
+            outputs[dtype] = forward_batches(job, model, trial.batches)
             times = []
             for _ in range(3):
                 started = time.perf_counter()
-                job.forward(model, input_ids, attention_mask)
+                forward_batches(job, model, trial.batches)
                 times.append(time.perf_counter() - started)
             seconds[dtype] = min(times)
-    agrees, agreement = job.agreement(outputs[torch.float32], outputs[torch.bfloat16])
-    return seconds[torch.float32] / seconds[torch.bfloat16], agrees, f"{agreement} vs float32 on {TRIAL_ROWS} rows"
+    agrees, agreement = job.agreement(outputs[torch.float32], outputs[torch.bfloat16], model=models[torch.float32])
+    return seconds[torch.float32] / seconds[torch.bfloat16], agrees, f"{agreement} vs float32 on {trial.rows}"
 
 
 @dataclass
@@ -172,6 +256,7 @@ class LoadedModel:
     model: torch.nn.Module  # what runs: compiled when `compile.compiled`
     tokenizer: TokenizerSpec
     compile: CompileChoice = CompileChoice(False, "eager")
+    position_limit: PositionLimit | None = None  # the longest row the model takes
 
 
 def load_model(settings, choice: ModelChoice | None = None,
@@ -194,14 +279,15 @@ def load_model(settings, choice: ModelChoice | None = None,
         model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
                          **choice.job_options, allow_pickle=settings.allow_pickle,
                          trust_remote_code=settings.trust_remote_code, attention=choice.attention)
-    check_max_length(model.config, choice.max_length)
+    limit = position_limit(model)
+    check_max_length(limit, choice.max_length, model.config.model_type)
     keep_freed_host_memory(choice.device)
     with clock.step("compile decision"):
         model, compile_choice = settle_compile(settings, choice, job, model,
                                                workload(tokenizer) if workload else None)
     log.info(compile_choice.reason + (f" ({compile_choice.compile_s:.1f} s to compile)" if compile_choice.compiled
                                       else ""))
-    return LoadedModel(choice, job, model, tokenizer, compile_choice)
+    return LoadedModel(choice, job, model, tokenizer, compile_choice, limit)
 
 
 def tokenizer_for(settings, choice: ModelChoice) -> TokenizerSpec:
@@ -222,9 +308,7 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     there is none and the job is large enough to pay a compile back)."""
     setting = getattr(settings, "compile", "off")
     cache = cache_dir(settings.plan_cache)
-    key, name = plan_cache_key(kind="compile", model=model_memory_fingerprint(choice.path), job=settings.job,
-                               device=device_name(choice.device), dtype=dtype_name(choice.dtype),
-                               attention=choice.attention)
+    key, name = compile_verdict_key(settings, choice)
     path = cache / f"compile-{name}.json"
     record = read_keyed(path, key) if setting != "off" else None
     verdict = CompileVerdict(**{f: record[f] for f in CompileVerdict.__dataclass_fields__}) if record else None
@@ -261,35 +345,21 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     return compiled, CompileChoice(True, reason, compile_s)
 
 
+def compile_verdict_key(settings, choice: ModelChoice) -> tuple[dict, str]:
+    """What a compile verdict holds for: its agreement test ran on this model's content, job,
+    device, dtype and attention."""
+    return plan_cache_key(kind="compile", model=model_content_hash(choice.path, settings.plan_cache),
+                          job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
+                          attention=choice.attention)
+
+
 PACKAGE_LOAD_S = 1.0  # loading a compiled package (MiniLM: 0.1-0.6 s)
 
 
 def compiled_package_path(cache: Path, settings, choice: ModelChoice) -> Path:
     """Where the compiled package of this model, job, device and dtype lives: keyed by the
     weights' content (they are folded into it) and what the job builds around them."""
-    key, name = plan_cache_key(kind="package", model=model_content_hash(choice.path), job=settings.job,
-                               device=device_name(choice.device), dtype=dtype_name(choice.dtype),
+    key, name = plan_cache_key(kind="package", model=model_content_hash(choice.path, settings.plan_cache),
+                               job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
                                attention=choice.attention, prompt=choice.prompt, **choice.job_options)
     return cache / "compiled" / f"{name}.pt2"
-
-
-def check_max_length(model_config, max_length: int) -> None:
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if positions is not None and max_length > positions:
-        raise UsageError(f"--max-length {max_length} is more than the model's {positions} positions; "
-                         f"set --max-length {positions} or less")
-
-
-def model_content_hash(model_path: str) -> str:
-    """sha256 over the model's config, tokenizer and weight files and the config.json of its
-    sentence-transformers modules (1_Pooling/config.json …): names and bytes."""
-    digest = hashlib.sha256()
-    folder = Path(model_path)
-    suffixes = (".json", ".safetensors", ".txt", ".model", ".bin")
-    top = [p for p in folder.iterdir() if p.is_file() and p.suffix in suffixes]
-    for path in sorted(top + list(folder.glob("*/config.json"))):
-        digest.update(path.relative_to(folder).as_posix().encode())
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:24]

@@ -42,8 +42,13 @@ def forward_peak_bytes(job, model, device, rows: int, length: int, since_bytes: 
         attention_mask[:, -1] = 0
 
     def forward() -> None:
-        with torch.inference_mode():
-            job.forward(model, input_ids, attention_mask)
+        try:
+            with torch.inference_mode():
+                job.forward(model, input_ids, attention_mask)
+        except Exception as error:
+            if is_out_of_memory(error):
+                raise
+            raise UsageError(probe_failure(rows, length, error)) from error
 
     try:
         return measure_peak_bytes(forward, device, since_bytes)
@@ -52,6 +57,14 @@ def forward_peak_bytes(job, model, device, rows: int, length: int, since_bytes: 
             raise
     release_cached_memory(device)
     return math.inf
+
+
+def probe_failure(rows: int, length: int, error: BaseException) -> str:
+    """One line for a probe forward that failed other than by running out of memory: every batch
+    of the run would fail the same way, so the run stops before any work (exit 2)."""
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+    return (f"the memory probe's forward of {rows} rows × {length} tokens failed with {type(error).__name__}: "
+            f"{cause}; every batch this long would fail the same way: check --max-length, --dtype and --model")
 
 
 KEPT_BLOCKS = 1  # a large CPU check runs through the first block, plus one hidden state (check_through_first_blocks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from pipeline.offline.reuse import check_reusable, recorded_dtype
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
 from pipeline.offline.summary import RunSummary, output_totals
+from pipeline.offline.workload import sample_texts
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ PrepareEngine = Callable[[RunConfig, ModelChoice, list[Shard], SetupClock], tupl
 
 
 def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngine,
-                choose: Callable[[RunConfig], ModelChoice] = choose_model) -> RunSummary:
+                choose: Callable[..., ModelChoice] = choose_model) -> RunSummary:
     """What every engine shares: list this slot's shards, settle the model (`choose`: the Ray
     engine settles it for its actors) and check the output's recorded settings, let
     `prepare_engine(config, choice, todo)` load and check what it runs, and only then create the
@@ -61,8 +63,10 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     if config.reuse and config.dtype == "auto":
         config = keep_reused_dtype(config)
         dtype_source = None if config.dtype == "auto" else f"what {config.reuse} was made with (--dtype auto, --reuse)"
+    # the bf16 trial of --dtype auto runs on the job's own rows
+    trial_texts = functools.partial(sample_texts, shards, config.id_column, config.text_column, config.storage_options)
     with clock.step("model code and dtype"):  # importing the architecture's code is most of it
-        choice = choose(config, dtype_source)
+        choice = choose(config, dtype_source, trial_texts)
     with clock.step("output check"):
         fingerprint = output_fingerprint(config, choice)
         refuse_other_settings(config, manifest.read_run(), fingerprint)
@@ -192,7 +196,8 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
 def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     """Everything that changes the output values. Batch sizes, workers and memory settings
     are left out on purpose: they must not change results."""
-    return {"job": config.job, "model": model_content_hash(choice.path), "max_length": choice.max_length,
+    return {"job": config.job, "model": model_content_hash(choice.path, config.plan_cache),
+            "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
             "id_column": config.id_column, "text_column": config.text_column, **choice.job_options,
             **({"keep_columns": list(config.keep_columns)} if config.keep_columns else {})}

@@ -29,12 +29,11 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from tqdm import tqdm
-from transformers import AutoConfig
 
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
 from pipeline.core.errors import StorageError, UsageError
-from pipeline.core.model import ModelChoice, check_max_length, choose_model, load_model
+from pipeline.core.model import ModelChoice, choose_model, load_model
 from pipeline.core.settings import RunConfig
 from pipeline.engines.claim import run_claimed
 from pipeline.offline.manifest import RunManifest
@@ -154,12 +153,14 @@ def actor_device_and_dtype(device: str, dtype: str, cluster: dict) -> tuple[str,
     return "cuda", chosen, f"{chosen}: the default on the cluster's GPUs ({', '.join(kinds) or 'type not reported'})"
 
 
-def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None = None) -> ModelChoice:
+def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None = None,
+                      trial_texts=None) -> ModelChoice:
     """The run's model choice with the device and dtype its actors will run in (see
-    `actor_device_and_dtype`); everything else is settled on the driver as for a local run."""
+    `actor_device_and_dtype`); everything else is settled on the driver as for a local run
+    (on CPUs the bf16 trial runs on `trial_texts()`)."""
     device, dtype, reason = actor_device_and_dtype(config.device, config.dtype, cluster)
     if device == "cpu":
-        return choose_model(dataclasses.replace(config, device="cpu"), dtype_source)
+        return choose_model(dataclasses.replace(config, device="cpu"), dtype_source, trial_texts)
     import torch
 
     choice = choose_model(dataclasses.replace(config, device="cpu", dtype="float32"))  # the driver needs no GPU
@@ -168,11 +169,10 @@ def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None
 
 
 def prepare_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], clock=None):
-    """What the driver can check before the output is touched (the actors load the model, and
-    each settles --compile auto from the cached verdict on its own device; their setup is in
-    the summary's actor lines, not on the driver's `clock`)."""
-    check_max_length(AutoConfig.from_pretrained(choice.path, trust_remote_code=config.trust_remote_code),
-                     choice.max_length)
+    """Nothing to load on the driver: the actors load the model (the max length was checked
+    against its architecture in `choose_model`), and each settles --compile auto from the
+    cached verdict on its own device; their setup is in the summary's actor lines, not on the
+    driver's `clock`."""
     return functools.partial(run_on_actors, config, choice), config
 
 

@@ -88,7 +88,7 @@ class ShardRunner:
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
-        summary.settings, summary.sweep_reference = diagnosis_settings(config, model), self.sweep_reference
+        summary.settings, summary.sweep_reference = diagnosis_settings(config, loaded), self.sweep_reference
         count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
         writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids)
         background = BackgroundWriter(writer)
@@ -168,9 +168,11 @@ class ShardRunner:
         return {f.name: pa.nulls(rows, f.type) for f in job.output_schema(model)}
 
 
-def diagnosis_settings(config: RunConfig, model: torch.nn.Module) -> dict:
-    """The settings the diagnosis reads and names in its actions."""
-    return {"max_length": config.max_length, "max_positions": getattr(model.config, "max_position_embeddings", None),
+def diagnosis_settings(config: RunConfig, loaded: LoadedModel) -> dict:
+    """The settings the diagnosis reads and names in its actions (max_positions: the tokens the
+    model takes, fewer than its position table in the RoBERTa family)."""
+    limit = loaded.position_limit
+    return {"max_length": config.max_length, "max_positions": limit.tokens if limit else None,
             "window_rows": config.window_rows, "tokenize_workers": config.tokenize_workers, "cores": usable_cores(),
             "torch_threads": torch.get_num_threads(),
             "safety": config.safety, "max_batch_tokens": config.max_batch_tokens,

@@ -1,5 +1,6 @@
 """How much work a run has: rows from the shards' footers × the mean tokens of a sample of
-their texts, tokenized as the model will see them. `--compile auto` weighs a compile against it."""
+their texts, tokenized as the model will see them. `--compile auto` weighs a compile against it;
+`--dtype auto`'s bf16 trial runs on the same sample."""
 
 from __future__ import annotations
 
@@ -13,19 +14,29 @@ from pipeline.offline.source import Shard, read_blocks
 SAMPLE_ROWS = 1000  # texts tokenized for the mean length: a fraction of a second
 
 
+def sample_texts(shards: Sequence[Shard], id_column: str, text_column: str, storage_options: dict | None = None,
+                 rows: int = SAMPLE_ROWS) -> list | None:
+    """The first `rows` texts of the first readable shard (the run's first window starts with
+    them); None when there is no row or it cannot be read."""
+    readable = [shard for shard in shards if not shard.problem and shard.num_rows]
+    for block in read_blocks(readable[:1], id_column, text_column, rows, storage_options):
+        if block.failure or not block.num_rows:
+            break
+        return block.texts.to_pylist()
+    return None
+
+
 def estimate_tokens(shards: Sequence[Shard], id_column: str, text_column: str, spec: TokenizerSpec,
                     storage_options: dict | None = None) -> float:
     """Estimated real tokens of `shards`: their rows × the mean token length of the first
     SAMPLE_ROWS rows of the first readable shard (0 when they hold no rows)."""
-    readable = [shard for shard in shards if not shard.problem]
-    rows = sum(shard.num_rows for shard in readable)
+    rows = sum(shard.num_rows for shard in shards if not shard.problem)
     if rows == 0:
         return 0.0
     from tokenizers import Tokenizer
 
-    for block in read_blocks(readable[:1], id_column, text_column, SAMPLE_ROWS, storage_options):
-        if block.failure or not block.num_rows:
-            break
-        encoded = encode_texts(block.texts.to_pylist(), Tokenizer.from_str(spec.tokenizer_json), spec)
-        return rows * float(np.mean(encoded.lengths))
-    return rows * spec.max_length / 2  # the sample could not be read: assume half-full rows
+    texts = sample_texts(shards, id_column, text_column, storage_options)
+    if texts is None:
+        return rows * spec.max_length / 2  # the sample could not be read: assume half-full rows
+    encoded = encode_texts(texts, Tokenizer.from_str(spec.tokenizer_json), spec)
+    return rows * float(np.mean(encoded.lengths))
