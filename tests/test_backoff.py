@@ -16,13 +16,16 @@ class OutOfMemoryAbove(EmbedJob):
 
     name = "embed-oom"
 
-    def __init__(self, max_rows: int, max_padded_length: int = 10_000):
-        self.max_rows, self.max_padded_length = max_rows, max_padded_length
+    def __init__(self, max_rows: int, max_padded_length: int = 10_000, max_tokens: int | None = None):
+        self.max_rows, self.max_padded_length, self.max_tokens = max_rows, max_padded_length, max_tokens
         self.rows_computed = 0
+        self.failed_lengths: list[int] = []
 
     def forward(self, model, input_ids, attention_mask, padded=True):
         rows, length = input_ids.shape
-        if rows > self.max_rows or length > self.max_padded_length:
+        if rows > self.max_rows or length > self.max_padded_length or (
+                self.max_tokens is not None and rows * length > self.max_tokens):
+            self.failed_lengths.append(length)
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows * length} units")
         self.rows_computed += rows
         return super().forward(model, input_ids, attention_mask, padded)
@@ -78,6 +81,33 @@ def test_outputs_equal_an_unconstrained_run_and_splits_are_reported(tmp_path, oo
     assert job.rows_computed == 196  # every valid row exactly once
     assert summary["oom_splits"] > 0
     assert summary["lowered_batch_rows"] and max(summary["lowered_batch_rows"].values()) <= 5
+
+
+def test_a_lowered_limit_caps_the_padded_tokens_of_every_length():
+    from pipeline.core.forward import BatchLimits
+
+    limits = BatchLimits(None)
+    limits.lower(256, 4)  # 1,024 padded tokens ran at length 256
+    assert [limits.rows_for(length) for length in (64, 128, 256, 512, 2048)] == [16, 8, 4, 2, 1]
+    limits.lower(64, 8)  # a later split at 64 lowers the shorter lengths further
+    assert [limits.rows_for(length) for length in (32, 64, 128, 256)] == [16, 8, 4, 2]
+
+
+def test_after_one_out_of_memory_split_shorter_lengths_do_not_fail_again(tmp_path, oom_job, tiny_encoder_path):
+    """A device whose memory holds 1,024 padded tokens, batches sized for 16,384, 40 rows at each
+    of four lengths: the first (longest) batch is split, and every shorter length is then packed
+    within the tokens that ran (before, each new length ran out of memory again)."""
+    import pyarrow as pa
+
+    words = [n for n in (100, 70, 45, 20) for _ in range(40)]
+    table = pa.table({"id": list(range(len(words))), "text": [" ".join(["hello"] * n) for n in words]})
+    job = oom_job(max_rows=10_000, max_tokens=1024)
+    output, summary = run_to_table(tmp_path, "cascade", table, [len(words)], model=tiny_encoder_path,
+                                   max_length=128, job=job.name, max_batch_tokens=16384, max_batch_rows=4096,
+                                   probe=False)
+    assert job.rows_computed == len(words)
+    assert len(set(job.failed_lengths)) == 1, job.failed_lengths  # only the first length ever failed
+    assert output["id"].to_pylist() == table["id"].to_pylist()
 
 
 def test_a_row_that_cannot_run_alone_gets_an_error_and_the_run_goes_on(tmp_path, oom_job, rows_with_bad_ones,

@@ -137,11 +137,18 @@ class SplitForward:
 
 
 def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             device: torch.device) -> SplitForward:
+                             device: torch.device, max_rows: int | None = None) -> SplitForward:
     """Run `forward(ids, mask) → {name: tensor}`; on out-of-memory halve the batch and retry
     each half, down to single rows. Every row is computed once; a row that fails alone is
-    reported in `failed` instead of raising. Outputs stay on the device (see `HostCopy`)."""
+    reported in `failed` instead of raising. Outputs stay on the device (see `HostCopy`).
+    A batch of more than `max_rows` (collated before a split lowered the limits) runs in parts
+    of that many rows from the start, without failing first."""
     rows = input_ids.shape[0]
+    if max_rows is not None and rows > max_rows:
+        parts = [forward_splitting_on_oom(forward, input_ids[start:start + max_rows],
+                                          attention_mask[start:start + max_rows], device)
+                 for start in range(0, rows, max_rows)]
+        return joined(parts, splits=sum(p.splits for p in parts))
     try:
         return SplitForward(dict(forward(input_ids, attention_mask)), np.zeros(rows, dtype=bool), 0, rows)
     except BaseException as error:
@@ -153,13 +160,18 @@ def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: t
     half = rows // 2
     parts = [forward_splitting_on_oom(forward, input_ids[s], attention_mask[s], device)
              for s in (slice(0, half), slice(half, rows))]
+    return joined(parts, splits=1 + sum(p.splits for p in parts))
+
+
+def joined(parts: list[SplitForward], splits: int) -> SplitForward:
+    """Consecutive parts of one batch as one result (zeros for the rows of a part that failed whole)."""
     shapes = next((p.outputs for p in parts if p.outputs), None)
     outputs = {}
     if shapes is not None:
         for name, values in shapes.items():
             outputs[name] = torch.cat([p.outputs[name] if p.outputs else
                                        values.new_zeros((len(p.failed), *values.shape[1:])) for p in parts])
-    return SplitForward(outputs, np.concatenate([p.failed for p in parts]), 1 + sum(p.splits for p in parts),
+    return SplitForward(outputs, np.concatenate([p.failed for p in parts]), splits,
                         max(p.largest_ok_rows for p in parts))
 
 
@@ -231,10 +243,12 @@ class BatchLimits:
         self.lowered: dict[int, int] = {}  # padded length → rows that ran after a split
 
     def rows_for(self, padded_length: int) -> int:
+        """The plan's rows, and after an out-of-memory split at length L that left R rows, no more
+        padded tokens than L × R at any length: a shorter batch that kept the full token budget
+        failed again at every new length, and a longer one needs more memory per row."""
         rows = self.plan.rows_for(padded_length) if self.plan else np.iinfo(np.int64).max
         for length, lowered_rows in list(self.lowered.items()):
-            if length <= padded_length:  # a longer batch needs at least as much memory
-                rows = min(rows, lowered_rows)
+            rows = min(rows, max(1, length * lowered_rows // padded_length))
         return rows
 
     def lower(self, padded_length: int, rows: int) -> None:
@@ -301,7 +315,7 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
             started_event = device_timer_start(device)
             input_ids, attention_mask = feeder.receive(item.tensors, item.copied)
             result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded), input_ids,
-                                              attention_mask, device)
+                                              attention_mask, device, limits.rows_for(item.padded_length))
             if result.splits:
                 limits.lower(item.padded_length, max(1, result.largest_ok_rows))
             launched = (item, HostCopy(result, device, started_event))
