@@ -171,7 +171,7 @@ class RunManifest:
             raise as_storage_error(error, shown_path(self.fs, f"{self.root}/shards")) or error
         store, mine = LockStore(self.fs), new_record(slot.index, slot.count, lease_s)
         who = "another run" if slot.count == 1 else f"another worker with index {slot.index} of {slot.count}"
-        for _ in range(3):
+        for attempt in range(5):
             try:
                 if store.create(path, encode(mine)):
                     return self._hold(store, path, mine, None)
@@ -184,6 +184,7 @@ class RunManifest:
                     raise UsageError(refusal(current.record, lease, shown_path(self.fs, path), who))
                 if store.replace(path, current.content, encode(mine)):
                     return self._hold(store, path, mine, note)
+                time.sleep(0.1 * 2 ** attempt)  # another taker is at it: its new lock shows once it is done
             except OSError as error:  # another taker winning the race is not one: it is seen on the next look
                 raise as_storage_error(error, shown_path(self.fs, path)) or error
         raise UsageError(f"could not take the lock {shown_path(self.fs, path)}: other runs keep taking it; try again")
