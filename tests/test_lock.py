@@ -74,6 +74,18 @@ def test_only_stores_with_a_precondition_count_as_conditional():
     assert create_kind(s3fs.S3FileSystem(anon=True)) == "conditional"
 
 
+def test_a_create_refused_for_a_rival_is_a_race_lost_not_a_storage_fault():
+    import errno
+
+    from pipeline.offline.lock import _already_exists
+
+    assert _already_exists(FileExistsError("exists"))
+    assert _already_exists(OSError(errno.EINVAL, "At least one of the pre-conditions you specified did not hold"))
+    assert _already_exists(OSError(errno.EIO, "An error occurred (ConditionalRequestConflict) when calling the "
+                                              "PutObject operation"))
+    assert not _already_exists(OSError(errno.EIO, "An error occurred (AccessDenied)"))
+
+
 # ── one process ─────────────────────────────────────────────────────────────────────────────────
 
 def manifest_at(tmp_path) -> RunManifest:
@@ -201,8 +213,11 @@ def test_status_shows_each_locks_lease(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_status_json_says_an_expired_lease_is_not_running(tmp_path, three_shards, tiny_encoder_path):
+def test_status_json_says_an_expired_lease_is_not_running(tmp_path, sample_table, tiny_encoder_path):
     from pipeline.cli import cli
+    from tests.conftest import write_shards
+
+    write_shards(tmp_path / "in", sample_table.slice(0, 60), [30, 30])
 
     result = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
                                       "--model", tiny_encoder_path, "--tokenize-workers", "0", "--no-progress"])

@@ -92,7 +92,8 @@ def takeover_reason(record: dict | None, lease: Lease, this_host: str,
         return None
     who = f"process {record.get('pid')} on {record.get('host')} (since {record.get('since')})"
     if record.get("host") == this_host:
-        return None if process_alive(record.get("pid")) else f"took over a stale lock of {who}, which is no longer running"
+        alive = process_alive(record.get("pid"))
+        return None if alive else f"took over a stale lock of {who}, which is no longer running"
     if lease.expired:
         return (f"took over the lock of {who}: its lease of {lease.lease_s:.0f}s expired, it was last renewed "
                 f"{lease.age_s:.0f}s ago")
@@ -105,7 +106,8 @@ def refusal(record: dict | None, lease: Lease, path: str, who: str) -> str:
         return (f"the lock {path} is unreadable (empty or truncated) and was written {lease.age_s or 0:.0f}s ago; "
                 f"it is taken over once it is older than the lease ({lease.lease_s:.0f}s), or delete it if no "
                 f"run is writing to this output")
-    holder = f"{who} (pid {record.get('pid')} on {record.get('host')}, since {record.get('since')}) is writing to this output"
+    holder = (f"{who} (pid {record.get('pid')} on {record.get('host')}, since {record.get('since')}) is writing "
+              f"to this output")
     if record.get("host") == socket.gethostname() or lease.expires_in_s is None:
         return f"{holder}; wait for it, or delete {path} if that process is gone"
     return (f"{holder}; its lease was renewed {lease.age_s:.0f}s ago and expires in {lease.expires_in_s:.0f}s "
@@ -255,10 +257,13 @@ class LockStore:
 
 
 def _already_exists(error: OSError) -> bool:
-    """A conditional create refused because the file exists: s3fs raises FileExistsError, or an
-    EINVAL OSError for a 412 PreconditionFailed without its condition named."""
+    """A conditional create refused because the file exists (s3fs raises FileExistsError, or an
+    EINVAL OSError for a 412 PreconditionFailed without its condition named), or because another
+    conditional write of it is in flight (S3's 409 ConditionalRequestConflict): a race lost, not
+    a storage fault; the caller looks at what is there."""
     text = str(error)
-    return isinstance(error, FileExistsError) or "PreconditionFailed" in text or "pre-conditions" in text
+    return isinstance(error, FileExistsError) or any(
+        marker in text for marker in ("PreconditionFailed", "pre-conditions", "ConditionalRequestConflict"))
 
 
 # ── the heartbeat ───────────────────────────────────────────────────────────────────────────────
