@@ -175,6 +175,26 @@ def test_a_run_whose_lock_was_taken_over_commits_no_more(tmp_path):
     assert json.loads(open(path).read())["token"] == "theirs"  # the release left the new holder's lock alone
 
 
+def test_a_shard_finished_after_the_lock_was_taken_over_is_not_committed(tmp_path):
+    import pyarrow as pa
+
+    from pipeline.offline.sink import ShardSink
+    from pipeline.offline.source import Shard
+
+    sink = ShardSink(str(tmp_path / "out"))
+    sink.create()
+    manifest = RunManifest(sink.fs, sink.output_dir)
+    manifest.acquire_lock(WorkerSlot(), 300.0)
+    shard = Shard(url="in/part-00000.parquet", stem="part-00000", num_rows=2)
+    sink.write(0, shard, pa.table({"id": ["a", "b"], "value": [1, 2]}))
+    path = write_lock(tmp_path, foreign_record(iso(time.time())))
+    manifest._leases[path].renew()  # the heartbeat finds another host's lock
+    with pytest.raises(StorageError, match="was taken over by pid 4242 on otherhost"):
+        sink.commit(0, manifest)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lengthwise"]  # no output, no temporary
+    manifest.release_lock()
+
+
 def test_a_lease_not_renewed_for_longer_than_it_lasts_is_lost(tmp_path):
     store = LockStore(fsspec.filesystem("file"))
     path = str(tmp_path / "lock")
