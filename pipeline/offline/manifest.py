@@ -185,7 +185,7 @@ class RunManifest:
                 if store.replace(path, current.content, encode(mine)):
                     return self._hold(store, path, mine, note)
                 time.sleep(0.1 * 2 ** attempt)  # another taker is at it: its new lock shows once it is done
-            except OSError as error:  # another taker winning the race is not one: it is seen on the next look
+            except OSError as error:  # a storage fault: a race lost is no error (create and replace say False)
                 raise as_storage_error(error, shown_path(self.fs, path)) or error
         raise UsageError(f"could not take the lock {shown_path(self.fs, path)}: other runs keep taking it; try again")
 
