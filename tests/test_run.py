@@ -113,7 +113,7 @@ def test_a_tokenizer_pool_started_ahead_is_stopped_when_the_claim_fails(tmp_path
     from pipeline.offline.manifest import RunManifest
     from tests.conftest import write_shards
 
-    def refuse(self, slot):
+    def refuse(self, slot, lease_s):
         raise UsageError("another run holds this output")
 
     monkeypatch.setattr(RunManifest, "acquire_lock", refuse)

@@ -85,6 +85,10 @@ from pipeline.engines.execute import execute_run
 @env_option("--shard-index", env="SHARD_INDEX", type=int, default=None,
             help="This worker's index, 0…N-1. Default: JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID.")
 @env_option("--fail-fast", env="FAIL_FAST", is_flag=True, default=False, help="Stop at the first shard that fails.")
+@env_option("--lock-lease", "lock_lease_s", env="LOCK_LEASE", type=Duration(), default=default_of("lock_lease_s"),
+            show_default=True,
+            help="The output lock's lease (e.g. 5m): renewed every fifth of it; a lock not renewed for longer is "
+                 "taken over from any host, so a run killed with its node does not block the next one.")
 @env_option("--progress/--no-progress", env="PROGRESS", default=True, show_default=True,
             help="Progress bar on stderr.")
 @env_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
@@ -116,6 +120,8 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
         raise UsageError("no input; set --input (or `input` in the --config file)")
     if not output:
         raise UsageError("no output directory; set --output (or `output` in the --config file)")
+    if settings.get("lock_lease_s", 1) <= 0:
+        raise UsageError("--lock-lease must be more than 0s (e.g. 5m)")
     return RunConfig(input=tuple(inputs), output=output, model=model_or_default(model),
                      storage_options=parse_storage_options(storage_option), thresholds=parse_thresholds(threshold),
                      keep_columns=keep_columns, use_plan_cache=not no_plan_cache, **settings)
@@ -246,9 +252,25 @@ def status(output, storage_option, as_json) -> None:
                        f"{worker['failed']} failed, {worker['pending']} pending"
                        f"{' (running)' if worker['running'] else ''}{speed}")
     for lock in report["locks"]:
-        state = "running" if lock.get("alive", True) else "stale lock (that process is gone)"
-        who = f"worker {lock['index']} of {lock['count']} " if lock.get("count", 1) > 1 else ""
-        click.echo(f"{who}{state}: pid {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}")
+        click.echo(lock_line(lock))
+
+
+def lock_line(lock: dict) -> str:
+    """`status`'s line for one lock: who holds it, and its lease's age and expiry."""
+    age, left = lock.get("lease_age_s"), lock.get("lease_expires_in_s")
+    if lock.get("unreadable"):
+        written = f"written {age:.0f}s ago" if age is not None else "written at an unknown time"
+        after = f"once older than {lock['lease_s']:.0f}s" if lock["alive"] else "by the next run"
+        return f"unreadable lock {lock['path']} (empty or truncated), {written}; taken over {after}"
+    who = f"worker {lock['index']} of {lock['count']} " if lock.get("count", 1) > 1 else ""
+    if lock["alive"]:
+        state = "running"
+    elif left is not None and left < 0:
+        state = f"stale lock (its lease expired {-left:.0f}s ago: that run is gone)"
+    else:
+        state = "stale lock (that process is gone)"
+    lease = f"; lease renewed {age:.0f}s ago, expires in {left:.0f}s" if lock["alive"] and left is not None else ""
+    return f"{who}{state}: pid {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}{lease}"
 
 
 @click.command()

@@ -111,6 +111,8 @@ class RunConfig:
     num_shards: int = 1  # this process is one of N workers over the same input and output
     shard_index: int | None = None  # which of them (0…N-1); None = JOB_COMPLETION_INDEX / SLURM_ARRAY_TASK_ID
     fail_fast: bool = False  # stop at the first failed shard
+    lock_lease_s: float = 300.0  # the output lock's lease: renewed every fifth of it; a lock not renewed for
+    # longer is taken over from any host (a run OOM-killed or lost with its node)
     allow_pickle: bool = False  # accept pickle (.bin) checkpoints; they can run code when loaded
     trust_remote_code: bool = False  # let a model folder run its own Python code
     progress: bool = True  # tqdm bar on stderr

@@ -79,7 +79,7 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
             run_shards, config = prepare_engine(config, choice, todo, clock)
             cleanup.callback(close_runner, run_shards)
         sink.create()
-        lock_note = manifest.acquire_lock(slot)
+        lock_note = manifest.acquire_lock(slot, config.lock_lease_s)
         cleanup.callback(manifest.release_lock, slot)
         if lock_note:
             log.warning(lock_note)

@@ -9,16 +9,19 @@ import json
 import logging
 import os
 import socket
+import time
 import uuid
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
+from pipeline.core.errors import RERUN, StorageError, UsageError, as_credentials_error, as_storage_error
 from pipeline.core.redact import recordable_options, redact_url, usable_recorded_options
 from pipeline.core.retry import retry_transient
 from pipeline.core.settings import RunConfig
 from pipeline.offline.locations import LEGACY_MANIFEST_DIR, MANIFEST_DIR
+from pipeline.offline.lock import (DEFAULT_LEASE_S, LOCK_NAME, LeaseKeeper, LockStore, encode, lease_of,
+                                   new_record, refusal, takeover_reason)
 from pipeline.offline.source import Shard, WorkerSlot, list_shards, slot_of
 from pipeline.offline.summary import output_totals
 
@@ -104,8 +107,8 @@ class RunManifest:
     """`OUTPUT/.lengthwise/`: run.json (resolved config and the fingerprint of everything that
     changes outputs), shards/<stem>.json (one marker per finished or failed shard, written
     after the shard's output is committed), the lock of each running worker (`lock` for a
-    single worker, `lock-worker-I-of-N` for worker I of N: host and pid) and workers/I-of-N.json
-    (the last summary of each worker)."""
+    single worker, `lock-worker-I-of-N` for worker I of N: host, pid and a lease its heartbeat
+    renews; see lock.py) and workers/I-of-N.json (the last summary of each worker)."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str):
         self.fs = fs
@@ -114,6 +117,7 @@ class RunManifest:
         except Exception as error:
             where = shown_path(fs, output_dir)
             raise as_credentials_error(error, where) or as_storage_error(error, where) or error
+        self._leases: dict[str, LeaseKeeper] = {}  # the locks this run holds, by path, each with its heartbeat
 
     def _write_json(self, path: str, data: dict) -> None:
         def write() -> None:
@@ -224,12 +228,13 @@ class RunManifest:
     def lock_path(self, slot: WorkerSlot) -> str:
         return f"{self.root}/lock" if slot.count == 1 else f"{self.root}/lock-worker-{slot.index}-of-{slot.count}"
 
-    def acquire_lock(self, slot: WorkerSlot = WorkerSlot()) -> str | None:
-        """Take this slot's lock; returns a note when a stale lock of a dead process was taken
-        over. Raises UsageError when a live process holds it, or when live workers of another
-        layout (another --num-shards) write to this output."""
-        for holder in self.read_locks():
-            if holder.get("alive", True) and holder.get("count", 1) != slot.count:
+    def acquire_lock(self, slot: WorkerSlot = WorkerSlot(), lease_s: float = DEFAULT_LEASE_S) -> str | None:
+        """Take this slot's lock with a lease of `lease_s`, renewed from a heartbeat until
+        release_lock; returns a note when a stale lock was taken over (its process dead on this
+        host, or its lease expired, on any host). Raises UsageError when a live run holds it, or
+        when live workers of another layout (another --num-shards) write to this output."""
+        for holder in self.read_locks(lease_s):
+            if holder["alive"] and holder.get("count", 1) != slot.count:
                 raise UsageError(f"workers of a run split {holder.get('count', 1)} way(s) are writing to this output "
                                  f"(pid {holder.get('pid')} on {holder.get('host')}); wait for them, or use the "
                                  f"same --num-shards")
@@ -238,67 +243,70 @@ class RunManifest:
             self.fs.makedirs(f"{self.root}/shards", exist_ok=True)
         except OSError as error:
             raise as_storage_error(error, shown_path(self.fs, f"{self.root}/shards")) or error
-        mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now(), "index": slot.index,
-                "count": slot.count}
-        note = None
-        for _ in range(3):
+        store, mine = LockStore(self.fs), new_record(slot.index, slot.count, lease_s)
+        who = "another run" if slot.count == 1 else f"another worker with index {slot.index} of {slot.count}"
+        for attempt in range(5):
             try:
-                created = self._create_exclusive(path, mine)
-            except OSError as error:
+                if store.create(path, encode(mine)):
+                    return self._hold(store, path, mine, None)
+                current = store.read(path)
+                if current is None:  # released between our two looks
+                    continue
+                lease = lease_of(current.record, time.time(), current.modified, lease_s)
+                note = takeover_reason(current.record, lease, mine["host"], _process_alive)
+                if note is None:
+                    raise UsageError(refusal(current.record, lease, shown_path(self.fs, path), who))
+                if store.replace(path, current.content, encode(mine)):
+                    return self._hold(store, path, mine, note)
+                time.sleep(0.1 * 2 ** attempt)  # another taker is at it: its new lock shows once it is done
+            except OSError as error:  # a storage fault: a race lost is no error (create and replace say False)
                 raise as_storage_error(error, shown_path(self.fs, path)) or error
-            if created:
-                return note
-            holder = self._read_json(path)
-            if holder is None:  # released between our two looks
-                continue
-            if holder.get("host") == mine["host"] and not _process_alive(holder.get("pid")):
-                note = (f"took over a stale lock of process {holder.get('pid')} on {holder.get('host')} "
-                        f"(since {holder.get('since')}), which is no longer running")
-                self.fs.rm(path)
-                continue
-            who = "another run" if slot.count == 1 else f"another worker with index {slot.index} of {slot.count}"
-            raise UsageError(f"{who} (pid {holder.get('pid')} on {holder.get('host')}, since "
-                             f"{holder.get('since')}) is writing to this output; wait for it, or delete "
-                             f"{path} if that process is gone")
-        raise UsageError(f"could not take the lock {path}: other runs keep taking it; try again")
+        raise UsageError(f"could not take the lock {shown_path(self.fs, path)}: other runs keep taking it; try again")
 
-    def _create_exclusive(self, path: str, data: dict) -> bool:
-        """Create `path` only if it does not exist: atomic (O_EXCL) on a local disk; on an object
-        store, write then read back (the last writer wins, and only it proceeds)."""
-        text = json.dumps(data) + "\n"
-        if isinstance(self.fs, LocalFileSystem):
-            try:
-                descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(descriptor, "w") as f:
-                f.write(text)
-            return True
-        if self.fs.exists(path):
-            return False
-        self.fs.pipe(path, text.encode())
-        return self._read_json(path) == json.loads(text)
+    def _hold(self, store: LockStore, path: str, record: dict, note: str | None) -> str | None:
+        self._leases[path] = LeaseKeeper(store, path, record).start()
+        return note
 
-    def read_locks(self) -> list[dict]:
-        """Every worker's lock holder, with `alive` (False: a dead process on this host left it)."""
-        holders = []
+    def check_lock_held(self) -> None:
+        """Raises StorageError when this run lost a lock it holds (taken over, or not renewed for
+        longer than its lease): it must commit no more shards, another run may be writing them."""
+        for keeper in self._leases.values():
+            if keeper.lost:
+                raise StorageError(f"{keeper.lost}; this run stopped before committing more shards so that two "
+                                   f"runs never write one output; check the storage, {RERUN}")
+
+    def read_locks(self, lease_s: float = DEFAULT_LEASE_S) -> list[dict]:
+        """Every worker's lock holder, with `alive` (False: its process on this host is dead, or
+        its lease expired), the lease's age and expiry (`lease_age_s`, `lease_expires_in_s`) and,
+        for an empty or truncated lock file, `unreadable`. `lease_s` is the lease of a lock that
+        does not record one."""
+        holders, store, now = [], LockStore(self.fs), time.time()
         for path in sorted(self.fs.glob(f"{self.root}/lock*")):
-            holder = self._read_json(path)
-            if holder is None:
+            if not LOCK_NAME.fullmatch(path.rpartition("/")[2]):
                 continue
-            if holder.get("host") == socket.gethostname():
-                holder["alive"] = _process_alive(holder.get("pid"))
+            current = store.read(path)
+            if current is None:
+                continue
+            holder = dict(current.record) if current.record else {"unreadable": True, "path": shown_path(self.fs, path)}
+            lease = lease_of(current.record, now, current.modified, lease_s)
+            holder.setdefault("lease_s", lease.lease_s)
+            holder["lease_age_s"] = None if lease.age_s is None else round(lease.age_s, 1)
+            holder["lease_expires_in_s"] = None if lease.expires_in_s is None else round(lease.expires_in_s, 1)
+            holder["alive"] = takeover_reason(current.record, lease, socket.gethostname(), _process_alive) is None
             holders.append(holder)
         return holders
 
     def release_lock(self, slot: WorkerSlot = WorkerSlot()) -> None:
+        """Stop renewing this slot's lock and remove it, if it is still this run's."""
         path = self.lock_path(slot)
-        holder = self._read_json(path)
-        if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            try:
-                self.fs.rm(path)
-            except OSError as error:  # storage that failed the run may fail this too; the next run takes it over
-                log.warning(f"could not remove the lock {path}: {type(error).__name__}: {error}")
+        keeper = self._leases.pop(path, None)
+        if keeper is None:
+            return
+        keeper.stop()
+        try:
+            keeper.store.replace(path, keeper.content, None)
+        except OSError as error:  # storage that failed the run may fail this too; the next run takes it over
+            log.warning(f"could not remove the lock {path}: {type(error).__name__}: {error}")
 
 
 def recorded_config(config: RunConfig) -> dict:

@@ -98,6 +98,12 @@ class ShardWriter:
             self.abort()
             raise RuntimeError(f"{self.shard.url}: wrote {self.rows_written} rows, input has "
                                f"{self.shard.num_rows}; output not committed")
+        if manifest is not None:
+            try:
+                manifest.check_lock_held()  # a run whose lock was taken over or lapsed commits nothing more
+            except StorageError:
+                self.abort()
+                raise
         holder = manifest.attempt_holder(self.shard.stem) if manifest is not None and self.attempt else None
         if holder not in (None, self.attempt):
             self.abort()
