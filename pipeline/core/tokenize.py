@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -27,6 +28,10 @@ import numpy as np
 from pipeline.core.textcut import encode_long_text, text_cut_for
 
 CHUNK_ROWS = 256  # texts per pool task: large enough to amortise IPC, small enough to spread
+# anything but whitespace, control characters (NUL, …) and invisible format characters (zero-width
+# spaces and joiners, word joiner, byte-order mark, soft hyphen, direction marks)
+VISIBLE_CHARACTER = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e"
+                               r"\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]")
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ def check_text(value) -> tuple[str | None, str | None]:
         return None, f"text is a {type(value).__name__}, not a string"
     if not value.strip():
         return None, "text is empty or whitespace only"
+    if not VISIBLE_CHARACTER.search(value):
+        return None, "text has no visible characters"
     return value, None
 
 
@@ -173,9 +180,11 @@ def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = N
                         dtype=np.int64)  # the overflow pieces repeat the special tokens
     cut_tokens = np.zeros(len(texts), dtype=np.int64)  # of a prefix: estimated from its tokens per character
     cut_tokens[good_positions] = np.rint((content + overflow) / np.array(shares, dtype=float)).astype(np.int64) - content
-    for position in good_positions[lengths[good_positions] == 0]:  # e.g. only zero-width characters
-        errors[position] = "text has no tokens"
-    token_ids = np.fromiter((t for e in encodings for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
+    for position in good_positions[content <= _prompt_content_tokens(tokenizer, spec)]:
+        errors[position] = "text has no tokens"  # only special (and prompt) tokens, e.g. U+FFFD alone
+        lengths[position] = truncated[position] = cut_tokens[position] = 0
+    kept = [encodings[i] for i, position in enumerate(good_positions) if errors[position] is None]
+    token_ids = np.fromiter((t for e in kept for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens)
 
@@ -189,6 +198,14 @@ def _encode_prepared(tokenizer, spec: TokenizerSpec, texts: list) -> tuple[list,
     results = [(next(encodings), 1.0) if len(text) <= cut.first_cut_chars else encode_long_text(tokenizer, text, cut)
                for text in texts]
     return [encoding for encoding, _ in results], [share for _, share in results]
+
+
+def _prompt_content_tokens(tokenizer, spec: TokenizerSpec) -> int:
+    """Tokens other than special ones the prompt alone gives: a row with no more has no text tokens."""
+    if not spec.prompt:
+        return 0
+    encoding = tokenizer.encode(prepare_text(spec, ""))
+    return len(encoding.ids) - sum(encoding.special_tokens_mask)
 
 
 def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
