@@ -15,7 +15,7 @@ from pipeline.core.errors import UsageError
 from pipeline.core.model import ModelChoice, choose_model, model_content_hash
 from pipeline.core.settings import RunConfig
 from pipeline.offline.manifest import RunManifest, fingerprint_differences, pending, recorded_config
-from pipeline.offline.reuse import check_reusable, recorded_dtype
+from pipeline.offline.reuse import check_reusable, recorded_dtype, remove_stale_hash_temporaries
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
 from pipeline.offline.summary import RunSummary, output_totals
@@ -149,7 +149,7 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
     if config.overwrite:
         manifest.clear_markers(stems)
         sink.remove_outputs(stems)
-    if sink.remove_stale_temporaries(stems):
+    if sink.remove_stale_temporaries(stems) + remove_stale_hash_temporaries(manifest, stems):
         log.info("removed temporary files of an interrupted run")
     if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:
         manifest.write_run(fingerprint, recorded_config(config))  # once for N workers: they all check it
