@@ -76,7 +76,9 @@ def test_a_prefix_keeps_exactly_the_tokens_of_full_tokenization(family, minilm_t
 
 
 def test_the_cut_settings_of_the_tokenizer_families(minilm_tokenizer):
-    assert text_cut_for(minilm_tokenizer.to_str(), 256) == TextCut(258 * 18, True, 6)  # "telecommunications"; [MASK]
+    # "telecommunications", 18 characters; [MASK]; at least COUNTED_TOKENS tokens whole
+    assert text_cut_for(minilm_tokenizer.to_str(), 256) == TextCut(514 * 18, True, 6)
+    assert text_cut_for(minilm_tokenizer.to_str(), 1024).first_cut_chars == 1026 * 18
     byte_level = text_cut_for(byte_level_tokenizer().to_str(), 8)
     metaspace = text_cut_for(metaspace_tokenizer().to_str(), 8)
     assert not byte_level.collapse_runs and byte_level.added_token_chars == 13  # spaces are tokens there
@@ -93,12 +95,12 @@ def test_zero_token_runs_collapse_so_a_prefix_reaches_the_words():
 
 
 def test_rows_near_the_first_cut_give_the_ids_of_uncut_tokenization(minilm_path):
-    """Through encode_texts with the real settings (max_length 32: first cut 34 × 18 characters):
+    """Through encode_texts with the real settings (max_length 32: first cut 514 × 18 characters):
     rows just under, at and over it, far over it, and behind a whitespace run."""
     spec = load_tokenizer_spec(minilm_path, max_length=32, prompt="query: ")
     first_cut = text_cut_for(spec.tokenizer_json, 32).first_cut_chars
-    assert first_cut == 34 * 18
-    words = "Longer words, a comma; naïve café — and 東京 too. " * 400
+    assert first_cut == 514 * 18
+    words = "Longer words, a comma; naïve café — and 東京 too. " * 4000
     texts = [words[:first_cut - len(spec.prompt) + d] for d in (-1, 0, 1, 2, 50)]
     texts += [words, "\n \t" * 20_000 + words, "!" * first_cut * 3, "x" * first_cut * 3]
     reference = Tokenizer.from_str(spec.tokenizer_json)
@@ -107,7 +109,7 @@ def test_rows_near_the_first_cut_give_the_ids_of_uncut_tokenization(minilm_path)
         full = reference.encode(prepare_text(spec, text))
         assert encoded.token_ids[encoded.offsets[row]:encoded.offsets[row + 1]].tolist() == full.ids, row
         assert encoded.truncated[row] == bool(full.overflowing) and encoded.errors[row] is None
-    assert encoded.truncated.tolist() == [True] * 8 + [False]  # a 1836-character word is one [UNK]
+    assert encoded.truncated.tolist() == [True] * 8 + [False]  # a 27,756-character word is one [UNK]
     # a cut row's length before truncation is estimated from its prefix: within 2% for an even text
     full = reference.encode(prepare_text(spec, words))
     full_length = 2 + sum(len(piece.ids) - sum(piece.special_tokens_mask) for piece in [full, *full.overflowing])

@@ -36,6 +36,9 @@ ZERO_TOKEN_RUN = re.compile(f"[{BERT_WHITESPACE}{BERT_REMOVED}]{{2,}}")
 _WHITESPACE = re.compile(f"[{BERT_WHITESPACE}]")
 WORD_SPLITTING_PRE_TOKENIZERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit"}
 WORDS_PAST_THE_LAST_KEPT_TOKEN = 2  # the cut changes at most the prefix's last word; one more for safety
+# texts whose tokens might fit this many are tokenized whole, so their length before truncation (the
+# diagnosis's p99, what a --max-length covering the data needs) is exact up to the positions common encoders take
+COUNTED_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -51,15 +54,15 @@ class TextCut:
 
 @functools.lru_cache(maxsize=8)
 def text_cut_for(tokenizer_json: str, max_length: int) -> TextCut:
-    """The cut of a tokenizer truncating at max_length: first prefix max_length tokens of the
-    vocabulary's longest token, and two more."""
+    """The cut of a tokenizer truncating at max_length: first prefix max(max_length,
+    COUNTED_TOKENS) tokens of the vocabulary's longest token, and two more."""
     spec = json.loads(tokenizer_json)
     vocab = spec["model"].get("vocab") or {}
     tokens = [entry[0] for entry in vocab] if isinstance(vocab, list) else list(vocab)  # Unigram: [token, score]
     added = [added["content"] for added in spec.get("added_tokens") or []]
     longest = max(len(token) for token in tokens + added)
-    return TextCut((max_length + WORDS_PAST_THE_LAST_KEPT_TOKEN) * longest, collapses_runs(spec),
-                   max((len(token) for token in added), default=0))
+    first_cut = (max(max_length, COUNTED_TOKENS) + WORDS_PAST_THE_LAST_KEPT_TOKEN) * longest
+    return TextCut(first_cut, collapses_runs(spec), max((len(token) for token in added), default=0))
 
 
 def collapses_runs(spec: dict) -> bool:

@@ -179,7 +179,8 @@ def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = N
     overflow = np.array([sum(len(o.ids) - sum(o.special_tokens_mask) for o in e.overflowing) for e in encodings],
                         dtype=np.int64)  # the overflow pieces repeat the special tokens
     cut_tokens = np.zeros(len(texts), dtype=np.int64)  # of a prefix: estimated from its tokens per character
-    cut_tokens[good_positions] = np.rint((content + overflow) / np.array(shares, dtype=float)).astype(np.int64) - content
+    estimated = np.rint((content + overflow) / np.array(shares, dtype=float)).astype(np.int64)
+    cut_tokens[good_positions] = estimated - content
     for position in good_positions[content <= _prompt_content_tokens(tokenizer, spec)]:
         errors[position] = "text has no tokens"  # only special (and prompt) tokens, e.g. U+FFFD alone
         lengths[position] = truncated[position] = cut_tokens[position] = 0
