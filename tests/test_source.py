@@ -85,6 +85,13 @@ def test_a_run_over_dictionary_columns_writes_what_a_run_over_plain_ones_does(tm
     got, summary = run_to_table(tmp_path, "dictionary", encoded, [5], model=tiny_encoder_path)
     assert got.schema.field("id").type == pa.string() and got.to_pylist() == expected.to_pylist()
     assert summary["error_rows"] == 1 and got["error"].to_pylist()[3] == "text is null"
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    verified = CliRunner().invoke(cli, ["verify", "--input", str(tmp_path / "dictionary-in"), "--output",
+                                        str(tmp_path / "dictionary-out")])
+    assert verified.exit_code == 0 and "complete: 1 of 1 shards agree" in verified.output, verified.output
 
 
 def test_fsspec_memory_filesystem():
