@@ -1,20 +1,16 @@
 """Tokenizing a long text from a prefix, so a row's memory is bounded by --max-length, not by its text.
 
 The tokenizer keeps every piece truncation cuts off (~160 bytes per character): one 5 MB text
-raised a worker's peak from 0.63 to 1.97 GB. A text longer than `first_cut_chars` is tokenized
-from a prefix instead, doubled until it is provably long enough. It keeps exactly the tokens
-full tokenization with truncation keeps, because
-
-- normalizers and pre-tokenizers act locally, so a prefix's pre-tokens ("words") are the full
-  text's, except the last one or two, which the cut can change (a word cut in two, a
-  whitespace run the regex sees end early);
-- the model turns each pre-token into tokens on its own.
-
-and an added token the cut splits ("[SE" of "[SEP]") changes the words of its last few
-characters. So once the prefix's tokens run at least two words past the last token truncation
-keeps, and that token ends at least the longest added token's length before the cut, the kept
-tokens are the full text's, and the text is truncated (more tokens follow). A tokenizer that
-has no words (every token in word 0) never passes the check: it gets the whole text.
+took a run from 0.58 to 1.86 GB. A text longer than `first_cut_chars` is tokenized from a
+prefix instead, doubled until it provably keeps exactly the tokens full tokenization with
+truncation keeps. Why a prefix can: normalizers and pre-tokenizers act locally and the model
+turns each pre-token ("word") into tokens on its own, so a prefix's words and their tokens are
+the full text's except near the cut, where it can change the last word (a word cut in two, a
+whitespace run a regex sees end early) and the words of an added token it splits ("[SE" of
+"[SEP]"). So once the prefix's tokens run two words past the last token truncation keeps, and
+that token ends at least the longest added token's length before the cut, the kept tokens are
+the full text's, and the text is truncated (more tokens follow). A tokenizer without words
+(every token in word 0) never passes the check: it gets the whole text.
 
 Runs of zero-token characters (10 MB of spaces, then words) would still take the whole run into
 the prefix; for BERT-style tokenizers, where such a run only ever separates words, each run is
@@ -60,7 +56,7 @@ def text_cut_for(tokenizer_json: str, max_length: int) -> TextCut:
     vocab = spec["model"].get("vocab") or {}
     tokens = [entry[0] for entry in vocab] if isinstance(vocab, list) else list(vocab)  # Unigram: [token, score]
     added = [added["content"] for added in spec.get("added_tokens") or []]
-    longest = max(len(token) for token in tokens + added)
+    longest = max((len(token) for token in tokens + added), default=1)
     first_cut = (max(max_length, COUNTED_TOKENS) + WORDS_PAST_THE_LAST_KEPT_TOKEN) * longest
     return TextCut(first_cut, collapses_runs(spec), max((len(token) for token in added), default=0))
 
