@@ -23,6 +23,61 @@ def test_text_hash_is_stable_and_tells_texts_apart():
     assert text_hash("hello") != text_hash("hello ") and text_hash(None) is None
 
 
+def test_hash_files_a_killed_attempt_left_are_removed_for_this_workers_shards_only(tmp_path):
+    """A kill between a shard's first block and its commit leaves STEM.hashes.ATTEMPT.tmp in
+    text-hashes/; the next claim removes those of its own shards (hive stems too), never a
+    committed hash file or another worker's temporary."""
+    import fsspec
+
+    from pipeline.offline.manifest import RunManifest
+    from pipeline.offline.reuse import remove_stale_hash_temporaries
+
+    folder = tmp_path / "out" / ".lengthwise" / "text-hashes"
+    names = ["part-00000.hashes", "part-00000.hashes.0123456789ab.tmp", "dt=1/part-00001.hashes.abcdef012345.tmp",
+             "theirs.hashes.0123456789ab.tmp", "part-00000.hashes.notanattempt.tmp"]
+    for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"PAR1 half written")
+    manifest = RunManifest(fsspec.filesystem("file"), str(tmp_path / "out"))
+    assert remove_stale_hash_temporaries(manifest, ["part-00000", "dt=1/part-00001"]) == 2
+    left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert left == ["part-00000.hashes", "part-00000.hashes.notanattempt.tmp", "theirs.hashes.0123456789ab.tmp"]
+    assert remove_stale_hash_temporaries(RunManifest(fsspec.filesystem("file"), str(tmp_path / "none")), ["a"]) == 0
+
+
+@pytest.mark.slow
+def test_a_run_killed_while_writing_hashes_leaves_no_hash_temporary_after_the_rerun(tmp_path, sample_table,
+                                                                                      tiny_encoder_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.conftest import write_shards
+
+    write_shards(tmp_path / "in", sample_table.select(["id", "text"]), [200, 200])
+    command = [str(Path(sys.executable).parent / "lengthwise"), "run", "--input", str(tmp_path / "in"), "--output",
+               str(tmp_path / "out"), "--model", tiny_encoder_path, "--max-length", "64", "--window-rows", "50",
+               "--no-progress", "--no-probe", "--tokenize-workers", "0"]
+    hashes = tmp_path / "out" / ".lengthwise" / "text-hashes"
+    # one row per batch: the first shard's hash file stays open, half written, for many steps
+    process = subprocess.Popen(command + ["--max-batch-rows", "1"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(hashes.glob("*.tmp")) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    left = list(hashes.glob("*.tmp"))
+    assert left, "the run was not killed while a hash file was being written"
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "removed temporary files of an interrupted run" in rerun.stderr
+    assert not list(hashes.glob("*.tmp"))
+    assert sorted(p.name for p in hashes.iterdir()) == ["part-00000.hashes", "part-00001.hashes"]
+
+
 def test_merge_reused_takes_result_columns_of_reused_rows_only():
     computed = pa.table({"id": [1, 2, 3], "score": [0.0, 0.5, 0.0], "error": ["x", None, "y"]})
     reused = ReusedRows(RowHashes(np.zeros(3, np.int64), pa.array([0, 0, 0], pa.int64())),

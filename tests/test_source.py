@@ -42,6 +42,58 @@ def test_empty_shard_yields_one_empty_last_block(tmp_path):
     assert block.num_rows == 0 and block.is_last_of_shard and block.ids.type == pa.string()
 
 
+def test_dictionary_encoded_id_and_text_columns_are_read_as_plain_strings(tmp_path):
+    """pandas categoricals and Spark write dictionary<string> columns; they used to be refused
+    ("text column 'text' is dictionary<values=string, …>, not a string")."""
+    texts = ["same text", "same text", None, "other text", "same text"]
+    ids = ["a", "b", "c", "d", "a"]
+    pq.write_table(pa.table({"id": pa.array(ids).dictionary_encode(), "text": pa.array(texts).dictionary_encode()}),
+                   tmp_path / "dict.parquet")
+    assert pq.ParquetFile(tmp_path / "dict.parquet").schema_arrow.field("text").type == \
+        pa.dictionary(pa.int32(), pa.string())
+    [shard] = list_shards([str(tmp_path)], "id", "text")
+    assert shard.problem is None and shard.num_rows == 5
+    blocks = list(read_blocks([shard], "id", "text", block_rows=2))
+    assert [b.ids.type for b in blocks] == [pa.string()] * 3 and [b.texts.type for b in blocks] == [pa.string()] * 3
+    assert [i for b in blocks for i in b.ids.to_pylist()] == ids
+    assert [t for b in blocks for t in b.texts.to_pylist()] == texts
+
+
+def test_a_dictionary_of_large_strings_in_an_arrow_stream_is_read_as_plain_strings(tmp_path):
+    from pipeline.offline.source import ARROW_SUFFIX, Shard, is_text_type
+
+    texts = pa.array(["x", None, "x", "y"], pa.large_string()).dictionary_encode()
+    table = pa.table({"id": [1, 2, 3, 4], "text": texts})
+    path = tmp_path / f"data-00000-of-00001{ARROW_SUFFIX}"
+    with pa.ipc.new_stream(path, table.schema) as writer:
+        writer.write_table(table)
+    assert is_text_type(table.schema.field("text").type) and not is_text_type(pa.dictionary(pa.int8(), pa.int64()))
+    [block] = read_blocks([Shard(str(path), "data-00000-of-00001", 4)], "id", "text", block_rows=10)
+    assert block.failure is None and block.texts.type == pa.large_string()
+    assert block.texts.to_pylist() == ["x", None, "x", "y"]
+
+
+@pytest.mark.slow
+def test_a_run_over_dictionary_columns_writes_what_a_run_over_plain_ones_does(tmp_path, tiny_encoder_path):
+    from tests.conftest import run_to_table
+
+    texts = ["a text", "another text", "a text", None, "a text"]
+    plain = pa.table({"id": [f"r{i}" for i in range(5)], "text": texts})
+    encoded = pa.table({"id": plain["id"].combine_chunks().dictionary_encode(),
+                        "text": plain["text"].combine_chunks().dictionary_encode()})
+    expected, _ = run_to_table(tmp_path, "plain", plain, [5], model=tiny_encoder_path)
+    got, summary = run_to_table(tmp_path, "dictionary", encoded, [5], model=tiny_encoder_path)
+    assert got.schema.field("id").type == pa.string() and got.to_pylist() == expected.to_pylist()
+    assert summary["error_rows"] == 1 and got["error"].to_pylist()[3] == "text is null"
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    verified = CliRunner().invoke(cli, ["verify", "--input", str(tmp_path / "dictionary-in"), "--output",
+                                        str(tmp_path / "dictionary-out")])
+    assert verified.exit_code == 0 and "complete: 1 of 1 shards agree" in verified.output, verified.output
+
+
 def test_fsspec_memory_filesystem():
     fs = fsspec.filesystem("memory")
     for name, part in (("a", TABLE.slice(0, 5)), ("b", TABLE.slice(5))):

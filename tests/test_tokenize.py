@@ -40,22 +40,50 @@ def test_check_text_kinds():
     assert check_text(None) == (None, "text is null")
     assert check_text(3) == (None, "text is a int, not a string")
     assert check_text("\n\t ") == (None, "text is empty or whitespace only")
+    assert check_text("\u200b\x00\u00ad\ufeff") == (None, "text has no visible characters")
+    assert check_text("\u200bx") == ("\u200bx", None)
     text, error = check_text(b"ok \xff\xfe bytes")
     assert text is None and error.startswith("text is not valid UTF-8 (byte 3")
 
 
-def test_text_without_tokens_is_a_row_error(spec):
+INVISIBLE = ["\u200b", "\u200c\u200d", "\u2060", "\ufeff", "\x00", "\x00\x00 \x00", "\u00ad", "\u200b \ufeff\n"]
+
+
+def test_texts_of_only_invisible_characters_are_row_errors(spec, minilm_path):
+    """Zero-width characters, NUL and soft hyphens survive strip() but are no text: before, they
+    got the embedding of [CLS][SEP] and no error."""
+    reference = AutoTokenizer.from_pretrained(minilm_path)
+    with TokenizerPool(spec, workers=0) as pool:
+        encoded = pool.result(pool.submit(INVISIBLE + ["a\u200bb", "soft\u00adhyphen"]))
+    assert encoded.errors == ["text has no visible characters"] * len(INVISIBLE) + [None, None]
+    assert encoded.lengths.tolist()[:len(INVISIBLE)] == [0] * len(INVISIBLE)
+    assert encoded.token_ids.tolist() == reference("a\u200bb")["input_ids"] + reference("soft\u00adhyphen")["input_ids"]
+
+
+@pytest.mark.parametrize("post_processor", [True, False])
+def test_text_with_only_special_tokens_is_a_row_error(spec, post_processor):
+    """U+FFFD and private-use characters are visible, but the BERT normalizer removes them: the
+    row's only tokens would be [CLS] and [SEP] (or none, without a post-processor)."""
     import dataclasses
     import json
 
-    # the same tokenizer without [CLS]/[SEP]: a zero-width space survives strip() but has no tokens
-    without_special = json.loads(spec.tokenizer_json)
-    without_special["post_processor"] = None
-    bare = dataclasses.replace(spec, tokenizer_json=json.dumps(without_special))
-    with TokenizerPool(bare, workers=0) as pool:
-        encoded = pool.result(pool.submit(["\u200b", "word"]))
+    tokenizer = json.loads(spec.tokenizer_json)
+    if not post_processor:
+        tokenizer["post_processor"] = None
+    with TokenizerPool(dataclasses.replace(spec, tokenizer_json=json.dumps(tokenizer)), workers=0) as pool:
+        encoded = pool.result(pool.submit(["\ufffd", "\ue000 \ufffd", "word"]))
+    assert encoded.errors == ["text has no tokens", "text has no tokens", None]
+    assert encoded.lengths.tolist() == [0, 0, 3 if post_processor else 1]
+    assert encoded.truncated.tolist() == [False, False, False] and len(encoded.token_ids) == encoded.lengths.sum()
+
+
+def test_a_prompt_alone_is_not_a_text(minilm_path):
+    """With a prompt every row has the prompt's tokens; a row with no more has no text tokens."""
+    spec = load_tokenizer_spec(minilm_path, max_length=32, prompt="query: ")
+    with TokenizerPool(spec, workers=0) as pool:
+        encoded = pool.result(pool.submit(["\ufffd", "word"]))
     assert encoded.errors == ["text has no tokens", None]
-    assert encoded.lengths.tolist() == [0, 1]
+    assert encoded.lengths.tolist() == [0, 5]  # [CLS] query : word [SEP]
 
 
 def test_spec_disables_padding_and_keeps_pad_id(spec):

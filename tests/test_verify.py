@@ -35,6 +35,38 @@ def test_first_difference_is_chunking_independent():
     assert first_difference([pa.array([1, None])], [pa.array([1, 2])]) == 1
 
 
+def test_nan_ids_equal_nan_ids_in_order_and_in_counts():
+    """NaN != NaN, so a correct output with a NaN float id was reported both missing and extra."""
+    from pipeline.offline.verify import _counts
+
+    nan = float("nan")
+    ids = [pa.array([1.5, nan, None, nan]), pa.array([2.5], pa.float32())]
+    assert first_difference(ids, [pa.array([1.5, float("nan")]), pa.array([None, float("nan")]),
+                                  pa.array([2.5], pa.float32())]) is None
+    assert first_difference([pa.array([nan, 2.0])], [pa.array([nan, 3.0])]) == 1
+    assert first_difference([pa.array([nan, 2.0])], [pa.array([1.0, 2.0])]) == 0
+    assert first_difference([pa.array([None, 2.0])], [pa.array([nan, 2.0])]) == 0  # a null is not a NaN
+    counts = _counts([pa.array([nan, 1.0]), pa.array([float("nan"), None])])
+    assert compare_id_counts(counts, _counts([pa.array([float("nan"), float("nan"), None, 1.0])])).agrees
+    found = compare_id_counts(counts, _counts([pa.array([nan, 1.0, None])]))
+    assert (found.missing, found.extra, found.duplicated) == (1, 0, 0) and repr(found.missing_ids) == "[nan]"
+
+
+@pytest.mark.slow
+def test_an_output_with_nan_float_ids_verifies(tmp_path, tiny_encoder_path):
+    rows = pa.table({"id": [0.5, float("nan"), 2.5, float("nan"), 4.5], "text": ["a", "b", "c", "d", "e"]})
+    run_to_table(tmp_path, "nan", rows, [3, 2], model=tiny_encoder_path)
+    result = CliRunner().invoke(cli, ["verify", "--input", str(tmp_path / "nan-in"), "--output",
+                                      str(tmp_path / "nan-out")])
+    assert result.exit_code == 0, result.output
+    assert "complete: 2 of 2 shards agree" in result.output
+    rewrite(tmp_path / "nan-out" / "part-00000.parquet", lambda table: table.slice(0, 1))  # drops 1 NaN row
+    result = CliRunner().invoke(cli, ["verify", "--input", str(tmp_path / "nan-in"), "--output",
+                                      str(tmp_path / "nan-out")])
+    assert result.exit_code == 1 and "2 row(s) missing: ids nan, 2.5" in result.output
+    assert "extra" not in result.output
+
+
 @pytest.fixture(scope="module")
 def good_output(tmp_path_factory, rows_with_bad_ones, tiny_encoder_path):
     directory = tmp_path_factory.mktemp("verify")

@@ -353,7 +353,8 @@ INPUT_OPTIONS = [
     env_option("--id-column", env="ID_COLUMN", default=default_of("id_column"), show_default=True,
                help="The input column of row ids, written to the output's `id` (any type; a null id is a row error)."),
     env_option("--text-column", env="TEXT_COLUMN", default=default_of("text_column"), show_default=True,
-               help="The input column of texts (strings; null, empty or whitespace-only texts are row errors)."),
+               help="The input column of texts (strings, or a dictionary of them; null, empty, whitespace-only "
+                    "or invisible-only texts are row errors)."),
     env_option("--storage-option", env="STORAGE_OPTION", multiple=True, callback=merge_config_table,
                help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable; in the "
                     "--config file a [storage] table, which a flag overrides key by key."),

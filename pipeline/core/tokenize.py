@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -24,7 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.core.textcut import encode_long_text, text_cut_for
+
 CHUNK_ROWS = 256  # texts per pool task: large enough to amortise IPC, small enough to spread
+# anything but whitespace, control characters (NUL, …) and invisible format characters (zero-width
+# spaces and joiners, word joiner, byte-order mark, soft hyphen, direction marks)
+VISIBLE_CHARACTER = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e"
+                               r"\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]")
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,8 @@ def check_text(value) -> tuple[str | None, str | None]:
         return None, f"text is a {type(value).__name__}, not a string"
     if not value.strip():
         return None, "text is empty or whitespace only"
+    if not VISIBLE_CHARACTER.search(value):
+        return None, "text has no visible characters"
     return value, None
 
 
@@ -153,26 +162,51 @@ def _exit_with_parent() -> None:
 
 def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = None) -> EncodedRows:
     """Tokenize one chunk of texts with `tokenizer` prepared by `spec` (default: this
-    process's, set by _init_worker; the online batcher passes its own)."""
+    process's, set by _init_worker; the online batcher passes its own). A long text is
+    tokenized from a prefix that keeps the same tokens (pipeline/core/textcut.py)."""
     started = time.perf_counter()
     tokenizer, spec = tokenizer or _worker_tokenizer, spec or _worker_spec
     checked = [check_text(value) for value in texts]
     errors = [error for _, error in checked]
-    good = [prepare_text(spec, text) for text, error in checked if error is None]
-    encodings = tokenizer.encode_batch(good) if good else []
+    good_positions = np.flatnonzero(np.array([e is None for e in errors], dtype=bool))
+    good = [prepare_text(spec, checked[position][0]) for position in good_positions]
+    encodings, shares = _encode_prepared(tokenizer, spec, good)
     lengths = np.zeros(len(texts), dtype=np.int64)
     truncated = np.zeros(len(texts), dtype=bool)
-    good_positions = np.flatnonzero(np.array([e is None for e in errors], dtype=bool))
     lengths[good_positions] = [len(e.ids) for e in encodings]
     truncated[good_positions] = [bool(e.overflowing) for e in encodings]
-    cut_tokens = np.zeros(len(texts), dtype=np.int64)  # the overflow pieces repeat the special tokens
-    cut_tokens[good_positions] = [sum(len(o.ids) - sum(o.special_tokens_mask) for o in e.overflowing)
-                                  for e in encodings]
-    for position in good_positions[lengths[good_positions] == 0]:  # e.g. only zero-width characters
-        errors[position] = "text has no tokens"
-    token_ids = np.fromiter((t for e in encodings for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
+    content = np.array([len(e.ids) - sum(e.special_tokens_mask) for e in encodings], dtype=np.int64)
+    overflow = np.array([sum(len(o.ids) - sum(o.special_tokens_mask) for o in e.overflowing) for e in encodings],
+                        dtype=np.int64)  # the overflow pieces repeat the special tokens
+    cut_tokens = np.zeros(len(texts), dtype=np.int64)  # of a prefix: estimated from its tokens per character
+    estimated = np.rint((content + overflow) / np.array(shares, dtype=float)).astype(np.int64)
+    cut_tokens[good_positions] = estimated - content
+    for position in good_positions[content <= _prompt_content_tokens(tokenizer, spec)]:
+        errors[position] = "text has no tokens"  # only special (and prompt) tokens, e.g. U+FFFD alone
+        lengths[position] = truncated[position] = cut_tokens[position] = 0
+    kept = [encodings[i] for i, position in enumerate(good_positions) if errors[position] is None]
+    token_ids = np.fromiter((t for e in kept for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens)
+
+
+def _encode_prepared(tokenizer, spec: TokenizerSpec, texts: list) -> tuple[list, list]:
+    """(encodings, the share of each text tokenized): short texts in one batch, long ones
+    each from a prefix."""
+    cut = text_cut_for(spec.tokenizer_json, spec.max_length)
+    short = [text for text in texts if len(text) <= cut.first_cut_chars]
+    encodings = iter(tokenizer.encode_batch(short) if short else [])
+    results = [(next(encodings), 1.0) if len(text) <= cut.first_cut_chars else encode_long_text(tokenizer, text, cut)
+               for text in texts]
+    return [encoding for encoding, _ in results], [share for _, share in results]
+
+
+def _prompt_content_tokens(tokenizer, spec: TokenizerSpec) -> int:
+    """Tokens other than special ones the prompt alone gives: a row with no more has no text tokens."""
+    if not spec.prompt:
+        return 0
+    encoding = tokenizer.encode(prepare_text(spec, ""))
+    return len(encoding.ids) - sum(encoding.special_tokens_mask)
 
 
 def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:

@@ -23,7 +23,7 @@ from pipeline.offline.manifest import (
     pending,
     recorded_config,
 )
-from pipeline.offline.reuse import check_reusable, recorded_dtype
+from pipeline.offline.reuse import check_reusable, recorded_dtype, remove_stale_hash_temporaries
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
 from pipeline.offline.summary import RunSummary, output_totals
@@ -176,7 +176,7 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
     if config.overwrite:
         manifest.clear_markers(stems)
         sink.remove_outputs(stems)
-    if sink.remove_stale_temporaries(stems):
+    if sink.remove_stale_temporaries(stems) + remove_stale_hash_temporaries(manifest, stems):
         log.info("removed temporary files of an interrupted run")
     untrusted = untrusted_done_markers(shards, manifest.shard_markers(), sink)
     for shard in shards:

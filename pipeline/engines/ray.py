@@ -37,6 +37,7 @@ from pipeline.core.model import ModelChoice, choose_model, load_model
 from pipeline.core.settings import RunConfig
 from pipeline.engines.claim import run_claimed
 from pipeline.offline.manifest import RunManifest
+from pipeline.offline.reuse import remove_stale_hash_temporaries
 from pipeline.offline.runner import ShardRunner
 from pipeline.offline.sink import ShardSink, output_paths
 from pipeline.offline.source import Shard, WorkerSlot
@@ -184,6 +185,7 @@ def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sin
     config = dataclasses.replace(config, device=choice.device.type, dtype=dtype_name(choice.dtype))
     ActorPool(ray, config, len(todo)).run(todo, sink, manifest, summary, config.progress)
     sink.remove_stale_temporaries([shard.stem for shard in todo])
+    remove_stale_hash_temporaries(manifest, [shard.stem for shard in todo])
     summary.dtype_reason = choice.dtype_reason  # the driver's choice; the actors were handed its result
     wall_s = time.perf_counter() - started
     summary.rows_per_s = summary.rows / wall_s

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 HASHES_DIR = "text-hashes"
 HASH_SCHEMA = pa.schema([("id_hash", pa.int64()), ("text_hash", pa.int64())])
+HASH_TEMPORARY = re.compile(r"(?P<stem>.+)\.hashes\.[0-9a-f]{12}\.tmp")  # [DIR/]STEM.hashes.ATTEMPT.tmp
 
 
 def text_hash(value) -> int | None:
@@ -76,6 +78,20 @@ class ReusedRows:
 def hashes_path(root: str, stem: str) -> str:
     """A Parquet file, named without `.parquet` so that a `**/*.parquet` glob of the output never takes it."""
     return f"{root}/{HASHES_DIR}/{stem}.hashes"
+
+
+def remove_stale_hash_temporaries(manifest: RunManifest, stems: list[str]) -> int:
+    """Delete text-hash files a killed attempt left half-written for these shards; call, like
+    ShardSink.remove_stale_temporaries, under the lock of the worker that owns the shards."""
+    folder = f"{manifest.root}/{HASHES_DIR}"
+    if not manifest.fs.exists(folder):
+        return 0
+    mine = set(stems)
+    stale = [path for path in manifest.fs.find(folder)
+             if (name := HASH_TEMPORARY.fullmatch(path[len(folder) + 1:])) and name["stem"] in mine]
+    for path in stale:
+        manifest.fs.rm(path)
+    return len(stale)
 
 
 class TextHashSink:

@@ -138,6 +138,17 @@ def partition_values(stem: str) -> dict[str, str]:
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 
+def is_text_type(type_: pa.DataType) -> bool:
+    """A string or binary type, or a dictionary of one (pandas categoricals, Spark's dictionary
+    pages read back by pyarrow), which the reader decodes."""
+    return (type_.value_type if pa.types.is_dictionary(type_) else type_) in TEXT_TYPES
+
+
+def plain_column(column: pa.Array) -> pa.Array:
+    """A dictionary-encoded column as the plain array of its values; any other column as it is."""
+    return column.dictionary_decode() if pa.types.is_dictionary(column.type) else column
+
+
 @dataclass(frozen=True)
 class WorkerSlot:
     """Which share of the shards this process takes: worker `index` of `count`."""
@@ -253,7 +264,7 @@ def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storag
             return Shard(url, stem, num_rows, f"shard {url} has no column {column!r} (columns: "
                                               f"{', '.join(schema.names)}); set {flag}")
     text_type = schema.field(text_column).type
-    if text_type not in TEXT_TYPES:
+    if not is_text_type(text_type):
         return Shard(url, stem, num_rows, f"shard {url}: text column {text_column!r} is {text_type}, not a "
                                           "string; set --text-column to a string column")
     return Shard(url, stem, num_rows)
@@ -296,8 +307,8 @@ def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str
             yield pending
         kept = {name: pa.array([partition[name]] * record_batch.num_rows, pa.string()) if name in partition
                 else record_batch.column(name) for name in keep_columns}
-        pending = RowBlock(shard_index, first_row, record_batch.column(id_column), record_batch.column(text_column),
-                           False, kept=kept)
+        pending = RowBlock(shard_index, first_row, plain_column(record_batch.column(id_column)),
+                           plain_column(record_batch.column(text_column)), False, kept=kept)
         first_row += record_batch.num_rows
     if first_row != shard.num_rows:
         raise ShardError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")

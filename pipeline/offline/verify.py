@@ -69,8 +69,8 @@ def compare_id_counts(input_counts: Counter, output_counts: Counter, listed: int
 
 
 def first_difference(left: Iterable[pa.Array], right: Iterable[pa.Array]) -> int | None:
-    """The first row position where two streams of id chunks differ (a null equals a null),
-    or where one ends before the other; None when they are the same sequence."""
+    """The first row position where two streams of id chunks differ (a null equals a null, a
+    NaN a NaN), or where one ends before the other; None when they are the same sequence."""
     left = (chunk for chunk in left if len(chunk))
     right = (chunk for chunk in right if len(chunk))
     a = b = None
@@ -87,9 +87,12 @@ def first_difference(left: Iterable[pa.Array], right: Iterable[pa.Array]) -> int
         if head_b.type != head_a.type:
             head_b = head_b.cast(head_a.type)
         if not head_a.equals(head_b):
-            same = pc.fill_null(pc.equal(head_a, head_b), False)
-            both_null = pc.and_(head_a.is_null(), head_b.is_null())
-            return position + pc.index(pc.or_(same, both_null), False).as_py()
+            same = pc.or_(pc.fill_null(pc.equal(head_a, head_b), False), pc.and_(head_a.is_null(), head_b.is_null()))
+            if pa.types.is_floating(head_a.type):
+                same = pc.or_(same, pc.fill_null(pc.and_(pc.is_nan(head_a), pc.is_nan(head_b)), False))
+            differs = pc.index(same, False).as_py()
+            if differs >= 0:
+                return position + differs
         a, b, position = a.slice(take), b.slice(take), position + take
 
 
@@ -233,10 +236,18 @@ def check_ids(check: ShardCheck, fs, final_path: str, id_column: str, storage_op
             check.problems.append(f"{count} row(s) {what}: ids {', '.join(map(repr, listed))}{more}")
 
 
+NAN_ID = float("nan")  # every NaN id counts as this one object: NaN != NaN, but a dict finds a key by identity first
+
+
 def _counts(chunks: Iterable[pa.Array]) -> Counter:
+    """How often each id occurs; all NaN ids are one id, as all nulls are (and as the run's
+    duplicate-id count, which hashes repr(id), has it)."""
     counts: Counter = Counter()
     for chunk in chunks:
-        counts.update(chunk.to_pylist())
+        values = chunk.to_pylist()
+        if pa.types.is_floating(chunk.type):
+            values = [NAN_ID if value != value else value for value in values]
+        counts.update(values)
     return counts
 
 
