@@ -14,7 +14,8 @@ from pipeline.core.device import DTYPES, dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.core.model import ModelChoice, choose_model, model_content_hash
 from pipeline.core.settings import RunConfig
-from pipeline.offline.manifest import RunManifest, fingerprint_differences, pending, recorded_config
+from pipeline.offline.manifest import (RunManifest, fingerprint_differences, pending, recorded_config,
+                                       recorded_locations)
 from pipeline.offline.reuse import check_reusable, recorded_dtype
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
@@ -151,8 +152,8 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
         sink.remove_outputs(stems)
     if sink.remove_stale_temporaries(stems):
         log.info("removed temporary files of an interrupted run")
-    if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:
-        manifest.write_run(fingerprint, recorded_config(config))  # once for N workers: they all check it
+    if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:  # once for N workers: they
+        manifest.write_run(fingerprint, {**recorded_config(config), **recorded_locations(config)})  # all check it
     todo = pending_shards(shards, manifest)
     if not todo:
         log.info(f"nothing to do: {len(shards)} of {len(shards)} shards done")

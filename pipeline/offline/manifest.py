@@ -227,6 +227,36 @@ class RunManifest:
                 log.warning(f"could not remove the lock {path}: {type(error).__name__}: {error}")
 
 
+def absolute_url(url: str) -> str:
+    """`url` as a process in any working directory reads it: a local path (or file:// URL) made
+    absolute against this process's working directory, other URLs (s3://…, memory://…) as given."""
+    if "::" in url or fsspec.utils.get_protocol(url) not in ("file", "local"):
+        return url
+    return LocalFileSystem._strip_protocol(url)
+
+
+def recorded_locations(config: RunConfig) -> dict:
+    """The run's input, output and --reuse as absolute URLs, for run.json: `status` and `verify`
+    then find them from any working directory (an Airflow task runs in a temporary one)."""
+    return {"input": [absolute_url(url) for url in config.input], "output": absolute_url(config.output),
+            "reuse": config.reuse and absolute_url(config.reuse)}
+
+
+def list_recorded_shards(inputs: list[str], config: dict, storage_options: dict) -> list[Shard]:
+    """The shards of the input run.json records (or `inputs`), for `status` and `verify`. An
+    input recorded relative (by a lengthwise from before it recorded absolute URLs) is read
+    against this directory; where it is not there, the error says so."""
+    try:
+        return list_shards(inputs, config["id_column"], config["text_column"], storage_options,
+                           split=config.get("split"))
+    except UsageError as error:
+        relative = [url for url in inputs if not os.path.isabs(os.path.expanduser(url)) and ":" not in url]
+        if not relative:
+            raise
+        raise UsageError(f"{error}; run.json records the input {relative[0]!r} relative to the directory of the "
+                         f"run that wrote it: run this from that directory, or give --input (verify)") from error
+
+
 SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
 
 
@@ -252,8 +282,7 @@ def run_status(output: str, storage_options: dict) -> dict:
     markers = manifest.shard_markers()
     config = recorded["config"]
     recorded_options = {k: v for k, v in config.get("storage_options", {}).items() if v != "<redacted>"}
-    shards = list_shards(config["input"], config["id_column"], config["text_column"],
-                         {**recorded_options, **storage_options}, split=config.get("split"))
+    shards = list_recorded_shards(config["input"], config, {**recorded_options, **storage_options})
     by_stem = {shard.stem: shard for shard in shards}
     status_of = {stem: markers.get(stem, {}).get("status", "pending") for stem in by_stem}
     locks = manifest.read_locks()
