@@ -62,6 +62,8 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         if config.reuse:
             check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
         todo = shards if config.overwrite else pending_shards(shards, manifest)
+    if not todo and not sink.stale_temporaries([shard.stem for shard in shards]):
+        return nothing_to_do(shards, config, manifest, started)
     with contextlib.ExitStack() as cleanup:
         run_shards = None
         if todo:
@@ -85,6 +87,18 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         summary.output_totals = output_totals(manifest.shard_markers().values())
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
+
+
+def nothing_to_do(shards: list[Shard], config: RunConfig, manifest: RunManifest, started: float) -> RunSummary:
+    """Every shard of this worker is done and no attempt left a file: the summary of a run that
+    writes nothing, so no lock is taken and a complete output answers 0 even on read-only storage.
+    (Done shards become pending again only under --overwrite, which never comes here.)"""
+    log.info(f"nothing to do: {len(shards)} of {len(shards)} shards done")
+    summary = RunSummary(shards=len(shards), shards_done_before=len(shards), output=config.output,
+                         nothing_to_do=True)
+    summary.output_totals = output_totals(manifest.shard_markers().values())
+    summary.wall_s = time.perf_counter() - started
+    return summary
 
 
 def close_runner(run_shards: ShardsRunner) -> None:

@@ -99,7 +99,6 @@ class RunManifest:
                                                    "updated_at": _now()})
 
     def write_worker_summary(self, slot: WorkerSlot, summary: dict) -> None:
-        self.fs.makedirs(f"{self.root}/workers", exist_ok=True)
         self._write_json(f"{self.root}/workers/{slot.index}-of-{slot.count}.json",
                          {"index": slot.index, "count": slot.count, "at": _now(), "summary": summary})
 
