@@ -4,6 +4,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,3 +126,22 @@ def test_a_sigint_inside_a_window_that_spans_shards_keeps_the_shards_finished_be
     written = outputs(tmp_path / "out")
     assert [[row["id"] for row in written[f"part-{i:05d}.parquet"]] for i in range(6)] == [
         rows["id"].to_pylist()[100 * i:100 * (i + 1)] for i in range(6)]
+
+
+@pytest.mark.slow
+def test_a_sigkill_of_the_run_leaves_no_leaked_semaphore_warning_and_no_spec_file(tmp_path, many_rows,
+                                                                                  tiny_encoder_path):
+    """The tokenizer pool's semaphore names are unlinked once its workers are up, so the resource
+    tracker that outlives a SIGKILLed run has nothing to warn about in the run's log."""
+    write_shards(tmp_path / "in", many_rows.slice(0, 400), [20] * 20)  # the first commit comes soon
+    specs_before = set(Path(tempfile.gettempdir()).glob("lengthwise-tokenizer-*"))
+    process = subprocess.Popen(command(tmp_path / "in", tmp_path / "out", tiny_encoder_path, "--tokenize-workers",
+                                       "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    markers = tmp_path / "out" / ".lengthwise" / "shards"
+    assert wait_for(lambda: markers.exists() and any(markers.iterdir()), 120), "no shard was committed"
+    process.kill()
+    # stderr ends when every process that shares it has exited: the workers and the resource tracker
+    stderr = process.stderr.read()
+    process.wait()
+    assert "leaked semaphore" not in stderr and "Traceback" not in stderr, stderr
+    assert set(Path(tempfile.gettempdir()).glob("lengthwise-tokenizer-*")) <= specs_before
