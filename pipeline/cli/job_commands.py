@@ -236,8 +236,9 @@ def status(output, storage_option, as_json) -> None:
     """How much of a run is done: shards done, failed and pending, rows done, and what the
     output holds (rows, errors, truncated, flagged by label), as the run's summary prints it.
 
-    Reads only the run manifest and the input footers; loads no model. With --config, the
-    job file's `output` and [storage] are used and its other keys are skipped.
+    Reads the run manifest and the footers of the input it records (as absolute URLs, so it
+    answers from any directory with only --output); loads no model. With --config, the job
+    file's `output` and [storage] are used and its other keys are skipped.
     """
     from pipeline.offline.manifest import run_status
     from pipeline.offline.summary import totals_lines
