@@ -1,10 +1,10 @@
 """Killing a run at any moment loses nothing: signals, SIGKILL and resume, orphan workers."""
 
+import os
 import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -134,9 +134,11 @@ def test_a_sigkill_of_the_run_leaves_no_leaked_semaphore_warning_and_no_spec_fil
     """The tokenizer pool's semaphore names are unlinked once its workers are up, so the resource
     tracker that outlives a SIGKILLed run has nothing to warn about in the run's log."""
     write_shards(tmp_path / "in", many_rows.slice(0, 400), [20] * 20)  # the first commit comes soon
-    specs_before = set(Path(tempfile.gettempdir()).glob("lengthwise-tokenizer-*"))
+    temporary = tmp_path / "tmp"  # the run's own temp folder: other runs on the machine leave theirs elsewhere
+    temporary.mkdir()
     process = subprocess.Popen(command(tmp_path / "in", tmp_path / "out", tiny_encoder_path, "--tokenize-workers",
-                                       "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                       "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "TMPDIR": str(temporary)})
     markers = tmp_path / "out" / ".lengthwise" / "shards"
     assert wait_for(lambda: markers.exists() and any(markers.iterdir()), 120), "no shard was committed"
     process.kill()
@@ -144,4 +146,4 @@ def test_a_sigkill_of_the_run_leaves_no_leaked_semaphore_warning_and_no_spec_fil
     stderr = process.stderr.read()
     process.wait()
     assert "leaked semaphore" not in stderr and "Traceback" not in stderr, stderr
-    assert set(Path(tempfile.gettempdir()).glob("lengthwise-tokenizer-*")) <= specs_before
+    assert list(temporary.glob("lengthwise-tokenizer-*")) == []

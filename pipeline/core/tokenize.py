@@ -218,16 +218,24 @@ def release_semaphore_names(executor: ProcessPoolExecutor) -> int:
     from multiprocessing import resource_tracker, util
     from multiprocessing.synchronize import SemLock
 
-    locks = [item for queue in (executor._call_queue, executor._result_queue) for item in vars(queue).values()
-             if isinstance(item, SemLock) and item._semlock.name is not None]
-    names = {lock._semlock.name for lock in locks}
-    for finalizer in list(util._finalizer_registry.values()):  # their unlink at exit is done here, now
-        if finalizer._callback is SemLock._cleanup and finalizer._args and finalizer._args[0] in names:
-            finalizer.cancel()
+    try:  # Python's internals (3.10-3.13); elsewhere the names stay, as before, and the run goes on
+        names = {item._semlock.name for queue in (executor._call_queue, executor._result_queue)
+                 for item in vars(queue).values() if isinstance(item, SemLock) and item._semlock.name is not None}
+        finalizers = {f._args[0]: f for f in list(util._finalizer_registry.values())
+                      if getattr(f, "_callback", None) is SemLock._cleanup and f._args and f._args[0] in names}
+    except AttributeError:
+        return 0
+    released = 0
     for name in names:
-        sem_unlink(name)
+        try:
+            sem_unlink(name)
+        except OSError:
+            continue  # left as it was: its finalizer and the tracker still clean it up
+        if name in finalizers:
+            finalizers[name].cancel()  # its unlink at exit is done, here
         resource_tracker.unregister(name, "semaphore")
-    return len(names)
+        released += 1
+    return released
 
 
 class TokenizerPool:
