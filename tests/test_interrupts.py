@@ -1,5 +1,6 @@
 """Killing a run at any moment loses nothing: signals, SIGKILL and resume, orphan workers."""
 
+import os
 import random
 import signal
 import subprocess
@@ -125,3 +126,24 @@ def test_a_sigint_inside_a_window_that_spans_shards_keeps_the_shards_finished_be
     written = outputs(tmp_path / "out")
     assert [[row["id"] for row in written[f"part-{i:05d}.parquet"]] for i in range(6)] == [
         rows["id"].to_pylist()[100 * i:100 * (i + 1)] for i in range(6)]
+
+
+@pytest.mark.slow
+def test_a_sigkill_of_the_run_leaves_no_leaked_semaphore_warning_and_no_spec_file(tmp_path, many_rows,
+                                                                                  tiny_encoder_path):
+    """The tokenizer pool's semaphore names are unlinked once its workers are up, so the resource
+    tracker that outlives a SIGKILLed run has nothing to warn about in the run's log."""
+    write_shards(tmp_path / "in", many_rows.slice(0, 400), [20] * 20)  # the first commit comes soon
+    temporary = tmp_path / "tmp"  # the run's own temp folder: other runs on the machine leave theirs elsewhere
+    temporary.mkdir()
+    process = subprocess.Popen(command(tmp_path / "in", tmp_path / "out", tiny_encoder_path, "--tokenize-workers",
+                                       "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "TMPDIR": str(temporary)})
+    markers = tmp_path / "out" / ".lengthwise" / "shards"
+    assert wait_for(lambda: markers.exists() and any(markers.iterdir()), 120), "no shard was committed"
+    process.kill()
+    # stderr ends when every process that shares it has exited: the workers and the resource tracker
+    stderr = process.stderr.read()
+    process.wait()
+    assert "leaked semaphore" not in stderr and "Traceback" not in stderr, stderr
+    assert list(temporary.glob("lengthwise-tokenizer-*")) == []

@@ -1,7 +1,8 @@
 """Storage that refuses the output: a full disk (a real 48 KiB tmpfs), an immutable output
 folder (chattr +i) and an object store that answers 503 (moto behind a flaky proxy, in
 tests/test_s3.py). Each ends with one line naming the path, the cause and what to do, exit 4,
-committed shards intact, no partial file, and a rerun that resumes."""
+committed shards intact, no partial file, and a rerun that resumes. A complete output on
+read-only storage (a read-only bind mount) is nothing to do: exit 0."""
 
 import json
 import shutil
@@ -103,3 +104,62 @@ def test_an_output_folder_it_may_not_write_is_one_line_and_exit_4(tmp_path, immu
     assert sorted(p.name for p in immutable_folder.glob("*.parquet")) == ["part-00000.parquet", "part-00001.parquet"]
     markers = (immutable_folder / ".lengthwise" / "shards").glob("*.json")
     assert sorted(json.loads(p.read_text())["status"] for p in markers) == ["done", "done"]
+
+
+def test_an_output_folder_it_may_not_create_is_exit_4_too(tmp_path, immutable_folder, sample_table,
+                                                         tiny_encoder_path):
+    """One fault, one exit code: storage refusing the output folder itself is 4, as refusing any
+    write in it, not 2 ("a usage error, do not retry")."""
+    write_shards(tmp_path / "in", sample_table.slice(0, 20), [10, 10])
+    output = immutable_folder / "night"
+    denied = CliRunner().invoke(cli, run_args(tmp_path / "in", output, tiny_encoder_path))
+    assert denied.exit_code == 4, denied.output
+    [line] = error_lines(denied)
+    assert line.startswith(f"error: {output}: permission denied (PermissionError: [Errno 1] Operation not permitted")
+    assert line.endswith("then rerun the same command: committed shards are kept and it resumes")
+    assert list(immutable_folder.iterdir()) == []
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """`mount(target)`: a read-only bind mount of `target` at tmp_path/ro (a real EROFS)."""
+    view = tmp_path / "ro"
+    view.mkdir()
+
+    def mount(target):
+        for command in (["mount", "--bind", str(target), str(view)], ["mount", "-o", "remount,bind,ro", str(view)]):
+            mounted = subprocess.run(command, capture_output=True, text=True)
+            if mounted.returncode != 0:
+                pytest.skip(f"cannot bind-mount read-only here: {mounted.stderr.strip()}")
+        return view
+
+    yield mount
+    subprocess.run(["umount", str(view)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_complete_output_on_read_only_storage_is_nothing_to_do_and_a_pending_one_is_exit_4(
+        tmp_path, read_only_view, sample_table, tiny_encoder_path):
+    write_shards(tmp_path / "in", sample_table.slice(0, 20), [10, 10])
+    output = tmp_path / "out"
+    assert CliRunner().invoke(cli, run_args(tmp_path / "in", output, tiny_encoder_path)).exit_code == 0
+    read_only = read_only_view(output)
+    retry = CliRunner().invoke(cli, run_args(tmp_path / "in", read_only, tiny_encoder_path))
+    assert retry.exit_code == 0, retry.output  # no lock is needed to do nothing
+    assert "nothing to do: 2 of 2 shards done" in retry.stderr and error_lines(retry) == []
+    assert CliRunner().invoke(cli, ["status", "--output", str(read_only)]).exit_code == 0
+    assert CliRunner().invoke(cli, ["verify", "--output", str(read_only)]).exit_code == 0
+    summary = CliRunner().invoke(cli, run_args(tmp_path / "in", read_only, tiny_encoder_path, "--summary-json",
+                                               str(read_only / ".summary.json")))
+    assert summary.exit_code == 4, summary.output  # a --summary-json it may not write is storage too
+    assert error_lines(summary)[0].startswith(f"error: {read_only}/.summary.json: permission denied (OSError: "
+                                              "[Errno 30] Read-only file system")
+
+    subprocess.run(["umount", str(read_only)], check=True)
+    (output / ".lengthwise" / "shards" / "part-00001.json").unlink()  # a shard left to do
+    read_only_view(output)
+    pending = CliRunner().invoke(cli, run_args(tmp_path / "in", read_only, tiny_encoder_path))
+    assert pending.exit_code == 4, pending.output
+    [line] = error_lines(pending)
+    assert line.startswith(f"error: {read_only}/.lengthwise/lock: permission denied (OSError: [Errno 30] "
+                           "Read-only file system")

@@ -1,10 +1,12 @@
 """The tokenizer pool: same ids as the Hugging Face tokenizer, in-process or on workers."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec
+from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec, release_semaphore_names
 
 TEXTS = ["A short one.", "word " * 400, None, "   ", "Ünïcödé and emoji 🙂 text", "", "last row"]
 
@@ -98,6 +100,25 @@ def test_a_pool_started_without_waiting_comes_up_on_first_use(spec):
         assert first_wait >= 0.0 and pool.ready() == 0.0  # seen up once, never waited for again
         encoded = pool.result(pool.submit(["one", "two"]))
     assert encoded.errors == [None, None] and len(encoded) == 2
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="named semaphores live in /dev/shm on Linux")
+def test_once_every_worker_is_up_no_semaphore_name_or_spec_file_is_left_to_leak(spec):
+    """What a SIGKILL of the parent would leave behind is gone as soon as the pool is up; the
+    pool works on through the open handles."""
+    from multiprocessing.synchronize import SemLock
+
+    with TokenizerPool(spec, workers=2, wait=False) as pool:
+        queues = (pool._executor._call_queue, pool._executor._result_queue)
+        names = [item._semlock.name for queue in queues for item in vars(queue).values() if isinstance(item, SemLock)]
+        spec_file = Path(pool._spec_file)
+        assert len(names) == 5 and all(Path(f"/dev/shm/sem.{name.lstrip('/')}").exists() for name in names)
+        pool.ready()
+        assert not any(Path(f"/dev/shm/sem.{name.lstrip('/')}").exists() for name in names)
+        assert not spec_file.exists() and not list(spec_file.parent.glob(f"{spec_file.name}.up-*"))
+        encoded = pool.result(pool.submit(["one", "two"] * 300))
+        assert release_semaphore_names(pool._executor) == 0  # released once
+    assert len(encoded) == 600 and encoded.errors == [None] * 600
 
 
 def test_setup_steps_add_up_to_the_setup_time():

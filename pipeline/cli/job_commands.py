@@ -35,6 +35,7 @@ from pipeline.cli.options import (
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.settings import RunConfig
 from pipeline.engines.execute import execute_run
+from pipeline.sample_data import SAMPLE_DIR
 
 
 @click.command()
@@ -42,6 +43,9 @@ from pipeline.engines.execute import execute_run
 @env_option("--input", "inputs", env="INPUT", multiple=True,
             help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable.")
 @env_option("--output", env="OUTPUT", help="Output directory (local or fsspec URL): one Parquet file per shard.")
+@env_option("--demo", env="DEMO", is_flag=True, default=False,
+            help="Input: the 400-row sample that ships with lengthwise (what ./run.sh embeds), in place of --input; "
+                 "a first run of an installed package: lengthwise run --demo --output out/demo.")
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
 @env_option("--keep-columns", env="KEEP_COLUMNS", type=NameList(), default=default_of("keep_columns"),
@@ -89,13 +93,23 @@ from pipeline.engines.execute import execute_run
             show_default=True,
             help="The output lock's lease (e.g. 5m): renewed every fifth of it; a lock not renewed for longer is "
                  "taken over from any host, so a run killed with its node does not block the next one.")
-@env_option("--progress/--no-progress", env="PROGRESS", default=True, show_default=True,
-            help="Progress bar on stderr.")
+@env_option("--progress/--no-progress", env="PROGRESS", default=None,
+            help="Progress bar on stderr. Default: only when stderr is a terminal (never into a log file).")
 @env_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
             help="Also write the run summary to this JSON file.")
 @with_options(LOG_OPTIONS)
 def run(**options) -> None:
-    """Run a job over every input shard and write one output shard per input shard."""
+    """Run a job over every input shard and write one output shard per input shard.
+
+    \b
+    Exit codes:
+      0        every shard is done (also: nothing was left to do)
+      1        some shards failed; the others are committed, a rerun retries them
+      2        usage or config error: nothing written, one line says what to change
+      4        the output's storage refused a write (no space, no permission, an
+               object store down); committed shards stay, rerun once it is fixed
+      130/143  interrupted by SIGINT/SIGTERM; committed shards stay, a rerun resumes
+    """
     try:
         config = run_config(**options)
         summary = execute_run(config)
@@ -113,18 +127,32 @@ def run(**options) -> None:
         sys.exit(EXIT_SHARDS_FAILED)
 
 
-def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, keep_columns,
+def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, keep_columns, demo, progress,
                **settings) -> RunConfig:
     """The RunConfig of `run`'s parsed options (the CLI's and `pipeline.api.run`'s)."""
+    if demo:
+        if inputs:
+            raise UsageError("--demo reads the packaged sample; drop --input (or `input` in the --config file)")
+        inputs = (SAMPLE_DIR,)
     if not inputs:
-        raise UsageError("no input; set --input (or `input` in the --config file)")
+        raise UsageError("no input; set --input (or `input` in the --config file), or --demo for the packaged sample")
     if not output:
         raise UsageError("no output directory; set --output (or `output` in the --config file)")
     if settings.get("lock_lease_s", 1) <= 0:
         raise UsageError("--lock-lease must be more than 0s (e.g. 5m)")
     return RunConfig(input=tuple(inputs), output=output, model=model_or_default(model),
                      storage_options=parse_storage_options(storage_option), thresholds=parse_thresholds(threshold),
-                     keep_columns=keep_columns, use_plan_cache=not no_plan_cache, **settings)
+                     keep_columns=keep_columns, use_plan_cache=not no_plan_cache,
+                     progress=show_progress(progress, sys.stderr), **settings)
+
+
+def show_progress(asked: bool | None, stream) -> bool:
+    """--progress / --no-progress as asked; otherwise a bar only where someone watches: on a
+    terminal, never into a log file or a scheduler's captured output."""
+    if asked is not None:
+        return asked
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 @click.command()
@@ -218,8 +246,9 @@ def status(output, storage_option, as_json) -> None:
     """How much of a run is done: shards done, failed and pending, rows done, and what the
     output holds (rows, errors, truncated, flagged by label), as the run's summary prints it.
 
-    Reads only the run manifest and the input footers; loads no model. With --config, the
-    job file's `output` and [storage] are used and its other keys are skipped.
+    Reads the run manifest and the footers of the input it records (as absolute URLs, so it
+    answers from any directory with only --output); loads no model. With --config, the job
+    file's `output` and [storage] are used and its other keys are skipped.
     """
     from pipeline.offline.manifest import run_status
     from pipeline.offline.summary import totals_lines

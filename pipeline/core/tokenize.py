@@ -9,7 +9,9 @@ per-token Python objects. A text that cannot be tokenized becomes a row error.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import glob
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -229,8 +231,45 @@ class WorkerStartError(RuntimeError):
     """A tokenizer worker could not start; the message says what to change."""
 
 
-def _worker_ready() -> bool:
+def _worker_ready(spec_path: str, workers: int, timeout_s: float) -> bool:
+    """A barrier: this worker says it is up (a file beside the spec) and waits for all `workers`
+    to be, so that each of the `workers` readiness tasks runs in a worker of its own and their
+    results prove that every worker has started (and opened the pool's semaphores)."""
+    with open(f"{spec_path}.up-{os.getpid()}", "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while len(glob.glob(f"{glob.escape(spec_path)}.up-*")) < workers and time.monotonic() < deadline:
+        time.sleep(0.01)
     return _worker_tokenizer is not None
+
+
+def release_semaphore_names(executor: ProcessPoolExecutor) -> int:
+    """Unlink the names of the pool's queue semaphores once every worker has opened them (they
+    work on by handle, as a fork context's do) and take them off the resource tracker, so that a
+    run killed later (SIGKILL, the OOM killer) leaves nothing in /dev/shm and the tracker prints no
+    "There appear to be N leaked semaphore objects" into its log. Returns how many."""
+    from _multiprocessing import sem_unlink
+    from multiprocessing import resource_tracker, util
+    from multiprocessing.synchronize import SemLock
+
+    try:  # Python's internals (3.10-3.13); elsewhere the names stay, as before, and the run goes on
+        names = {item._semlock.name for queue in (executor._call_queue, executor._result_queue)
+                 for item in vars(queue).values() if isinstance(item, SemLock) and item._semlock.name is not None}
+        finalizers = {f._args[0]: f for f in list(util._finalizer_registry.values())
+                      if getattr(f, "_callback", None) is SemLock._cleanup and f._args and f._args[0] in names}
+    except AttributeError:
+        return 0
+    released = 0
+    for name in names:
+        try:
+            sem_unlink(name)
+        except OSError:
+            continue  # left as it was: its finalizer and the tracker still clean it up
+        if name in finalizers:
+            finalizers[name].cancel()  # its unlink at exit is done, here
+        resource_tracker.unregister(name, "semaphore")
+        released += 1
+    return released
 
 
 class TokenizerPool:
@@ -254,8 +293,8 @@ class TokenizerPool:
             self._spec_file = write_spec_file(spec)
             self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                                  initializer=_init_worker_from_file, initargs=(self._spec_file,))
-            self._starting = ([self._executor.submit(_worker_ready) for _ in range(workers)], time.monotonic(),
-                              start_timeout_s)
+            self._starting = ([self._executor.submit(_worker_ready, self._spec_file, workers, start_timeout_s)
+                               for _ in range(workers)], time.monotonic(), start_timeout_s)
             if wait:
                 self.ready()
         else:
@@ -269,6 +308,8 @@ class TokenizerPool:
         waited = time.monotonic()
         starting, self._starting = self._starting, None
         self._wait_for_workers(*starting)
+        release_semaphore_names(self._executor)  # every worker is up: nothing needs their names or the spec
+        self._remove_spec_file()
         return time.monotonic() - waited
 
     def _wait_for_workers(self, ready: list, started: float, timeout_s: float) -> None:
@@ -305,9 +346,7 @@ class TokenizerPool:
 
     def close(self) -> None:
         """Stop the workers now; a waiting `result` then fails rather than blocks."""
-        if self._spec_file is not None:
-            os.unlink(self._spec_file)
-            self._spec_file = None
+        self._remove_spec_file()
         if self._executor is None:
             return
         executor, self._executor = self._executor, None
@@ -317,6 +356,13 @@ class TokenizerPool:
             process.kill()  # workers ignore SIGTERM (see _init_worker)
         for process in processes:
             process.join(timeout=5)
+
+    def _remove_spec_file(self) -> None:
+        if self._spec_file is not None:
+            for path in [self._spec_file, *glob.glob(f"{glob.escape(self._spec_file)}.up-*")]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            self._spec_file = None
 
     def __enter__(self) -> TokenizerPool:
         return self

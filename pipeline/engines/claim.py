@@ -73,6 +73,8 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         if config.reuse:
             check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
         todo = shards if config.overwrite else pending_shards(shards, manifest, sink)
+    if not todo and nothing_to_clean_or_wait_for(shards, sink, manifest):
+        return nothing_to_do(shards, config, manifest, started)
     with contextlib.ExitStack() as cleanup:
         run_shards = None
         if todo:
@@ -96,6 +98,26 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         summary.output_totals = output_totals(manifest.shard_markers().values())
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
+
+
+def nothing_to_clean_or_wait_for(shards: list[Shard], sink: ShardSink, manifest: RunManifest) -> bool:
+    """With every shard done, whether the run may end without the lock: no attempt left a
+    temporary file of these shards (the locked path removes it), and no live process holds a lock
+    on the output (the locked path refuses beside it, as ever: it may be an --overwrite)."""
+    return not sink.stale_temporaries([shard.stem for shard in shards]) and \
+        not any(holder.get("alive", True) for holder in manifest.read_locks())
+
+
+def nothing_to_do(shards: list[Shard], config: RunConfig, manifest: RunManifest, started: float) -> RunSummary:
+    """Every shard of this worker is done: the summary of a run that writes nothing, so no lock
+    is taken and a complete output answers 0 even on read-only storage. (Done shards become
+    pending again only under --overwrite, which never comes here.)"""
+    log.info(f"nothing to do: {len(shards)} of {len(shards)} shards done")
+    summary = RunSummary(shards=len(shards), shards_done_before=len(shards), output=config.output,
+                         nothing_to_do=True)
+    summary.output_totals = output_totals(manifest.shard_markers().values())
+    summary.wall_s = time.perf_counter() - started
+    return summary
 
 
 def close_runner(run_shards: ShardsRunner) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.errors import UsageError
+from pipeline.core.errors import UsageError, as_storage_error
 from pipeline.core.settings import RunConfig
 
 
@@ -34,6 +34,14 @@ def execute_run(config: RunConfig):
     if not summary.nothing_to_do:
         summary.diagnosis = as_dicts(diagnose_run(summary))
     if config.summary_json:
-        Path(config.summary_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.summary_json).write_text(summary.to_json() + "\n")
+        write_summary_json(summary, config.summary_json)
     return summary
+
+
+def write_summary_json(summary, path: str) -> None:
+    """--summary-json; storage that refuses it is exit 4, as for the outputs (it often lies inside --output)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(summary.to_json() + "\n")
+    except OSError as error:
+        raise as_storage_error(error, path) or error

@@ -164,7 +164,6 @@ class RunManifest:
                                                    "updated_at": _now()})
 
     def write_worker_summary(self, slot: WorkerSlot, summary: dict) -> None:
-        self.fs.makedirs(f"{self.root}/workers", exist_ok=True)
         self._write_json(f"{self.root}/workers/{slot.index}-of-{slot.count}.json",
                          {"index": slot.index, "count": slot.count, "at": _now(), "summary": summary})
 
@@ -309,16 +308,41 @@ class RunManifest:
             log.warning(f"could not remove the lock {path}: {type(error).__name__}: {error}")
 
 
+def absolute_url(url: str) -> str:
+    """`url` as a process in any working directory reads it: a local path (or file:// URL) made
+    absolute against this process's working directory, other URLs (s3://…, memory://…) as given."""
+    if "::" in url or fsspec.utils.get_protocol(url) not in ("file", "local"):
+        return url
+    return LocalFileSystem._strip_protocol(url)
+
+
+def list_recorded_shards(inputs: list[str], config: dict, storage_options: dict) -> list[Shard]:
+    """The shards of the input run.json records (or `inputs`), for `status` and `verify`. An
+    input recorded relative (by a lengthwise from before it recorded absolute URLs) is read
+    against this directory; where it is not there, the error says so."""
+    try:
+        return list_shards(inputs, config["id_column"], config["text_column"], storage_options,
+                           split=config.get("split"))
+    except UsageError as error:
+        relative = [url for url in inputs if not os.path.isabs(os.path.expanduser(url)) and ":" not in url]
+        if not relative:
+            raise
+        raise UsageError(f"{error}; run.json records the input {relative[0]!r} relative to the directory of the "
+                         f"run that wrote it: run this from that directory, or give --input (verify)") from error
+
+
 def recorded_config(config: RunConfig) -> dict:
     """The resolved config as saved beside the outputs (the same for every worker: its own
     index is left out), with no credential in it: storage options keep only harmless values,
-    URLs lose their userinfo and signatures (core/redact.py)."""
+    URLs lose their userinfo and signatures (core/redact.py). Input, output and --reuse are
+    absolute URLs, so `status` and `verify` find them from any working directory (an Airflow
+    task runs in a temporary one)."""
     data = config.to_dict()
     data.pop("shard_index", None)
     data["storage_options"] = recordable_options(config.storage_options)
-    data["input"] = [redact_url(url) for url in config.input]
+    data["input"] = [redact_url(absolute_url(url)) for url in config.input]
     for key in ("output", "reuse"):
-        data[key] = data[key] and redact_url(data[key])
+        data[key] = data[key] and redact_url(absolute_url(data[key]))
     return data
 
 
@@ -334,8 +358,7 @@ def run_status(output: str, storage_options: dict) -> dict:
     markers = manifest.shard_markers()
     config = recorded["config"]
     recorded_options = usable_recorded_options(config.get("storage_options", {}))
-    shards = list_shards(config["input"], config["id_column"], config["text_column"],
-                         {**recorded_options, **storage_options}, split=config.get("split"))
+    shards = list_recorded_shards(config["input"], config, {**recorded_options, **storage_options})
     by_stem = {shard.stem: shard for shard in shards}
     status_of = {stem: markers.get(stem, {}).get("status", "pending") for stem in by_stem}
     locks = manifest.read_locks()

@@ -158,9 +158,14 @@ class ShardSink:
         self.committed_bytes: dict[int, int | None] = {}  # shard index → size of its committed output
 
     def create(self) -> None:
+        """Make the output directory. Storage that refuses it is a StorageError (exit 4), as any
+        later write it refuses; another OSError (a path through a file) is a usage error."""
         try:
             self.fs.makedirs(self.output_dir, exist_ok=True)
         except OSError as error:
+            refused = as_storage_error(error, shown_path(self.fs, self.output_dir))
+            if refused is not None:
+                raise refused from error
             raise UsageError(f"cannot create output directory {self.output!r}: {error}; check --output") from error
 
     def write(self, shard_index: int, shard: Shard, table: pa.Table) -> None:
@@ -192,13 +197,17 @@ class ShardSink:
         if writer is not None:
             writer.abort()
 
-    def remove_stale_temporaries(self, stems: list[str]) -> int:
-        """Delete temporary outputs a killed attempt left behind for these shards (call under
-        the lock of the worker that owns them: another worker's live files are never touched)."""
+    def stale_temporaries(self, stems: list[str]) -> list[str]:
+        """Temporary outputs of these shards that an attempt left behind (killed, or running now)."""
         mine = set(stems)
         temporaries = [path[len(self.output_dir) + 1:] for path in self.fs.find(self.output_dir)
                        if TEMPORARY_NAME.fullmatch(path.rsplit("/", 1)[-1])]
-        stale = [f"{self.output_dir}/{path}" for path in temporaries if temporary_stem(path) in mine]
+        return [f"{self.output_dir}/{path}" for path in temporaries if temporary_stem(path) in mine]
+
+    def remove_stale_temporaries(self, stems: list[str]) -> int:
+        """Delete temporary outputs a killed attempt left behind for these shards (call under
+        the lock of the worker that owns them: another worker's live files are never touched)."""
+        stale = self.stale_temporaries(stems)
         for path in stale:
             self.fs.rm(path)
         return len(stale)

@@ -22,9 +22,10 @@ import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError
 from pipeline.core.redact import usable_recorded_options
-from pipeline.offline.manifest import MANIFEST_DIR, RunManifest, fingerprint_digest, manifest_root
+from pipeline.offline.manifest import (MANIFEST_DIR, RunManifest, fingerprint_digest, list_recorded_shards,
+                                       manifest_root)
 from pipeline.offline.sink import TEMPORARY_NAME, output_paths
-from pipeline.offline.source import _record_batches, list_shards, output_stem, relative_name
+from pipeline.offline.source import _record_batches, output_stem, relative_name
 
 LISTED_IDS = 10  # ids named per shard and kind; the counts are always complete
 BATCH_ROWS = 65536
@@ -159,8 +160,7 @@ def verify_output(inputs: list[str] | None, output: str, storage_options: dict |
         raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
     config = recorded["config"]
     recorded_options = usable_recorded_options(config.get("storage_options", {}))
-    shards = list_shards(list(inputs or config["input"]), config["id_column"], config["text_column"],
-                         {**recorded_options, **storage_options}, split=config.get("split"))
+    shards = list_recorded_shards(list(inputs or config["input"]), config, {**recorded_options, **storage_options})
     markers = manifest.shard_markers()
     digest = fingerprint_digest(recorded["fingerprint"])
     report = VerifyReport(input=list(inputs or config["input"]), output=output)
