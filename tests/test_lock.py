@@ -246,6 +246,10 @@ def test_status_json_says_an_expired_lease_is_not_running(tmp_path, sample_table
     report = json.loads(CliRunner().invoke(cli, ["status", "--output", str(tmp_path / "out"), "--json"]).output)
     assert report["workers"][0]["running"] is False and report["lock"]["alive"] is False
     assert report["lock"]["lease_expires_in_s"] < -690
+    nothing = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
+                                       "--model", tiny_encoder_path, "--tokenize-workers", "0", "--no-progress"])
+    assert nothing.exit_code == 0 and "nothing to do" in nothing.output  # a done output needs no lock
+    (tmp_path / "out" / "part-00001.parquet").unlink()  # now there is work, so the stale lock is taken over
     rerun = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
                                      "--model", tiny_encoder_path, "--tokenize-workers", "0", "--no-progress"])
     assert rerun.exit_code == 0 and "took over the lock of process 4242 on otherhost" in rerun.output
