@@ -52,3 +52,14 @@ def test_a_deleted_or_replaced_output_is_redone_by_the_next_run(tmp_path, three_
         assert again[stem]["id"].equals(clean[stem]["id"])
     third = run_job(config_for(tmp_path, tiny_encoder_path))
     assert third.shards_done_before == 3 and third.rows == 0
+
+
+@pytest.mark.slow
+def test_half_written_markers_a_kill_left_are_removed_by_the_next_run_with_work(tmp_path, three_shards,
+                                                                                tiny_encoder_path):
+    run_job(config_for(tmp_path, tiny_encoder_path))
+    shards = tmp_path / "out" / ".lengthwise" / "shards"
+    (shards / "part-00001.json.0badc0de.tmp").write_text('{"shard": "part-00')  # killed mid-write
+    (tmp_path / "out" / "part-00001.parquet").unlink()
+    run_job(config_for(tmp_path, tiny_encoder_path))
+    assert sorted(p.name for p in shards.iterdir()) == ["part-00000.json", "part-00001.json", "part-00002.json"]

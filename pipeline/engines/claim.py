@@ -198,7 +198,8 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
     if config.overwrite:
         manifest.clear_markers(stems)
         sink.remove_outputs(stems)
-    if sink.remove_stale_temporaries(stems) + remove_stale_hash_temporaries(manifest, stems):
+    if (sink.remove_stale_temporaries(stems) + remove_stale_hash_temporaries(manifest, stems)
+            + manifest.remove_stale_temporaries(stems)):
         log.info("removed temporary files of an interrupted run")
     untrusted = untrusted_done_markers(shards, manifest.shard_markers(), sink)
     for shard in shards:

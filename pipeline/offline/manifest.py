@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -101,6 +102,9 @@ def parse_record(data: bytes, fields: dict[str, type]) -> dict:
         if not isinstance(record[name], kind):
             raise ValueError(f"its {name!r} is a JSON {type(record[name]).__name__}")
     return record
+
+
+MARKER_TEMPORARY = re.compile(r"(?P<stem>.+)\.json\.[0-9a-f]{8}\.tmp")  # shards/STEM.json.XXXXXXXX.tmp
 
 
 class RunManifest:
@@ -221,6 +225,19 @@ class RunManifest:
             path = f"{self.root}/shards/{stem}.json"
             if self.fs.exists(path):
                 self.fs.rm(path)
+
+    def remove_stale_temporaries(self, stems: list[str]) -> int:
+        """Delete the half-written markers a killed attempt left for these shards (`_write_json`'s
+        `NAME.json.XXXXXXXX.tmp`); call under the lock of the worker that owns the shards."""
+        folder = f"{self.root}/shards"
+        if not self.fs.exists(folder):
+            return 0
+        mine = set(stems)
+        stale = [path for path in self.fs.find(folder)
+                 if (name := MARKER_TEMPORARY.fullmatch(path[len(folder) + 1:])) and name["stem"] in mine]
+        for path in stale:
+            self.fs.rm(path)
+        return len(stale)
 
     # The locks: one live process per worker slot, and no two slot layouts at once.
 
