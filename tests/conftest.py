@@ -139,3 +139,20 @@ def assert_equal_outputs(ours: pa.Table, expected: pa.Table) -> None:
     good = [i for i, v in enumerate(expected["embedding"].to_pylist()) if v is not None]
     np.testing.assert_allclose(np.array([ours["embedding"][i].as_py() for i in good]),
                                np.array([expected["embedding"][i].as_py() for i in good]), atol=2e-5)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> str:
+    """One real S3-compatible server (moto) on loopback for the whole session; each test makes its
+    own bucket. Skipped where moto or s3fs is not installed."""
+    import socket
+
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()

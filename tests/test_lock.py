@@ -331,24 +331,11 @@ def test_two_takers_of_one_expired_lock_on_a_local_disk_one_wins_each_round(tmp_
     assert_one_winner_each_round(race(str(tmp_path), {}), expect_note=True)
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    moto_server = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
 @pytest.fixture
-def s3_bucket(s3_endpoint, request):
+def s3_bucket(moto_endpoint, request):
     import s3fs
 
-    options = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
+    options = {"endpoint_url": moto_endpoint, "key": "testing", "secret": "testing"}
     fs = s3fs.S3FileSystem(**options)
     name = "lw-lock-" + request.node.name.lower().replace("_", "-")[-30:].strip("-")
     fs.mkdir(name)

@@ -5,7 +5,6 @@ import http.client
 import http.server
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
@@ -24,16 +23,10 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 
 @pytest.fixture(scope="module")
-def endpoint(monkeypatch_module):
+def endpoint(monkeypatch_module, moto_endpoint):
     for name, value in CREDENTIALS.items():
         monkeypatch_module.setenv(name, value)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    return moto_endpoint
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import cli
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 s3fs = pytest.importorskip("s3fs")
 
 NO_CREDENTIALS = ("no credentials for the object store (NoCredentialsError: Unable to locate credentials); set them "
@@ -31,12 +31,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def endpoint():
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+def endpoint(moto_endpoint):
+    return moto_endpoint
 
 
 @pytest.fixture
@@ -49,6 +45,10 @@ def no_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    yield
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # a filesystem made without credentials must not serve later tests
 
 
 @pytest.fixture

@@ -107,6 +107,19 @@ def parse_record(data: bytes, fields: dict[str, type]) -> dict:
 MARKER_TEMPORARY = re.compile(r"(?P<stem>.+)\.json\.[0-9a-f]{8}\.tmp")  # shards/STEM.json.XXXXXXXX.tmp
 
 
+def remove_temporaries(fs: fsspec.AbstractFileSystem, folder: str, pattern: re.Pattern, stems: list[str]) -> int:
+    """Delete the files below `folder` whose path below it matches `pattern` with a `stem` group
+    among `stems` (a killed attempt's temporaries of this worker's shards); how many went."""
+    if not fs.exists(folder):
+        return 0
+    mine = set(stems)
+    stale = [path for path in fs.find(folder)
+             if (name := pattern.fullmatch(path[len(folder) + 1:])) and name["stem"] in mine]
+    for path in stale:
+        fs.rm(path)
+    return len(stale)
+
+
 class RunManifest:
     """`OUTPUT/.lengthwise/`: run.json (resolved config and the fingerprint of everything that
     changes outputs), shards/<stem>.json (one marker per finished or failed shard, written
@@ -171,16 +184,20 @@ class RunManifest:
         self._write_json(f"{self.root}/workers/{slot.index}-of-{slot.count}.json",
                          {"index": slot.index, "count": slot.count, "at": _now(), "summary": summary})
 
+    def _read_or_warn(self, path: str, fields, consequence: str) -> dict | None:
+        """A record whose damage is safe to pass over: None, with a warning saying `consequence`."""
+        try:
+            return self._read_record(path, fields, consequence)
+        except DamagedManifestFile as damaged:
+            log.warning(str(damaged))
+            return None
+
     def worker_summaries(self) -> dict[tuple[int, int], dict]:
         """(index, count) → the last summary that worker wrote."""
         found = {}
         for path in self.fs.glob(f"{self.root}/workers/*.json"):
-            try:
-                record = self._read_record(path, WORKER_SUMMARY_FIELDS, "that worker's last speed is not shown; "
-                                           "its next run writes the file anew")
-            except DamagedManifestFile as damaged:
-                log.warning(str(damaged))
-                continue
+            record = self._read_or_warn(path, WORKER_SUMMARY_FIELDS, "that worker's last speed is not shown; "
+                                        "its next run writes the file anew")
             if record is not None:
                 found[(record["index"], record["count"])] = record
         return found
@@ -191,12 +208,8 @@ class RunManifest:
         the marker anew; nothing else depends on it."""
         markers = {}
         for path in [p for p in self.fs.find(f"{self.root}/shards") if p.endswith(".json")]:
-            try:
-                marker = self._read_record(path, MARKER_FIELDS, "its shard counts as not done: a run redoes it and "
-                                           "writes the marker anew")
-            except DamagedManifestFile as damaged:
-                log.warning(str(damaged))
-                continue
+            marker = self._read_or_warn(path, MARKER_FIELDS, "its shard counts as not done: a run redoes it and "
+                                        "writes the marker anew")
             if marker is not None:
                 markers[marker["shard"]] = marker
         return markers
@@ -229,15 +242,7 @@ class RunManifest:
     def remove_stale_temporaries(self, stems: list[str]) -> int:
         """Delete the half-written markers a killed attempt left for these shards (`_write_json`'s
         `NAME.json.XXXXXXXX.tmp`); call under the lock of the worker that owns the shards."""
-        folder = f"{self.root}/shards"
-        if not self.fs.exists(folder):
-            return 0
-        mine = set(stems)
-        stale = [path for path in self.fs.find(folder)
-                 if (name := MARKER_TEMPORARY.fullmatch(path[len(folder) + 1:])) and name["stem"] in mine]
-        for path in stale:
-            self.fs.rm(path)
-        return len(stale)
+        return remove_temporaries(self.fs, f"{self.root}/shards", MARKER_TEMPORARY, stems)
 
     # The locks: one live process per worker slot, and no two slot layouts at once.
 

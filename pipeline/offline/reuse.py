@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError
 from pipeline.core.retry import retry_transient
-from pipeline.offline.manifest import MANIFEST_DIR, RunManifest, fingerprint_differences
+from pipeline.offline.manifest import MANIFEST_DIR, RunManifest, fingerprint_differences, remove_temporaries
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import id_hash
 
@@ -83,15 +83,7 @@ def hashes_path(root: str, stem: str) -> str:
 def remove_stale_hash_temporaries(manifest: RunManifest, stems: list[str]) -> int:
     """Delete text-hash files a killed attempt left half-written for these shards; call, like
     ShardSink.remove_stale_temporaries, under the lock of the worker that owns the shards."""
-    folder = f"{manifest.root}/{HASHES_DIR}"
-    if not manifest.fs.exists(folder):
-        return 0
-    mine = set(stems)
-    stale = [path for path in manifest.fs.find(folder)
-             if (name := HASH_TEMPORARY.fullmatch(path[len(folder) + 1:])) and name["stem"] in mine]
-    for path in stale:
-        manifest.fs.rm(path)
-    return len(stale)
+    return remove_temporaries(manifest.fs, f"{manifest.root}/{HASHES_DIR}", HASH_TEMPORARY, stems)
 
 
 class TextHashSink:
