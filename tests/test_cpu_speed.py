@@ -93,8 +93,9 @@ def test_cpu_batches_pad_to_their_own_longest_row_and_gpu_batches_to_eight():
     encoded = EncodedRows(np.arange(offsets[-1], dtype=np.int32) % 100 + 1, offsets, np.zeros(7, bool), [None] * 7, 0.0)
     batches = list(collate_batches(encoded, np.arange(7), 64, 3, 32, BatchLimits(None), 0,
                                    DeviceFeeder(torch.device("cpu"))))
-    # budget 64 tokens: 2 rows of 31, 2 of 29, then 3 of 13 (multiples of 8 would pad to 32, 32, 16)
-    assert [lengths[b.rows].tolist() for b in batches] == [[31, 30], [29, 27], [13, 12, 5]]
-    assert [b.padded_length for b in batches] == [31, 29, 13]
-    assert [tuple(b.tensors[0].shape) for b in batches] == [(2, 31), (2, 29), (3, 13)]
-    assert sum(b.padded_tokens for b in batches) == 62 + 58 + 39
+    # budget 64 tokens: 2 rows of 31, 2 of 29, 2 of 13 (multiples of 8 would pad to 32, 32, 16), and 5 alone: it
+    # would pad by more than an eighth of 13
+    assert [lengths[b.rows].tolist() for b in batches] == [[31, 30], [29, 27], [13, 12], [5]]
+    assert [b.padded_length for b in batches] == [31, 29, 13, 5]
+    assert [tuple(b.tensors[0].shape) for b in batches] == [(2, 31), (2, 29), (2, 13), (1, 5)]
+    assert sum(b.padded_tokens for b in batches) == 62 + 58 + 26 + 5

@@ -101,10 +101,11 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
 
 
 def nothing_to_clean_or_wait_for(shards: list[Shard], sink: ShardSink, manifest: RunManifest) -> bool:
-    """With every shard done, whether the run may end without the lock: no attempt left a
-    temporary file of these shards (the locked path removes it), and no live process holds a lock
-    on the output (the locked path refuses beside it, as ever: it may be an --overwrite)."""
-    return not sink.stale_temporaries([shard.stem for shard in shards]) and \
+    """With every shard done, whether the run may end without the lock: run.json records the run
+    (a deleted one is written anew on the locked path), no attempt left a temporary file of these
+    shards (the locked path removes it), and no live process holds a lock on the output (the
+    locked path refuses beside it, as ever: it may be an --overwrite)."""
+    return manifest.read_run() is not None and not sink.stale_temporaries([shard.stem for shard in shards]) and \
         not any(holder.get("alive", True) for holder in manifest.read_locks())
 
 
