@@ -86,11 +86,13 @@ class ShardRunner:
         times = StageTimes()
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
         summary.dtype_reason = loaded.choice.dtype_reason
+        summary.long_text = "split" if loaded.tokenizer.segment_length else "truncate"
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
         summary.settings, summary.sweep_reference = diagnosis_settings(config, loaded), self.sweep_reference
         count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
-        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids)
+        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids,
+                              functools.partial(job.fold_segments, model))
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
@@ -165,7 +167,10 @@ class ShardRunner:
         if outputs:
             return job.to_columns(model, outputs, valid)
         # no row of this window could run
-        return {f.name: pa.nulls(rows, f.type) for f in job.output_schema(model)}
+        fields = [*job.output_schema(model)]
+        if self.loaded.tokenizer.segment_length and hasattr(job, "split_schema"):
+            fields += [*job.split_schema(model)]
+        return {f.name: pa.nulls(rows, f.type) for f in fields}
 
 
 def diagnosis_settings(config: RunConfig, loaded: LoadedModel) -> dict:
@@ -179,12 +184,16 @@ def diagnosis_settings(config: RunConfig, loaded: LoadedModel) -> dict:
             "max_batch_rows": config.max_batch_rows}
 
 
+SPLIT_COLUMNS = ("segments", "flag_spans")  # what --long-text split adds to the output
+
+
 def check_kept_columns(keep_columns, job_columns: list[str]) -> None:
     """Kept input columns must not take a name the output already has."""
-    taken = [name for name in keep_columns if name in ("id", *job_columns, "truncated", "error")]
+    taken = [name for name in keep_columns if name in ("id", *job_columns, *SPLIT_COLUMNS, "truncated", "error")]
     if taken:
         raise UsageError(f"--keep-columns {', '.join(taken)}: the output already has a column of that name "
-                         f"(id, {', '.join(job_columns)}, truncated, error); rename it in the input")
+                         f"(id, {', '.join(job_columns)}, truncated, error; with --long-text split "
+                         f"{', '.join(SPLIT_COLUMNS)}); rename it in the input")
 
 
 PART_OF_WINDOW = 8  # a window spanning shards is cut at shard ends into parts of at least 1/8 of its rows
@@ -196,7 +205,7 @@ def batches_of(windows: Iterable[Window], config: RunConfig, limits: BatchLimits
     done, so it can be written and the shard it ends committed."""
     for window in windows:
         for part in window_parts(window, max(1, config.window_rows // PART_OF_WINDOW)):
-            rows = part.start_row + np.flatnonzero(window.valid[part.start_row:part.end_row])
-            yield from collate_batches(window.encoded, rows, config.max_batch_tokens, config.max_batch_rows,
+            rows = window.rows_to_score(part.start_row, part.end_row)
+            yield from collate_batches(window.scored, rows, config.max_batch_tokens, config.max_batch_rows,
                                        config.max_length, limits, pad_token_id, feeder, times, window)
             yield part
