@@ -23,7 +23,7 @@ from pipeline.offline.manifest import (
     pending,
     recorded_config,
 )
-from pipeline.offline.reuse import check_reusable, recorded_dtype, remove_stale_hash_temporaries
+from pipeline.offline.reuse import check_reusable, recorded_dtype, recorded_long_text, remove_stale_hash_temporaries
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
 from pipeline.offline.summary import RunSummary, output_totals
@@ -63,6 +63,9 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     if config.reuse and config.dtype == "auto":
         config = keep_reused_dtype(config)
         dtype_source = None if config.dtype == "auto" else f"what {config.reuse} was made with (--dtype auto, --reuse)"
+    if config.reuse and config.long_text == "auto":
+        config = dataclasses.replace(config, long_text=recorded_long_text(config.reuse, config.storage_options)
+                                     or "auto")
     # the bf16 trial of --dtype auto runs on the job's own rows
     trial_texts = functools.partial(sample_texts, shards, config.id_column, config.text_column, config.storage_options)
     with clock.step("model code and dtype"):  # importing the architecture's code is most of it

@@ -75,7 +75,8 @@ class ShardRunner:
             self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
                                         loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
-        check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names)
+        check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names,
+                           [f.name for f in self._split_fields()])
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             started: float, ids: IdTracker | None = None) -> None:
@@ -167,10 +168,15 @@ class ShardRunner:
         if outputs:
             return job.to_columns(model, outputs, valid)
         # no row of this window could run
-        fields = [*job.output_schema(model)]
-        if self.loaded.tokenizer.segment_length and hasattr(job, "split_schema"):
-            fields += [*job.split_schema(model)]
-        return {f.name: pa.nulls(rows, f.type) for f in fields}
+        return {f.name: pa.nulls(rows, f.type) for f in [*job.output_schema(model), *self._split_fields()]
+                if f.name != "segments"}  # output_table adds that
+
+    def _split_fields(self) -> list[pa.Field]:
+        """The columns --long-text split adds: segments, and the job's own (moderate's flag_spans)."""
+        job, model = self.loaded.job, self.loaded.model
+        if not self.loaded.tokenizer.segment_length:
+            return []
+        return [pa.field("segments", pa.int32()), *(job.split_schema(model) if hasattr(job, "split_schema") else [])]
 
 
 def diagnosis_settings(config: RunConfig, loaded: LoadedModel) -> dict:
@@ -184,16 +190,13 @@ def diagnosis_settings(config: RunConfig, loaded: LoadedModel) -> dict:
             "max_batch_rows": config.max_batch_rows}
 
 
-SPLIT_COLUMNS = ("segments", "flag_spans")  # what --long-text split adds to the output
-
-
-def check_kept_columns(keep_columns, job_columns: list[str]) -> None:
+def check_kept_columns(keep_columns, job_columns: list[str], split_columns: list[str] = ()) -> None:
     """Kept input columns must not take a name the output already has."""
-    taken = [name for name in keep_columns if name in ("id", *job_columns, *SPLIT_COLUMNS, "truncated", "error")]
+    taken = [name for name in keep_columns if name in ("id", *job_columns, *split_columns, "truncated", "error")]
     if taken:
         raise UsageError(f"--keep-columns {', '.join(taken)}: the output already has a column of that name "
-                         f"(id, {', '.join(job_columns)}, truncated, error; with --long-text split "
-                         f"{', '.join(SPLIT_COLUMNS)}); rename it in the input")
+                         f"(id, {', '.join([*job_columns, *split_columns])}, truncated, error); rename it in the "
+                         "input")
 
 
 PART_OF_WINDOW = 8  # a window spanning shards is cut at shard ends into parts of at least 1/8 of its rows
