@@ -137,7 +137,7 @@ class ShardRunner:
                     summary.oom_splits += result.splits
                     summary.real_tokens += item.real_tokens
                     summary.padded_tokens += item.padded_tokens
-                    progress.update(len(item.rows))
+                    progress.update(item.window.rows_done(item.rows))
                     elapsed = progress.format_dict["elapsed"]
                     if elapsed:
                         progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)

@@ -92,6 +92,16 @@ class Window:
         segments = first + np.flatnonzero(self.valid[owner[first:last]])
         return np.concatenate([rows[self.segment_counts[rows] == 0], self.num_rows + segments])
 
+    def rows_done(self, scored_rows: np.ndarray) -> int:
+        """Rows whose last piece these positions of `scored` are (for the progress bar)."""
+        fit = int((scored_rows < self.num_rows).sum())
+        if self.segment_counts is None:
+            return fit
+        owner = self.encoded.segments.row
+        segments = scored_rows[scored_rows >= self.num_rows] - self.num_rows
+        return fit + int((segments + 1 == len(owner)).sum() +
+                         (owner[np.minimum(segments + 1, len(owner) - 1)] != owner[segments]).sum())
+
     def fail(self, rows: np.ndarray, error: str) -> None:
         """Rows that could not run after all (out of memory even alone) get an error; a segment
         fails its row."""
