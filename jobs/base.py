@@ -42,6 +42,12 @@ class Job(Protocol):
     def output_schema(self, model: torch.nn.Module) -> pa.Schema:
         """The job's output columns (the pipeline adds id, truncated and error)."""
 
+    def fold_segments(self, model: torch.nn.Module, outputs: dict[str, np.ndarray], starts: np.ndarray,
+                      lengths: np.ndarray) -> dict[str, np.ndarray]:
+        """--long-text split: one row's outputs from each group of its segments' (consecutive
+        rows of `outputs`, groups beginning at `starts`; `lengths`: each segment's tokens). May add
+        `best_segment` (row, label → which segment's output it took)."""
+
     def to_columns(self, model: torch.nn.Module, outputs: dict[str, np.ndarray],
                    valid: np.ndarray) -> dict[str, pa.Array]:
         """Arrow columns from stacked outputs; rows where `valid` is False are null."""

@@ -11,6 +11,7 @@ import pyarrow as pa
 from transformers import AutoModelForSequenceClassification
 
 from jobs.base import load_pretrained, model_attention_mask
+from pipeline.core.segments import max_per_group
 
 
 MAX_SCORE_CHANGE = 0.01  # another dtype must keep every probability this close to float32's
@@ -42,6 +43,12 @@ class ClassifyJob:
         change = float((a - b).abs().max())
         return same_label == len(a) and change <= (MAX_SCORE_CHANGE_STRICT if strict else MAX_SCORE_CHANGE), \
             f"same top label on {same_label}/{len(a)} rows, max |Δscore| {change:.4f}"
+
+    def fold_segments(self, model, outputs, starts, lengths):
+        """A long row scores the maximum per label over its segments: a label any part of the text
+        has, the row has (its top label follows from those maxima)."""
+        scores, best = max_per_group(outputs["scores"], starts)
+        return {"scores": scores, "best_segment": best}
 
     def output_schema(self, model):
         return pa.schema([("label", pa.string()), ("score", pa.float32()),

@@ -8,12 +8,14 @@ pooling + normalisation, as all-MiniLM-L6-v2 uses.
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import torch
 from transformers import AutoModel
 
 from jobs.base import fixed_size_list, load_pretrained, model_attention_mask
 from jobs.sentence_transformers_folder import EmbeddingRecipe, read_embedding_recipe
+from pipeline.core.segments import weighted_mean_per_group
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, recipe: EmbeddingRecipe,
@@ -109,6 +111,14 @@ class EmbedJob:
         a, b = reference["embedding"].float(), candidate["embedding"].float()
         cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=1).min())
         return cosine >= (MIN_COSINE_STRICT if strict else MIN_COSINE), f"min cosine {cosine:.5f}"
+
+    def fold_segments(self, model, outputs, starts, lengths):
+        """A long row's vector: its segments' vectors averaged, each weighed by its tokens, then
+        L2-normalised again where the model normalises."""
+        mean = weighted_mean_per_group(outputs["embedding"], lengths, starts)
+        if model.recipe.normalize and len(mean):
+            mean = mean / np.maximum(np.linalg.norm(mean, axis=1, keepdims=True), 1e-12)
+        return {"embedding": mean.astype(np.float32)}
 
     def output_schema(self, model):
         return pa.schema([("embedding", pa.list_(pa.float32(), model.embedding_width))])

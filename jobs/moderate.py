@@ -51,10 +51,23 @@ def resolve_thresholds(labels: tuple[str, ...], sigmoid: bool, thresholds: dict[
     return {name: float(thresholds.get(name, default_threshold)) for name in labels if name in flagging}
 
 
+FLAG_SPAN = pa.struct([("label", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
+
+
 def flag_hits(scores: np.ndarray, labels: tuple[str, ...], thresholds: dict[str, float]) -> np.ndarray:
     """(rows, labels) bool: label hit = flag label with score ≥ its threshold."""
     cut = np.array([thresholds.get(name, np.inf) for name in labels], dtype=np.float64)
     return scores.astype(np.float64) >= cut
+
+
+def flag_span_column(spans: np.ndarray, hits: np.ndarray, offsets: np.ndarray, names: pa.Array,
+                     null: pa.Array) -> pa.Array:
+    """Per row, one {label, start, end} per flag label hit (as `flagged_labels` lists them): the
+    character span of the row's text whose segment scored the label highest."""
+    hit_spans = spans[hits]  # (hits, 2), row-major as `names`
+    entries = pa.StructArray.from_arrays([names, pa.array(hit_spans[:, 0], pa.int32()),
+                                          pa.array(hit_spans[:, 1], pa.int32())], fields=list(FLAG_SPAN))
+    return pa.ListArray.from_arrays(pa.array(offsets), entries, mask=null)
 
 
 class Moderator(torch.nn.Module):
@@ -110,6 +123,10 @@ class ModerateJob(ClassifyJob):
         return pa.schema([("flagged", pa.bool_()), ("flagged_labels", pa.list_(pa.string())),
                           ("scores", pa.struct([(name, pa.float32()) for name in model.labels]))])
 
+    def split_schema(self, model):
+        """--long-text split adds, per flag label hit, the character span of the segment that hit it."""
+        return pa.schema([("flag_spans", pa.list_(FLAG_SPAN))])
+
     def to_columns(self, model, outputs, valid):
         scores = outputs["scores"].astype(np.float32)
         hits = flag_hits(scores, model.labels, model.thresholds) & valid[:, None]
@@ -122,6 +139,8 @@ class ModerateJob(ClassifyJob):
             "flagged_labels": pa.ListArray.from_arrays(pa.array(offsets), names, mask=null),
             "scores": pa.StructArray.from_arrays([pa.array(scores[:, i]) for i in range(len(model.labels))],
                                                  names=list(model.labels), mask=null),
+            **({"flag_spans": flag_span_column(outputs["spans"], hits, offsets, names, null)}
+               if "spans" in outputs else {}),
         }
 
     def count_flagged(self, model, table: pa.Table) -> tuple[int, dict[str, int]]:

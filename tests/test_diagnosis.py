@@ -107,7 +107,7 @@ def test_truncated_rows_beyond_the_model_say_its_limit():
     assert finding.action.startswith("--max-length 512 (the model's limit)")
     at_limit = dataclasses.replace(summary, settings={**summary.settings, "max_length": 512})
     assert only(diagnose_run(at_limit), "truncated-rows").action.startswith(
-        "--max-length is at the model's limit (512 positions): split long texts")
+        "--max-length is at the model's limit (512 positions): --long-text split judges all of every row")
 
 
 def test_oom_splits_suggest_a_new_probe_or_more_safety():

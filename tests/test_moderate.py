@@ -71,6 +71,7 @@ def between_two_scores(values: np.ndarray, quantile: float) -> float:
 
 
 def moderate(tmp_path, table, name="out", **settings):
+    settings.setdefault("long_text", "truncate")  # as the transformers pipeline compared with (tests/test_long_text.py)
     if not (tmp_path / "in").exists():
         write_shards(tmp_path / "in", table, [table.num_rows // 2, table.num_rows - table.num_rows // 2])
     config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / name), progress=False, dtype="float32",
@@ -191,6 +192,7 @@ def test_the_summary_of_a_resume_and_of_a_retry_describe_the_whole_output(tmp_pa
     assert [m["rows"] for m in markers.values()] == [40, 40] and sum(m["error_rows"] for m in markers.values()) == 2
     assert sum(m["flagged_rows"] for m in markers.values()) == first["flagged_rows"]
     whole = {"shards_done": 2, "rows": 80, "error_rows": 2, "truncated_rows": first["truncated_rows"],
+             "split_rows": 0, "segments": 0, "truncated_unflagged_rows": first["truncated_unflagged_rows"],
              "error_reasons": first["error_reasons"], "flagged_rows": first["flagged_rows"],
              "flagged_by_label": first["flagged_by_label"]}
     assert first["output_totals"] == whole

@@ -33,7 +33,7 @@ from pipeline.cli.options import (
     with_options,
 )
 from pipeline.core.errors import StorageError, UsageError
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import LONG_TEXT_MODES, RunConfig
 from pipeline.engines.execute import execute_run
 from pipeline.sample_data import SAMPLE_DIR
 
@@ -52,6 +52,14 @@ from pipeline.sample_data import SAMPLE_DIR
             help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
 @env_option("--split", env="SPLIT", default=None,
             help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
+@env_option("--long-text", env="LONG_TEXT", type=click.Choice(LONG_TEXT_MODES), default=default_of("long_text"),
+            show_default=True,
+            help="Rows longer than --max-length: truncate (only the first --max-length tokens are judged), split "
+                 "(cut into segments at sentence boundaries, else overlapping token windows; each scored as a row, "
+                 "the row takes the maximum per label or the token-weighted mean embedding), or auto: split for "
+                 "--job moderate, truncate otherwise; a resume keeps what the output was made with.")
+@env_option("--segment-length", env="SEGMENT_LENGTH", type=click.IntRange(4), default=None,
+            help="--long-text split: tokens per segment at most (specials included). Default: --max-length.")
 @with_options(BATCH_OPTIONS)
 @env_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
             help="Size batches by the memory plan (cached, or probed on the device first).")

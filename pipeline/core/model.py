@@ -38,6 +38,7 @@ from pipeline.core.compile import CompileChoice, CompileVerdict, pick_compile, u
 from pipeline.core.compiled_forward import compile_model, compile_trial, eager_tokens_per_s
 from pipeline.core.errors import UsageError
 from pipeline.core.positions import PositionLimit, check_folder_max_length, check_max_length, position_limit
+from pipeline.core.settings import long_text_mode, segment_length_of
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 
 log = logging.getLogger(__name__)
@@ -291,9 +292,13 @@ def load_model(settings, choice: ModelChoice | None = None,
 
 
 def tokenizer_for(settings, choice: ModelChoice) -> TokenizerSpec:
-    """The run's tokenizer: the model's, truncating at the chosen max length, with its prompt."""
-    return load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
+    """The run's tokenizer: the model's, truncating at the chosen max length, with its prompt;
+    for a run with --long-text split, cutting longer rows into segments."""
+    spec = load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
                                choice.lowercase)
+    if long_text_mode(getattr(settings, "long_text", "truncate"), settings.job) == "split":
+        spec = dataclasses.replace(spec, segment_length=segment_length_of(settings, choice.max_length))
+    return spec
 
 
 FASTEST_EAGER_TOKENS_PER_S = 50_000.0  # MiniLM's eager bf16 forward on AMX at its best: a job too small even

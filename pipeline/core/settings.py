@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from pipeline.core.errors import UsageError
+
 # What `auto` batch limits become without a saved sweep recommendation, per device type. The
 # memory plan caps them further. CPU: the sweep's knee on 2 cores (1,024–2,048 tokens within 3%,
 # docs/tuning.md "Choosing batch settings"). CUDA: 2,048 tokens starve a large GPU; 32k padded tokens is
@@ -66,6 +68,23 @@ def set_torch_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+LONG_TEXT_MODES = ("auto", "truncate", "split")
+
+
+def long_text_mode(long_text: str, job: str) -> str:
+    """truncate or split: `auto` splits for moderate, where a text padded past --max-length must
+    not hide what follows, and truncates otherwise (docs/jobs.md)."""
+    return "split" if long_text == "split" or (long_text == "auto" and job == "moderate") else "truncate"
+
+
+def segment_length_of(config, max_length: int) -> int:
+    """--segment-length, which a model's window must hold: at most --max-length (its default)."""
+    if config.segment_length is not None and config.segment_length > max_length:
+        raise UsageError(f"--segment-length {config.segment_length} is more than --max-length {max_length}, the "
+                         f"tokens the model takes per row; set --segment-length {max_length} or less")
+    return config.segment_length or max_length
+
+
 @dataclass(frozen=True)
 class RunConfig:
     input: tuple[str, ...]  # directories, globs or files; local paths or fsspec URLs
@@ -76,6 +95,9 @@ class RunConfig:
     # folder's sentence-transformers max_seq_length, else 256
     prompt: str | None = None  # text put before every row (sentence-transformers prompts)
     prompt_name: str | None = None  # a prompt of the model folder by name; default: its default_prompt_name
+    long_text: str = "auto"  # rows longer than max_length: truncate | split (into segments, each scored, folded
+    # back: pipeline/core/segments.py) | auto = split for moderate, truncate otherwise; a resume keeps the output's
+    segment_length: int | None = None  # split: tokens per segment at most; None = max_length
     id_column: str = "id"
     text_column: str = "text"
     keep_columns: tuple[str, ...] = ()  # input columns copied to the output unchanged, after `id`

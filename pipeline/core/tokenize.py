@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
 from pipeline.core.textcut import encode_long_text, text_cut_for
 
 CHUNK_ROWS = 256  # texts per pool task: large enough to amortise IPC, small enough to spread
@@ -45,6 +46,8 @@ class TokenizerSpec:
     pad_token_id: int
     prompt: str = ""  # put before every text (sentence-transformers prompts)
     lowercase: bool = False  # lower-case prompt + text first (sentence-transformers do_lower_case)
+    segment_length: int = 0  # --long-text split: rows longer than max_length become segments of at most this
+    # many tokens (pipeline/core/segments.py); 0 = truncate them
 
 
 @dataclass
@@ -57,6 +60,7 @@ class EncodedRows:
     errors: list  # str or None per row
     encode_s: float  # worker time spent tokenizing
     cut_tokens: np.ndarray | None = None  # int64, tokens truncation cut off each row (None: nothing cut)
+    segments: RowSegments | None = None  # --long-text split: the segments of rows longer than max_length
 
     @property
     def lengths(self) -> np.ndarray:
@@ -189,7 +193,38 @@ def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = N
     kept = [encodings[i] for i, position in enumerate(good_positions) if errors[position] is None]
     token_ids = np.fromiter((t for e in kept for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens)
+    segments = None
+    if spec.segment_length:
+        raw = {int(position): checked[position][0] for position in good_positions if errors[position] is None}
+        segments = _split_long_rows(tokenizer, spec, raw, truncated)
+    return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens, segments)
+
+
+def _split_long_rows(tokenizer, spec: TokenizerSpec, texts: dict, truncated: np.ndarray) -> RowSegments:
+    """The segments of the truncated rows among `texts` (position → text); a row split whole is
+    no longer truncated (it stays so when MAX_SEGMENTS_PER_ROW stopped it)."""
+    segments = empty_segments(len(truncated))
+    for position, text in texts.items():
+        segments.row_chars[position] = len(text)
+    long_rows = [position for position in np.flatnonzero(truncated) if int(position) in texts]
+    if not long_rows:
+        return segments
+    overhead = len(tokenizer.encode(prepare_text(spec, "")).ids)  # the specials and the prompt
+    chunk_chars = text_cut_for(spec.tokenizer_json, spec.max_length).first_cut_chars
+    token_ids, lengths, rows, spans = [], [], [], []
+    for position in long_rows:
+        encodings, row_spans, capped = split_text(tokenizer, lambda span: prepare_text(spec, span),
+                                                  texts[int(position)], spec.segment_length, chunk_chars, overhead)
+        truncated[position] = capped
+        token_ids += [e.ids for e in encodings]
+        lengths += [len(e.ids) for e in encodings]
+        rows += [position] * len(encodings)
+        spans += row_spans
+    segments.token_ids = np.fromiter((t for ids in token_ids for t in ids), np.int32, count=sum(lengths))
+    segments.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    segments.row = np.array(rows, np.int64)
+    segments.spans = np.array(spans, np.int32).reshape(-1, 2)
+    return segments
 
 
 def _encode_prepared(tokenizer, spec: TokenizerSpec, texts: list) -> tuple[list, list]:
@@ -221,6 +256,7 @@ def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
         errors=[e for p in parts for e in p.errors],
         encode_s=sum(p.encode_s for p in parts),
         cut_tokens=np.concatenate([p.full_lengths - p.lengths for p in parts]) if parts else np.zeros(0, np.int64),
+        segments=concat_segments([p.segments for p in parts]) if parts and parts[0].segments is not None else None,
     )
 
 

@@ -14,7 +14,7 @@ from pipeline.core.clock import SetupClock
 from pipeline.core.device import DTYPES, dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.core.model import ModelChoice, choose_model, model_content_hash
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import RunConfig, long_text_mode, segment_length_of
 from pipeline.offline.locations import check_locations
 from pipeline.offline.manifest import (
     RunManifest,
@@ -23,7 +23,7 @@ from pipeline.offline.manifest import (
     pending,
     recorded_config,
 )
-from pipeline.offline.reuse import check_reusable, recorded_dtype, remove_stale_hash_temporaries
+from pipeline.offline.reuse import check_reusable, recorded_dtype, recorded_long_text, remove_stale_hash_temporaries
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_shards
 from pipeline.offline.summary import RunSummary, output_totals
@@ -63,6 +63,9 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     if config.reuse and config.dtype == "auto":
         config = keep_reused_dtype(config)
         dtype_source = None if config.dtype == "auto" else f"what {config.reuse} was made with (--dtype auto, --reuse)"
+    if config.reuse and config.long_text == "auto":
+        config = dataclasses.replace(config, long_text=recorded_long_text(config.reuse, config.storage_options)
+                                     or "auto")
     # the bf16 trial of --dtype auto runs on the job's own rows
     trial_texts = functools.partial(sample_texts, shards, config.id_column, config.text_column, config.storage_options)
     with clock.step("model code and dtype"):  # importing the architecture's code is most of it
@@ -128,8 +131,8 @@ def close_runner(run_shards: ShardsRunner) -> None:
 
 
 def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[RunConfig, str | None]:
-    """`--dtype auto` and `--compile auto` on an output that already holds results keep what
-    they were made with: a rerun on another node, or a trial landing on the other side of its
+    """`--dtype auto`, `--compile auto` and `--long-text auto` on an output that already holds
+    results keep what they were made with: a rerun on another node, or a trial landing on the other side of its
     threshold, must not turn a resume into a refusal, split one output across two dtypes, or
     compile a resume of a few rows (or not compile a long one). Returns the config and where
     its dtype came from (None: from the user's settings)."""
@@ -141,6 +144,8 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
     if config.dtype == "auto" and dtype in DTYPES:
         config = dataclasses.replace(config, dtype=dtype)
         dtype_source = f"what {config.output} was made with (--dtype auto)"
+    if config.long_text == "auto":  # an output made before --long-text existed was truncated
+        config = dataclasses.replace(config, long_text=recorded["fingerprint"].get("long_text", "truncate"))
     compiled = recorded.get("config", {}).get("compile")
     if config.compile == "auto" and compiled in ("on", "off"):
         log.info(f"compile {compiled}: what {config.output} was made with (--compile auto)")
@@ -224,4 +229,14 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
             "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
             "id_column": config.id_column, "text_column": config.text_column, **choice.job_options,
-            **({"keep_columns": list(config.keep_columns)} if config.keep_columns else {})}
+            **({"keep_columns": list(config.keep_columns)} if config.keep_columns else {}),
+            **long_text_fingerprint(config, choice.max_length)}
+
+
+def long_text_fingerprint(config: RunConfig, max_length: int) -> dict:
+    """Nothing for truncate (so outputs made before --long-text existed still match); split and
+    its segment length for split."""
+    if long_text_mode(config.long_text, config.job) == "truncate":
+        return {}
+    return {"long_text": "split", "segment_length": segment_length_of(config, max_length)}
+

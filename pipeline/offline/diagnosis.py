@@ -31,8 +31,8 @@ def diagnose_run(summary) -> list[Finding]:
     memory, a machine shared with other jobs, throughput, the input pipeline, padding and truncation, ids,
     row errors."""
     s = as_record(summary)
-    checks = (_oom_splits, _oversubscribed, _below_sweep, _preprocessing_bound, _low_padding, _truncated_rows,
-              _duplicate_ids, _row_errors)
+    checks = (_oom_splits, _oversubscribed, _below_sweep, _preprocessing_bound, _low_padding, _truncated_unflagged,
+              _truncated_rows, _duplicate_ids, _row_errors)
     return [finding for check in checks if (finding := check(s)) is not None]
 
 
@@ -157,6 +157,24 @@ def _low_padding(s: dict) -> Finding | None:
     return Finding("low-padding-efficiency", evidence, action)
 
 
+SPLIT_ADVICE = "--long-text split judges all of every row (its segments scored as rows, folded into one result)"
+
+
+def _truncated_unflagged(s: dict) -> Finding | None:
+    """Moderation: a truncated row that was not flagged was judged on its first --max-length
+    tokens only, so a text padded with benign words past them passes whatever follows."""
+    rows = s.get("truncated_unflagged_rows", 0)
+    if not rows or s.get("flagged_rows") is None:
+        return None
+    max_length = (s.get("settings") or {}).get("max_length")
+    return Finding(
+        "truncated-unflagged",
+        f"{rows:,} truncated rows were not flagged: only their first {max_length} tokens were judged, and a text "
+        "padded past them hides what follows",
+        f"rerun with {SPLIT_ADVICE} (the default of --job moderate; --long-text truncate made this output, so give "
+        "--overwrite or another --output)")
+
+
 def _truncated_rows(s: dict) -> Finding | None:
     rows, truncated = s.get("rows", 0), s.get("truncated_rows", 0)
     if not rows or truncated / rows <= TRUNCATED_SHARE:
@@ -171,14 +189,13 @@ def _truncated_rows(s: dict) -> Finding | None:
         covering = math.ceil(lengths["p99"] / LENGTH_STEP) * LENGTH_STEP
         if positions and covering > positions:
             if max_length is not None and max_length >= positions:
-                action = (f"--max-length is at the model's limit ({positions} positions): split long texts into "
-                          "chunks before the run if their tails matter")
+                action = (f"--max-length is at the model's limit ({positions} positions): {SPLIT_ADVICE}")
             else:
                 action = (f"--max-length {positions} (the model's limit) keeps more of each row; p99 is beyond "
-                          "what the model takes, so split long texts into chunks if their tails matter")
+                          f"what the model takes, so {SPLIT_ADVICE}")
         else:
             action = (f"--max-length {covering} covers 99% of the rows (longer rows cost more per batch: "
-                      f"`lengthwise plan --max-length {covering}` shows the rows per batch)")
+                      f"`lengthwise plan --max-length {covering}` shows the rows per batch); or {SPLIT_ADVICE}")
     else:
         action = "a larger --max-length (the summary has no token lengths to size it)"
     return Finding("truncated-rows", evidence, action)

@@ -156,6 +156,14 @@ def recorded_dtype(previous: str, storage_options: dict) -> str | None:
     return recorded and recorded["fingerprint"].get("dtype")
 
 
+def recorded_long_text(previous: str, storage_options: dict) -> str | None:
+    """How the previous output treated long rows (so `--long-text auto` matches it): truncate
+    where its fingerprint says nothing (made before --long-text split existed)."""
+    fs, previous_dir = fsspec.core.url_to_fs(previous, **storage_options)
+    recorded = RunManifest(fs, previous_dir.rstrip("/")).read_run(REUSE_ADVICE)
+    return recorded and recorded["fingerprint"].get("long_text", "truncate")
+
+
 class PreviousShard:
     """The previous output of one shard: its row hashes, sorted by id hash for lookup, and its
     results read by row group on demand (the last few kept)."""

@@ -75,7 +75,8 @@ class ShardRunner:
             self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
                                         loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
-        check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names)
+        check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names,
+                           [f.name for f in self._split_fields()])
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             started: float, ids: IdTracker | None = None) -> None:
@@ -86,11 +87,13 @@ class ShardRunner:
         times = StageTimes()
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
         summary.dtype_reason = loaded.choice.dtype_reason
+        summary.long_text = "split" if loaded.tokenizer.segment_length else "truncate"
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
         summary.settings, summary.sweep_reference = diagnosis_settings(config, loaded), self.sweep_reference
         count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
-        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids)
+        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids,
+                              functools.partial(job.fold_segments, model))
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
@@ -134,7 +137,7 @@ class ShardRunner:
                     summary.oom_splits += result.splits
                     summary.real_tokens += item.real_tokens
                     summary.padded_tokens += item.padded_tokens
-                    progress.update(len(item.rows))
+                    progress.update(item.window.rows_done(item.rows))
                     elapsed = progress.format_dict["elapsed"]
                     if elapsed:
                         progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)
@@ -165,7 +168,15 @@ class ShardRunner:
         if outputs:
             return job.to_columns(model, outputs, valid)
         # no row of this window could run
-        return {f.name: pa.nulls(rows, f.type) for f in job.output_schema(model)}
+        return {f.name: pa.nulls(rows, f.type) for f in [*job.output_schema(model), *self._split_fields()]
+                if f.name != "segments"}  # output_table adds that
+
+    def _split_fields(self) -> list[pa.Field]:
+        """The columns --long-text split adds: segments, and the job's own (moderate's flag_spans)."""
+        job, model = self.loaded.job, self.loaded.model
+        if not self.loaded.tokenizer.segment_length:
+            return []
+        return [pa.field("segments", pa.int32()), *(job.split_schema(model) if hasattr(job, "split_schema") else [])]
 
 
 def diagnosis_settings(config: RunConfig, loaded: LoadedModel) -> dict:
@@ -179,12 +190,13 @@ def diagnosis_settings(config: RunConfig, loaded: LoadedModel) -> dict:
             "max_batch_rows": config.max_batch_rows}
 
 
-def check_kept_columns(keep_columns, job_columns: list[str]) -> None:
+def check_kept_columns(keep_columns, job_columns: list[str], split_columns: list[str] = ()) -> None:
     """Kept input columns must not take a name the output already has."""
-    taken = [name for name in keep_columns if name in ("id", *job_columns, "truncated", "error")]
+    taken = [name for name in keep_columns if name in ("id", *job_columns, *split_columns, "truncated", "error")]
     if taken:
         raise UsageError(f"--keep-columns {', '.join(taken)}: the output already has a column of that name "
-                         f"(id, {', '.join(job_columns)}, truncated, error); rename it in the input")
+                         f"(id, {', '.join([*job_columns, *split_columns])}, truncated, error); rename it in the "
+                         "input")
 
 
 PART_OF_WINDOW = 8  # a window spanning shards is cut at shard ends into parts of at least 1/8 of its rows
@@ -196,7 +208,7 @@ def batches_of(windows: Iterable[Window], config: RunConfig, limits: BatchLimits
     done, so it can be written and the shard it ends committed."""
     for window in windows:
         for part in window_parts(window, max(1, config.window_rows // PART_OF_WINDOW)):
-            rows = part.start_row + np.flatnonzero(window.valid[part.start_row:part.end_row])
-            yield from collate_batches(window.encoded, rows, config.max_batch_tokens, config.max_batch_rows,
+            rows = window.rows_to_score(part.start_row, part.end_row)
+            yield from collate_batches(window.scored, rows, config.max_batch_tokens, config.max_batch_rows,
                                        config.max_length, limits, pad_token_id, feeder, times, window)
             yield part

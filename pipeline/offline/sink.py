@@ -227,14 +227,19 @@ class ShardSink:
 
 ColumnsOf = Callable[[dict, np.ndarray, int], dict]  # (outputs, valid, rows) → the job's Arrow columns
 CountFlagged = Callable[[pa.Table], tuple[int, dict]]  # output rows → (rows flagged, flag label → rows)
+FoldSegments = Callable[[dict, np.ndarray, np.ndarray], dict]  # the job's fold_segments (jobs/base.py)
 
 
-def output_table(block: RowBlock, window: Window, start: int, columns_of: ColumnsOf) -> pa.Table:
-    """The output rows of one block: id, the kept input columns, the job's columns, truncated,
+def output_table(block: RowBlock, window: Window, start: int, columns_of: ColumnsOf,
+                 fold_segments: FoldSegments | None = None) -> pa.Table:
+    """The output rows of one block: id, the kept input columns, the job's columns (with
+    --long-text split: a split row's folded from its segments, and `segments`), truncated,
     error — in input order."""
     positions = slice(start, start + block.num_rows)
     valid = window.valid[positions]
-    columns = columns_of({k: v[positions] for k, v in window.outputs.items()}, valid, block.num_rows)
+    columns = columns_of(window.row_outputs(positions.start, positions.stop, fold_segments), valid, block.num_rows)
+    if window.segment_counts is not None:
+        columns["segments"] = pa.array(np.maximum(window.segment_counts[positions], 1), pa.int32(), mask=~valid)
     columns = {"id": block.ids, **block.kept, **columns,
                "truncated": pa.array(window.encoded.truncated[positions] & valid, pa.bool_()),
                "error": pa.array(window.encoded.errors[positions], pa.string())}
@@ -255,6 +260,9 @@ class ShardCounts:
     error_reasons: dict = field(default_factory=dict)  # row error → rows
     flagged_rows: int | None = None  # job moderate
     flagged_by_label: dict = field(default_factory=dict)
+    split_rows: int = 0  # --long-text split: rows longer than --max-length, scored as segments
+    segments: int = 0  # the segments of those rows
+    truncated_unflagged_rows: int = 0  # job moderate: truncated rows not flagged (the cut-off rest was not judged)
 
     def marker_keys(self) -> dict:
         """The counts as a done marker's keys (the most frequent error reasons only)."""
@@ -266,6 +274,13 @@ class ShardCounts:
         self.rows += table.num_rows
         self.error_rows += table.num_rows - table["error"].null_count
         self.truncated_rows += int(pc.sum(table["truncated"]).as_py() or 0)
+        if "segments" in table.column_names:
+            split = pc.greater(table["segments"], 1)
+            self.split_rows += int(pc.sum(split).as_py() or 0)
+            self.segments += int(pc.sum(pc.if_else(split, table["segments"], 0)).as_py() or 0)
+        if "flagged" in table.column_names:
+            unflagged = pc.and_(table["truncated"], pc.invert(pc.fill_null(table["flagged"], True)))
+            self.truncated_unflagged_rows += int(pc.sum(unflagged).as_py() or 0)
         for error in table["error"].to_pylist():
             if error is not None:
                 self.error_reasons[error] = self.error_reasons.get(error, 0) + 1
@@ -282,10 +297,12 @@ class WindowWriter:
     commit) is dropped whole: its temporary file is deleted and nothing of it is committed."""
 
     def __init__(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], columns_of: ColumnsOf,
-                 times: StageTimes, count_flagged: CountFlagged | None = None, ids: IdTracker | None = None):
+                 times: StageTimes, count_flagged: CountFlagged | None = None, ids: IdTracker | None = None,
+                 fold_segments: FoldSegments | None = None):
         self.sink, self.manifest, self.shards = sink, manifest, shards
         self.columns_of = columns_of
         self.count_flagged = count_flagged
+        self.fold_segments = fold_segments
         self.times = times
         self.failures: dict[int, str] = {}  # shard index → why it failed
         self.counts: dict[int, ShardCounts] = {}  # shard index → what its output holds so far
@@ -307,7 +324,8 @@ class WindowWriter:
             if block.shard_index in self.failures:
                 continue
             shard = self.shards[block.shard_index]
-            table = merge_reused(output_table(block, window, positions.start, self.columns_of), block.reuse)
+            table = merge_reused(output_table(block, window, positions.start, self.columns_of, self.fold_segments),
+                                 block.reuse)
             self.sink.write(block.shard_index, shard, table)
             self.text_hashes.write(block.shard_index, shard, block, table["error"])
             counts = self.counts.setdefault(block.shard_index, ShardCounts())
@@ -351,10 +369,13 @@ class WindowWriter:
         summary.rows = sum(c.rows for c in committed)
         summary.error_rows = sum(c.error_rows for c in committed)
         summary.truncated_rows = sum(c.truncated_rows for c in committed)
+        summary.split_rows = sum(c.split_rows for c in committed)
+        summary.segments = sum(c.segments for c in committed)
         summary.reused_rows = int(sum(self.reused_rows.get(i, 0) for i in self.sink.committed))
         summary.computed_rows = summary.rows - summary.reused_rows
         if self.count_flagged is not None:
             summary.flagged_rows = sum(c.flagged_rows or 0 for c in committed)
+            summary.truncated_unflagged_rows = sum(c.truncated_unflagged_rows for c in committed)
             summary.flagged_by_label = add_counts(c.flagged_by_label for c in committed)
         summary.duplicate_ids, summary.duplicate_id_examples = self.ids.duplicates(self.sink.fs,
                                                                                    self.sink.committed.values())

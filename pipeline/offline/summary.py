@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.core.findings import diagnosis_lines
+from pipeline.core.segments import MAX_SEGMENTS_PER_ROW
 
 
 @dataclass
@@ -23,6 +24,10 @@ class RunSummary:
     computed_rows: int = 0  # rows written by this run that were not reused (new, edited, or without --reuse)
     error_rows: int = 0
     truncated_rows: int = 0
+    split_rows: int = 0  # --long-text split: rows longer than --max-length, scored as segments and folded
+    segments: int = 0  # the segments of those rows
+    truncated_unflagged_rows: int = 0  # job moderate: truncated rows not flagged, whose cut-off rest nobody judged
+    long_text: str = ""  # truncate or split
     shards: int = 0  # shards named by the input
     shards_done_before: int = 0  # skipped: committed by an earlier run
     failed_shards: list = field(default_factory=list)  # [{"shard", "error"}]: nothing of them committed
@@ -95,9 +100,16 @@ class RunSummary:
                       f"batch plan      {self.batch_plan}" + (
                           f"; {self.oom_splits} out-of-memory splits, rows lowered to {self.lowered_batch_rows}"
                           if self.oom_splits else "")]
+        if self.split_rows or self.long_text == "split":
+            lines.insert(1, f"long texts      {self.split_rows:,} rows longer than --max-length split into "
+                            f"{self.segments:,} segments, each scored (--long-text split)" + (
+                                f"; {self.truncated_rows:,} truncated after {MAX_SEGMENTS_PER_ROW} segments"
+                                if self.truncated_rows else ""))
         if self.flagged_rows is not None:
             lines.insert(1, f"flagged         {self.flagged_rows:,} of {self.rows:,} rows this run "
-                            f"({label_counts(self.flagged_by_label)})")
+                            f"({label_counts(self.flagged_by_label)})" + (
+                                f"; {self.truncated_unflagged_rows:,} truncated rows not flagged: only their first "
+                                "--max-length tokens were judged" if self.truncated_unflagged_rows else ""))
         if self.reused_rows:
             lines.insert(1, f"reused          {self.reused_rows:,} rows from the previous output (id and text "
                             f"unchanged); {self.computed_rows:,} computed")
@@ -144,6 +156,9 @@ def output_totals(markers: Iterable[dict]) -> dict:
     return {"shards_done": len(done), "rows": sum(marker.get("rows", 0) for marker in done),
             "error_rows": sum(marker.get("error_rows", 0) for marker in done),
             "truncated_rows": sum(marker.get("truncated_rows", 0) for marker in done),
+            "split_rows": sum(marker.get("split_rows", 0) for marker in done),
+            "segments": sum(marker.get("segments", 0) for marker in done),
+            "truncated_unflagged_rows": sum(marker.get("truncated_unflagged_rows", 0) for marker in done),
             "error_reasons": top_counts(add_counts(m.get("error_reasons", {}) for m in done), TOP_ERROR_REASONS),
             "flagged_rows": sum(marker["flagged_rows"] for marker in flagged) if flagged else None,
             "flagged_by_label": add_counts(marker.get("flagged_by_label", {}) for marker in flagged)}
@@ -154,10 +169,14 @@ def totals_lines(totals: dict) -> list[str]:
     if not totals:
         return []
     lines = [f"output total    {totals['rows']:,} rows in {totals['shards_done']:,} done shard(s) "
-             f"({totals['error_rows']:,} with errors, {totals['truncated_rows']:,} truncated)"]
+             f"({totals['error_rows']:,} with errors, {totals['truncated_rows']:,} truncated" + (
+                 f", {totals['split_rows']:,} split into {totals['segments']:,} segments"
+                 if totals.get("split_rows") else "") + ")"]
     if totals.get("flagged_rows") is not None:
         lines.append(f"flagged total   {totals['flagged_rows']:,} of {totals['rows']:,} rows "
-                     f"({label_counts(totals['flagged_by_label'])})")
+                     f"({label_counts(totals['flagged_by_label'])})" + (
+                         f"; {totals['truncated_unflagged_rows']:,} truncated rows not flagged"
+                         if totals.get("truncated_unflagged_rows") else ""))
     if totals.get("error_reasons"):
         reasons = "; ".join(f"{rows:,} {reason}" for reason, rows in totals["error_reasons"].items())
         lines.append(f"errors total    {reasons}")

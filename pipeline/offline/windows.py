@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.core.forward import StageTimes
+from pipeline.core.segments import segment_groups
 from pipeline.core.tokenize import EncodedRows, TokenizerPool
 from pipeline.offline.source import RowBlock
 
@@ -48,13 +49,19 @@ def group_into_windows(blocks: Iterable[RowBlock], window_rows: int) -> Iterator
 
 @dataclass
 class Window:
-    """One window in flight: its blocks, their tokens, and the outputs as they arrive."""
+    """One window in flight: its blocks, their tokens, and the outputs as they arrive.
+
+    With --long-text split the rows that did not fit have segments (`encoded.segments`): they
+    run as rows of their own after the window's rows (`scored`: rows, then segments), and a
+    split row's outputs are folded from its segments' when it is written (`row_outputs`)."""
 
     blocks: list[RowBlock]
     encoded: EncodedRows
-    outputs: dict[str, np.ndarray] = field(default_factory=dict)
-    valid: np.ndarray = field(init=False)  # rows that tokenized and go to the model
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)  # by position in `scored`
+    valid: np.ndarray = field(init=False)  # rows that tokenized and go to the model (or their segments do)
     tokenize_errors: int = field(init=False)  # rows that never reach the model (reused ones too)
+    scored: EncodedRows = field(init=False)  # what runs: the rows, then their segments
+    segment_counts: np.ndarray | None = field(init=False)  # --long-text split: segments per row (0: it fit)
 
     def __post_init__(self) -> None:
         reused = np.concatenate([b.reuse.mask if b.reuse is not None else np.zeros(b.num_rows, bool)
@@ -63,22 +70,81 @@ class Window:
             self.encoded.errors[row] = None
         self.valid = np.array([error is None for error in self.encoded.errors], dtype=bool) & ~reused
         self.tokenize_errors = int((~self.valid).sum())
+        segments = self.encoded.segments
+        self.scored, self.segment_counts = self.encoded, None
+        if segments is not None:
+            self.segment_counts = np.bincount(segments.row, minlength=self.num_rows)
+            if len(segments):
+                encoded = self.encoded
+                self.scored = EncodedRows(np.concatenate([encoded.token_ids, segments.token_ids]),
+                                          np.concatenate([encoded.offsets, encoded.offsets[-1] + segments.offsets[1:]]),
+                                          np.concatenate([encoded.truncated, np.zeros(len(segments), bool)]),
+                                          encoded.errors + [None] * len(segments), 0.0)
+
+    def rows_to_score(self, start: int, end: int) -> np.ndarray:
+        """Positions in `scored` of what runs for rows start:end: the valid rows that fit, and the
+        segments of the valid rows that were split."""
+        rows = start + np.flatnonzero(self.valid[start:end])
+        if self.segment_counts is None or not len(self.encoded.segments):
+            return rows
+        owner = self.encoded.segments.row
+        first, last = np.searchsorted(owner, [start, end])
+        segments = first + np.flatnonzero(self.valid[owner[first:last]])
+        return np.concatenate([rows[self.segment_counts[rows] == 0], self.num_rows + segments])
+
+    def rows_done(self, scored_rows: np.ndarray) -> int:
+        """Rows whose last piece these positions of `scored` are (for the progress bar)."""
+        fit = int((scored_rows < self.num_rows).sum())
+        if self.segment_counts is None:
+            return fit
+        owner = self.encoded.segments.row
+        segments = scored_rows[scored_rows >= self.num_rows] - self.num_rows
+        return fit + int((segments + 1 == len(owner)).sum() +
+                         (owner[np.minimum(segments + 1, len(owner) - 1)] != owner[segments]).sum())
 
     def fail(self, rows: np.ndarray, error: str) -> None:
-        """Rows that could not run after all (out of memory even alone) get an error."""
+        """Rows that could not run after all (out of memory even alone) get an error; a segment
+        fails its row."""
+        if self.segment_counts is not None and len(rows):
+            rows = np.unique(np.where(rows < self.num_rows, rows,
+                                      self.encoded.segments.row[np.maximum(rows - self.num_rows, 0)]))
         for row in rows:
             self.encoded.errors[row] = error
         self.valid[rows] = False
+
+    def row_outputs(self, start: int, end: int, fold) -> dict[str, np.ndarray]:
+        """The outputs of rows start:end; a split row's folded from its segments by
+        `fold(segment outputs, where each row's segments start, their token counts)`, which
+        may add `best_segment` (row, label → the segment that decided it): that becomes `spans`,
+        the character span of the text behind each label's output (all the text for a row that fit)."""
+        outputs = {name: values[start:end] for name, values in self.outputs.items()}
+        if self.segment_counts is None or not outputs:
+            return outputs
+        segments = self.encoded.segments
+        first, last = np.searchsorted(segments.row, [start, end])
+        rows, starts = segment_groups(segments.row[first:last])
+        folded = fold({name: values[self.num_rows + first:self.num_rows + last]
+                       for name, values in self.outputs.items()}, starts, segments.lengths[first:last])
+        best = folded.pop("best_segment", None)
+        outputs = {name: values.copy() for name, values in outputs.items()}
+        for name, values in folded.items():
+            outputs[name][rows - start] = values
+        if best is not None:
+            spans = np.zeros((end - start, best.shape[1], 2), np.int32)
+            spans[:, :, 1] = segments.row_chars[start:end, None]
+            spans[rows - start] = segments.spans[first + best]
+            outputs["spans"] = spans
+        return outputs
 
     @property
     def num_rows(self) -> int:
         return len(self.encoded)
 
     def store(self, rows: np.ndarray, batch_outputs: dict[str, np.ndarray]) -> None:
-        """Scatter one batch's outputs back to the window positions of its rows."""
+        """Scatter one batch's outputs back to the positions (in `scored`) of its rows."""
         for name, values in batch_outputs.items():
             if name not in self.outputs:
-                self.outputs[name] = np.zeros((self.num_rows, *values.shape[1:]), dtype=values.dtype)
+                self.outputs[name] = np.zeros((len(self.scored), *values.shape[1:]), dtype=values.dtype)
             self.outputs[name][rows] = values
 
 
