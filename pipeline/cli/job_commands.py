@@ -68,6 +68,9 @@ from pipeline.engines.execute import execute_run
 @env_option("--reuse", env="REUSE", default=None,
             help="A previous output of the same settings (e.g. yesterday's): rows whose id and text are unchanged "
                  "copy its result; only new and edited rows are computed. The output is complete, as a full run.")
+@env_option("--dedupe/--no-dedupe", env="DEDUPE", default=default_of("dedupe"), show_default=True,
+            help="Rows with the same text in a window run once and copy the result, bit for bit (spam waves, "
+                 "retweets, copy-paste). --no-dedupe computes each row.")
 @env_option("--engine", env="ENGINE", type=click.Choice(["local", "ray"]), default=default_of("engine"),
             show_default=True,
             help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster "
