@@ -306,3 +306,44 @@ def test_duplicate_texts_are_computed_once_and_come_out_identical(tmp_path, rows
     # what tomorrow's --reuse reads is the same either way
     assert pq.read_table(tmp_path / "once/.lengthwise/text-hashes/part-00000.hashes").equals(
         pq.read_table(tmp_path / "each/.lengthwise/text-hashes/part-00000.hashes"))
+
+
+@pytest.mark.slow
+def test_rows_that_ran_out_of_memory_yesterday_are_retried_on_a_reuse_night(tmp_path, monkeypatch,
+                                                                             rows_with_bad_ones, tiny_encoder_path):
+    """Night 1 on a device out of memory for any batch padded past 40 tokens, even one row: those rows get
+    `out of memory even alone …`. Night 2, same input, room on the device: --reuse retries exactly them (and
+    the null texts, which have no hash), fixes them, and reuses the rest, blank texts with their error."""
+    import jobs.registry
+    from tests.conftest import assert_equal_outputs
+    from tests.test_backoff import OutOfMemoryAbove
+
+    night = write_files(tmp_path / "in", {"part-00000": rows_with_bad_ones.slice(0, 120),
+                                          "part-00001": rows_with_bad_ones.slice(120, 80)})
+    batching = {"max_batch_rows": None, "max_batch_tokens": 2048, "probe": False}
+    with monkeypatch.context() as patch:
+        patch.setitem(jobs.registry.JOBS, "embed", OutOfMemoryAbove(max_rows=10_000, max_padded_length=40))
+        first = run(night, tmp_path / "out1", tiny_encoder_path, **batching)
+    errors = read_output(tmp_path / "out1")["error"].to_pylist()
+    out_of_memory = sum(1 for e in errors if e and e.startswith("out of memory even alone"))
+    assert out_of_memory > 10 and first["error_rows"] == out_of_memory + 4
+
+    second = run(night, tmp_path / "out2", tiny_encoder_path, reuse=str(tmp_path / "out1"), **batching)
+    assert (second["reuse"]["retried"], second["reuse"]["fixed"]) == (out_of_memory, out_of_memory)
+    assert second["computed_rows"] == out_of_memory + 2 and second["error_rows"] == 4
+    assert "retried after an error" in run_text_of(second)
+    assert_equal_outputs(read_output(tmp_path / "out2"), read_output(run_full(night, tmp_path, tiny_encoder_path,
+                                                                              **batching)))
+    third = run(night, tmp_path / "out3", tiny_encoder_path, reuse=str(tmp_path / "out2"), **batching)
+    assert third["reuse"]["retried"] == 0 and third["computed_rows"] == 2  # fixed rows are reused from now on
+
+
+def run_text_of(summary: dict) -> str:
+    from pipeline.offline.summary import RunSummary
+
+    return RunSummary(**summary).to_text()
+
+
+def run_full(night, tmp_path, model, **settings):
+    run(night, tmp_path / "full", model, **settings)
+    return tmp_path / "full"
