@@ -148,6 +148,8 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
             help="--estimate: the time the run must fit in (e.g. 4h); prints the --num-shards it needs.")
 @env_option("--sample-rows", env="SAMPLE_ROWS", type=click.IntRange(1), default=2000, show_default=True,
             help="--estimate: rows tokenized to learn the token lengths.")
+@env_option("--reuse", env="REUSE", default=None,
+            help="--estimate: the output the run will --reuse; the sampled rows it has cost no device time.")
 @with_options(WORKER_OPTIONS)
 @with_options(LOG_OPTIONS)
 def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_option, estimate, window_s,
@@ -163,8 +165,8 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
     if estimate:
         print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sample_rows, as_json, settings)
         return
-    if window_s is not None:
-        fail("--window goes with --estimate")
+    if window_s is not None or settings.get("reuse"):
+        fail(f"{'--window' if window_s is not None else '--reuse'} goes with --estimate")
 
     if available is not None or per_sample is not None:
         if available is None or per_sample is None:
