@@ -1,5 +1,7 @@
-"""`run --reuse`: a second night with rows edited, added and deleted and a new shard reuses exactly
-the unchanged rows and equals a full run; other settings are refused (exit 2, nothing written)."""
+"""`run --reuse`: a second night with rows edited, added, deleted and moved, in a new partition, reuses
+exactly the unchanged rows (bit-identical) and equals a full run within float tolerance (cell for cell at
+one row a batch); duplicate texts run once; rows whose error may change are retried; other settings are
+refused (exit 2, nothing written)."""
 
 from __future__ import annotations
 
@@ -347,3 +349,25 @@ def run_text_of(summary: dict) -> str:
 def run_full(night, tmp_path, model, **settings):
     run(night, tmp_path / "full", model, **settings)
     return tmp_path / "full"
+
+
+@pytest.mark.slow
+def test_dedupe_is_on_by_default_and_off_by_flag_environment_or_config_file(tmp_path, tiny_encoder_path,
+                                                                            monkeypatch):
+    rows = pa.table({"id": [f"r{i}" for i in range(12)], "text": ["same text"] * 6 + [f"text {i}" for i in range(6)]})
+    night = write_files(tmp_path / "in", {"part-00000": rows})
+    (tmp_path / "job.toml").write_text("dedupe = false\n")
+    arguments = ["run", "--input", night, "--model", tiny_encoder_path, "--dtype", "float32", "--max-length", "32",
+                 "--tokenize-workers", "0", "--no-progress", "--no-probe"]
+
+    def deduplicated(name: str, *extra: str, env: dict | None = None) -> int:
+        result = CliRunner().invoke(cli, [*arguments, "--output", str(tmp_path / name), "--summary-json",
+                                          str(tmp_path / f"{name}.json"), *extra], env=env)
+        assert result.exit_code == 0, result.output
+        return json.loads((tmp_path / f"{name}.json").read_text())["deduplicated_rows"]
+
+    assert deduplicated("default") == 5
+    assert deduplicated("flag", "--no-dedupe") == 0
+    assert deduplicated("env", env={"LENGTHWISE_DEDUPE": "false"}) == 0
+    assert deduplicated("toml", "--config", str(tmp_path / "job.toml")) == 0
+    assert deduplicated("flag-wins", "--config", str(tmp_path / "job.toml"), "--dedupe") == 5
