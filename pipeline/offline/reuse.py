@@ -201,33 +201,29 @@ class PreviousOutput:
         self.manifest = RunManifest(self.fs, self.directory)
         self.fixed_columns = {"id", *keep_columns}  # taken from today's input, never from yesterday
         done = sorted(stem for stem, m in self.manifest.shard_markers().items() if m["status"] == "done")
-        self.stems: list[str] = []
-        hash_files = []
-        for stem in done:
-            hash_file = self._hash_file(stem)
-            if hash_file is not None:
-                self.stems.append(stem)
-                hash_files.append(hash_file)
-        self.index = ReuseIndex(total_rows=sum(f.metadata.num_rows for f in hash_files), bucket_rows=bucket_rows)
-        for number, hash_file in enumerate(hash_files):
-            self.index.add_shard(number, hash_file.iter_batches(HASH_BATCH_ROWS))
-            hash_file.close()
+        counted = {stem: rows for stem in done if (rows := self._hash_rows(stem)) is not None}
+        self.stems: list[str] = list(counted)  # a previous shard's number in the index → its stem
+        self.index = ReuseIndex(total_rows=sum(counted.values()), bucket_rows=bucket_rows)
+        for number, stem in enumerate(self.stems):  # one hash file open at a time
+            with self.fs.open(hashes_path(self.manifest.root, stem), "rb") as f:
+                self.index.add_shard(number, pq.ParquetFile(f).iter_batches(HASH_BATCH_ROWS))
         self.index.finish()
         self._files: dict[int, tuple[pq.ParquetFile, np.ndarray, list[str]]] = {}
         self._groups: dict[tuple[int, int], pa.Table] = {}
 
-    def _hash_file(self, stem: str) -> pq.ParquetFile | None:
+    def _hash_rows(self, stem: str) -> int | None:
+        """The rows of a previous shard's hash file, if its output is there with as many rows (from the footers)."""
         path, hashes = f"{self.directory}/{stem}.parquet", hashes_path(self.manifest.root, stem)
         if not self.fs.exists(path) or not self.fs.exists(hashes):
             return None
-        hash_file = pq.ParquetFile(self.fs.open(hashes, "rb"))
+        with self.fs.open(hashes, "rb") as f:
+            hash_rows = pq.ParquetFile(f).metadata.num_rows
         with self.fs.open(path, "rb") as f:
             output_rows = pq.ParquetFile(f).metadata.num_rows
-        if output_rows != hash_file.metadata.num_rows:
+        if output_rows != hash_rows:
             log.warning(f"--reuse: {path} and its text hashes disagree on the row count; its rows are not reused")
-            hash_file.close()
             return None
-        return hash_file
+        return hash_rows
 
     def rows(self, shards: np.ndarray, rows: np.ndarray) -> pa.Table:
         """The previous outputs' id and result columns at (shard, row), in that order: fetched shard by shard,

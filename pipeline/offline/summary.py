@@ -146,7 +146,7 @@ def low_reuse_warning(rows: int, reused: int, counts: dict, indexed_rows: int, p
         return (f"{share}: {previous} has no done shard with text hashes (made by an older lengthwise, or not "
                 "finished); its next night reuses this output")
     if counts.get("edited", 0) >= counts.get("new", 0):
-        return (f"{share}: {counts['edited']:,} rows have yesterday's id but another text; is --text-column "
+        return (f"{share}: {counts.get('edited', 0):,} rows have yesterday's id but another text; is --text-column "
                 "the same, or did the export change the texts (cleaning, a prompt)?")
     return (f"{share}: {counts.get('new', 0):,} rows have an id {previous} does not have; is --id-column the "
             "same, and are ids stable from one export to the next?")
