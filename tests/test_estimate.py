@@ -80,7 +80,8 @@ def test_an_estimate_with_reuse_counts_only_the_rows_to_compute():
 def test_plan_estimate_with_reuse_predicts_the_computed_rows_and_caches_the_plan_for_the_run(tmp_path,
                                                                                               tiny_encoder_path):
     """Night 2 is the sample with a quarter of the texts edited: the estimate finds about 3/4 of its sample in
-    night 1's output, probes the memory plan once and caches it; the --reuse run takes the plan from the cache."""
+    night 1's output, probes the memory plan once and caches it; the --reuse run takes the plan from the cache
+    (the estimate runs with the run's --torch-threads: the plan's key has them)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -90,7 +91,7 @@ def test_plan_estimate_with_reuse_predicts_the_computed_rows_and_caches_the_plan
 
     plan_cache = str(tmp_path / "plans")
     common = {"model": tiny_encoder_path, "dtype": "float32", "max_length": 128, "tokenize_workers": 0,
-              "progress": False, "plan_cache": plan_cache}
+              "progress": False, "plan_cache": plan_cache, "torch_threads": 1}
     run_job(RunConfig(input=(str(SAMPLE_DIR),), output=str(tmp_path / "out1"), **common, probe=False))
     (tmp_path / "night2").mkdir()
     for path in sorted(SAMPLE_DIR.glob("*.parquet")):
@@ -98,10 +99,13 @@ def test_plan_estimate_with_reuse_predicts_the_computed_rows_and_caches_the_plan
         texts = [text + " (edited)" if i % 4 == 0 else text for i, text in enumerate(table["text"].to_pylist())]
         pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts)),
                        tmp_path / "night2" / f"renamed-{path.name}")
+    import torch
+
+    torch.set_num_threads(2)  # what a fresh `plan` process starts with here, not the run's --torch-threads 1
     result = CliRunner().invoke(cli, ["plan", "--input", str(tmp_path / "night2"), "--estimate", "--json",
                                       "--reuse", str(tmp_path / "out1"), "--model", tiny_encoder_path, "--dtype",
                                       "float32", "--max-length", "128", "--sample-rows", "400",
-                                      "--tokenize-workers", "0", "--plan-cache", plan_cache])
+                                      "--tokenize-workers", "0", "--torch-threads", "1", "--plan-cache", plan_cache])
     assert result.exit_code == 0, result.output
     estimate = json.loads(result.output[result.output.index("{"):])["estimate"]
     assert estimate["rows"] == 400 and estimate["computed_rows"] == 100  # all 400 sampled: exactly the edited

@@ -119,6 +119,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
     from pipeline.core.model import load_model
     from pipeline.core.probe import memory_plan_for
+    from pipeline.core.settings import set_torch_threads
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.offline.source import list_shards
     from pipeline.tuning.sweep import LevelSettings, measure_level, read_sample
@@ -126,6 +127,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options,
                          split=config.split)
     rows = sum(shard.num_rows for shard in shards if not shard.problem)
+    set_torch_threads(config.torch_threads)  # as the run will: the throughput and the plan's key depend on it
     started = time.perf_counter()
     loaded = load_model(config)
     setup_s = time.perf_counter() - started
