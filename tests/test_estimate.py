@@ -64,3 +64,54 @@ def test_estimate_needs_an_input_and_window_needs_estimate():
     assert CliRunner().invoke(cli, ["plan", "--estimate"]).exit_code == 2
     result = CliRunner().invoke(cli, ["plan", "--window", "4h", "--available", "1GiB", "--per-sample", "1MiB"])
     assert result.exit_code == 2
+
+
+def test_an_estimate_with_reuse_counts_only_the_rows_to_compute():
+    lengths = np.array([10, 20, 30, 40])
+    reused = np.array([True, False, True, True])
+    estimate = summarize_estimate(rows=1_000, shards=1, lengths=lengths, tokens_per_s=100.0, basis="test",
+                                  setup_s=0.0, window_s=None, reused=reused)
+    assert (estimate.reused_share, estimate.computed_rows, estimate.tokens) == (0.75, 250, 5_000)
+    assert "75.0% of the sampled rows are in the --reuse output: 250 rows to compute" in estimate.to_text()
+    assert summarize_estimate(1_000, 1, lengths, 100.0, "t", 0.0, None).computed_rows is None
+
+
+@pytest.mark.slow
+def test_plan_estimate_with_reuse_predicts_the_computed_rows_and_caches_the_plan_for_the_run(tmp_path,
+                                                                                              tiny_encoder_path):
+    """Night 2 is the sample with a quarter of the texts edited: the estimate finds about 3/4 of its sample in
+    night 1's output, probes the memory plan once and caches it; the --reuse run takes the plan from the cache
+    (the estimate runs with the run's --torch-threads: the plan's key has them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.core.settings import RunConfig
+    from pipeline.engines.local import run_job
+    from tests.conftest import SAMPLE_DIR
+
+    plan_cache = str(tmp_path / "plans")
+    common = {"model": tiny_encoder_path, "dtype": "float32", "max_length": 128, "tokenize_workers": 0,
+              "progress": False, "plan_cache": plan_cache, "torch_threads": 1}
+    run_job(RunConfig(input=(str(SAMPLE_DIR),), output=str(tmp_path / "out1"), **common, probe=False))
+    (tmp_path / "night2").mkdir()
+    for path in sorted(SAMPLE_DIR.glob("*.parquet")):
+        table = pq.read_table(path)
+        texts = [text + " (edited)" if i % 4 == 0 else text for i, text in enumerate(table["text"].to_pylist())]
+        pq.write_table(table.set_column(table.schema.get_field_index("text"), "text", pa.array(texts)),
+                       tmp_path / "night2" / f"renamed-{path.name}")
+    import torch
+
+    torch.set_num_threads(2)  # what a fresh `plan` process starts with here, not the run's --torch-threads 1
+    result = CliRunner().invoke(cli, ["plan", "--input", str(tmp_path / "night2"), "--estimate", "--json",
+                                      "--reuse", str(tmp_path / "out1"), "--model", tiny_encoder_path, "--dtype",
+                                      "float32", "--max-length", "128", "--sample-rows", "400",
+                                      "--tokenize-workers", "0", "--torch-threads", "1", "--plan-cache", plan_cache])
+    assert result.exit_code == 0, result.output
+    estimate = json.loads(result.output[result.output.index("{"):])["estimate"]
+    assert estimate["rows"] == 400 and estimate["computed_rows"] == 100  # all 400 sampled: exactly the edited
+    assert estimate["reused_share"] == 0.75 and estimate["memory_plan"].startswith("probed in")
+    summary = run_job(RunConfig(input=(str(tmp_path / "night2"),), output=str(tmp_path / "out2"),
+                                reuse=str(tmp_path / "out1"), **common))
+    assert summary.computed_rows == 100 and summary.batch_plan.startswith("from cache")
+    bad = CliRunner().invoke(cli, ["plan", "--reuse", str(tmp_path / "out1")])
+    assert bad.exit_code == 2 and "--reuse goes with --estimate" in bad.output

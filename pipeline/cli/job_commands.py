@@ -80,6 +80,9 @@ from pipeline.sample_data import SAMPLE_DIR
 @env_option("--reuse", env="REUSE", default=None,
             help="A previous output of the same settings (e.g. yesterday's): rows whose id and text are unchanged "
                  "copy its result; only new and edited rows are computed. The output is complete, as a full run.")
+@env_option("--dedupe/--no-dedupe", env="DEDUPE", default=default_of("dedupe"), show_default=True,
+            help="Rows with the same text in a window run once and copy the result, bit for bit (spam waves, "
+                 "retweets, copy-paste). --no-dedupe computes each row.")
 @env_option("--engine", env="ENGINE", type=click.Choice(["local", "ray"]), default=default_of("engine"),
             show_default=True,
             help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster "
@@ -181,6 +184,8 @@ def show_progress(asked: bool | None, stream) -> bool:
             help="--estimate: the time the run must fit in (e.g. 4h); prints the --num-shards it needs.")
 @env_option("--sample-rows", env="SAMPLE_ROWS", type=click.IntRange(1), default=2000, show_default=True,
             help="--estimate: rows tokenized to learn the token lengths.")
+@env_option("--reuse", env="REUSE", default=None,
+            help="--estimate: the output the run will --reuse; the sampled rows it has cost no device time.")
 @with_options(WORKER_OPTIONS)
 @with_options(LOG_OPTIONS)
 def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_option, estimate, window_s,
@@ -196,8 +201,8 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
     if estimate:
         print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sample_rows, as_json, settings)
         return
-    if window_s is not None:
-        fail("--window goes with --estimate")
+    if window_s is not None or settings.get("reuse"):
+        fail(f"{'--window' if window_s is not None else '--reuse'} goes with --estimate")
 
     if available is not None or per_sample is not None:
         if available is None or per_sample is None:

@@ -124,6 +124,7 @@ class RunConfig:
     storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
     overwrite: bool = False  # redo every shard, even under a different fingerprint
     reuse: str | None = None  # a previous output of the same settings: rows with unchanged id and text copy its result
+    dedupe: bool = True  # rows with the same text in a window run once and copy the result (bit-identical)
     engine: str = "local"  # local (this process, or worker I of N) | ray (actors on a Ray cluster)
     ray_address: str | None = None  # engine ray: auto, ray://host:10001; None = RAY_ADDRESS or a local cluster
     workers: int | None = None  # engine ray: actors; None = one per GPU, else CPUs // threads_per_worker

@@ -41,7 +41,7 @@ from pipeline.offline.reuse import remove_stale_hash_temporaries
 from pipeline.offline.runner import ShardRunner
 from pipeline.offline.sink import ShardSink, output_paths
 from pipeline.offline.source import Shard, WorkerSlot
-from pipeline.offline.summary import IdTracker, RunSummary
+from pipeline.offline.summary import IdTracker, RunSummary, add_counts
 
 log = logging.getLogger(__name__)
 
@@ -403,9 +403,11 @@ def merge_summary(total: RunSummary, part: dict) -> None:
     """Add one shard's summary to the run's: counts add up, lists extend, the rest is kept
     (duplicate ids are counted across shards from the actors' id hashes, not added up)."""
     for name in ("rows", "error_rows", "truncated_rows", "batches", "real_tokens", "padded_tokens", "oom_splits",
-                 "reused_rows", "computed_rows"):
+                 "reused_rows", "computed_rows", "deduplicated_rows"):
         setattr(total, name, getattr(total, name) + part[name])
     total.failed_shards.extend(part["failed_shards"])
+    total.reuse = add_counts([total.reuse, part["reuse"]])
+    total.reuse_warning = total.reuse_warning or part["reuse_warning"]
     if part["flagged_rows"] is not None:  # job moderate
         total.flagged_rows = (total.flagged_rows or 0) + part["flagged_rows"]
         for label, rows in part["flagged_by_label"].items():

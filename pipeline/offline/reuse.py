@@ -1,17 +1,18 @@
 """`--reuse PREV_OUTPUT`: copy yesterday's result of every row whose id and text are unchanged,
-and send only new and edited rows to the device.
+wherever it is now, and send only new and edited rows (and rows whose error a retry may fix) to the device.
 
 How a row is recognised: every commit also writes `OUTPUT/.lengthwise/text-hashes/<stem>.hashes`
-(Parquet), one row per output row, in output order: `id_hash` (64-bit blake2b of the id) and `text_hash`
-(64-bit blake2b of the text; null for a row that had an error, so it is computed again). Not a
-user-facing column: readers of the output never see it.
+(Parquet), one row per output row, in output order: `id_hash` (64-bit blake2b of the id),
+`text_hash` (64-bit blake2b of the text) and `status` (OK, an error a retry may fix, one it
+cannot). Not a user-facing column: readers of the output never see it. A file of an older
+version has no `status` and a null text hash for every error: those rows are retried.
 
-How it stays cheap for 100M-row tables: rows are matched shard by shard — today's input shard
-with the previous output's shard of the same name (its path below the input root, so hive
-partitions match partition by partition). While a shard is read, only the previous shard's
-hashes are held (24 bytes a row: the two hashes and a sort order) and the previous results are
-read by Parquet row group (one window's worth), so memory follows the largest shard's row
-count, never the table's. A row that moved to another shard is computed again.
+How it finds rows whatever the shard names: at the start of a run the hash files of every done
+previous shard go into a `ReuseIndex` (offline/reuse_index.py: sorted runs on local disk, 41 bytes
+a row, memory bounded by its bucket size), keyed by (id hash, text hash) and by text hash. A row
+moved to another shard or a renamed partition is found all the same, and a text seen yesterday
+under another id too. The results are then read from the previous outputs shard by shard, a
+Parquet row group at a time (the last few kept).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import re
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import fsspec
 import numpy as np
@@ -32,13 +33,28 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import UsageError
 from pipeline.core.retry import retry_transient
 from pipeline.offline.manifest import MANIFEST_DIR, RunManifest, fingerprint_differences, remove_temporaries
+from pipeline.offline.reuse_index import (
+    BUCKET_ROWS,
+    EDITED,
+    HASH_BATCH_ROWS,
+    NEW,
+    OK,
+    PERMANENT_ERROR,
+    RETRY,
+    RETRYABLE_ERROR,
+    ReuseIndex,
+    RowMatches,
+)
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import id_hash
 
 log = logging.getLogger(__name__)
 
 HASHES_DIR = "text-hashes"
-HASH_SCHEMA = pa.schema([("id_hash", pa.int64()), ("text_hash", pa.int64())])
+HASH_SCHEMA = pa.schema([("id_hash", pa.int64()), ("text_hash", pa.int64()), ("status", pa.int8())])
+# row errors that may not come back on a retry (memory, the device, a numeric blow-up); the others (a null, empty,
+# tokenless or undecodable text, a null id) come back every time, so those rows are reused with their error
+RETRYABLE_ERRORS = ("out of memory", "the model gave a non-finite output")
 HASH_TEMPORARY = re.compile(r"(?P<stem>.+)\.hashes\.[0-9a-f]{12}\.tmp")  # [DIR/]STEM.hashes.ATTEMPT.tmp
 
 
@@ -73,6 +89,7 @@ class ReusedRows:
     hashes: RowHashes  # of every row of the block, texts as they were read (for today's text-hash file)
     mask: np.ndarray  # bool per block row
     results: pa.Table | None  # the previous output's columns but id and kept ones, one row per reused row
+    matches: RowMatches | None = None  # how each row was found in the previous output
 
 
 def hashes_path(root: str, stem: str) -> str:
@@ -86,6 +103,12 @@ def remove_stale_hash_temporaries(manifest: RunManifest, stems: list[str]) -> in
     return remove_temporaries(manifest.fs, f"{manifest.root}/{HASHES_DIR}", HASH_TEMPORARY, stems)
 
 
+def error_status(error: str | None) -> int:
+    if error is None:
+        return OK
+    return RETRYABLE_ERROR if error.startswith(RETRYABLE_ERRORS) else PERMANENT_ERROR
+
+
 class TextHashSink:
     """Writes each shard's text-hash file beside the output, streamed, committed by rename."""
 
@@ -94,16 +117,16 @@ class TextHashSink:
         self._writers: dict[int, tuple[pq.ParquetWriter, object, str, str]] = {}
 
     def write(self, shard_index: int, shard: Shard, block: RowBlock, errors: pa.Array) -> None:
-        """Hash one block's rows (a row with an error gets a null text hash: never reused)."""
+        """Hash one block's rows, with each row's status: OK, an error a retry may fix, or one it cannot."""
         hashes = block.reuse.hashes if block.reuse is not None else hash_rows(block.ids, block.texts)
-        text_hashes = pc.if_else(errors.is_null(), hashes.text_hashes, pa.scalar(None, pa.int64()))
+        status = pa.array([error_status(error) for error in errors.to_pylist()], pa.int8())
         if shard_index not in self._writers:
             final = hashes_path(self.root, shard.stem)
             temp = f"{final}.{uuid.uuid4().hex[:12]}.tmp"
             self.fs.makedirs(final.rpartition("/")[0], exist_ok=True)
             file = self.fs.open(temp, "wb")
             self._writers[shard_index] = (pq.ParquetWriter(file, HASH_SCHEMA), file, temp, final)
-        self._writers[shard_index][0].write_table(pa.table([pa.array(hashes.id_hashes), text_hashes],
+        self._writers[shard_index][0].write_table(pa.table([pa.array(hashes.id_hashes), hashes.text_hashes, status],
                                                            schema=HASH_SCHEMA))
 
     def commit(self, shard_index: int) -> None:
@@ -164,123 +187,152 @@ def recorded_long_text(previous: str, storage_options: dict) -> str | None:
     return recorded and recorded["fingerprint"].get("long_text", "truncate")
 
 
-class PreviousShard:
-    """The previous output of one shard: its row hashes, sorted by id hash for lookup, and its
-    results read by row group on demand (the last few kept)."""
-
-    KEPT_ROW_GROUPS = 4
-
-    def __init__(self, fs, path: str, hashes: pa.Table, fixed_columns: set[str]):
-        self.fs, self.path = fs, path
-        self.id_hashes = hashes["id_hash"].to_numpy()
-        self.text_hashes = hashes["text_hash"].fill_null(0).to_numpy()
-        self.reusable = hashes["text_hash"].is_valid().to_numpy(zero_copy_only=False)
-        self.order = np.argsort(self.id_hashes, kind="stable")
-        self.sorted_ids = self.id_hashes[self.order]
-        self.file = pq.ParquetFile(fs.open(path, "rb"))
-        self.result_columns = [name for name in self.file.schema_arrow.names if name not in fixed_columns]
-        sizes = [self.file.metadata.row_group(i).num_rows for i in range(self.file.metadata.num_row_groups)]
-        self.group_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.groups: dict[int, pa.Table] = {}
-
-    def match(self, hashes: RowHashes) -> np.ndarray:
-        """The previous row position of each row whose id and text are unchanged, else -1."""
-        if not len(self.sorted_ids):
-            return np.full(len(hashes.id_hashes), -1, np.int64)
-        found = np.minimum(np.searchsorted(self.sorted_ids, hashes.id_hashes), len(self.sorted_ids) - 1)
-        positions = self.order[found]
-        today = hashes.text_hashes
-        same = ((self.sorted_ids[found] == hashes.id_hashes) & today.is_valid().to_numpy(zero_copy_only=False)
-                & self.reusable[positions] & (self.text_hashes[positions] == today.fill_null(0).to_numpy()))
-        return np.where(same, positions, -1)
-
-    def rows(self, positions: np.ndarray) -> pa.Table:
-        """The previous output's id and result columns at `positions`, in that order."""
-        groups = np.searchsorted(self.group_starts, positions, side="right") - 1
-        parts, offsets, start = [], {}, 0
-        for group in dict.fromkeys(groups.tolist()):
-            table = self._group(group)
-            offsets[group] = start - int(self.group_starts[group])
-            parts.append(table)
-            start += table.num_rows
-        local = positions + np.array([offsets[g] for g in groups.tolist()], np.int64)
-        return pa.concat_tables(parts).take(pa.array(local))
-
-    def _group(self, group: int) -> pa.Table:
-        if group not in self.groups:
-            if len(self.groups) >= self.KEPT_ROW_GROUPS:
-                self.groups.pop(next(iter(self.groups)))
-            self.groups[group] = self.file.read_row_group(group, columns=["id", *self.result_columns])
-        return self.groups[group]
-
-    def close(self) -> None:
-        self.file.close()
-
-
 class PreviousOutput:
-    """Yesterday's output (--reuse): its shards by stem, those with a done marker, a text-hash
-    file and as many rows in both."""
+    """Yesterday's output (--reuse): its done shards with an output and a text-hash file of as many
+    rows, indexed by id and text (`index`), and their results read by row group on demand."""
 
-    def __init__(self, previous: str, storage_options: dict, keep_columns: Iterable[str]):
+    KEPT_FILES = 8
+    KEPT_ROW_GROUPS = 16
+
+    def __init__(self, previous: str, storage_options: dict, keep_columns: Iterable[str],
+                 bucket_rows: int = BUCKET_ROWS):
         self.fs, directory = fsspec.core.url_to_fs(previous, **storage_options)
         self.directory = directory.rstrip("/")
         self.manifest = RunManifest(self.fs, self.directory)
-        self.done = {stem for stem, m in self.manifest.shard_markers().items() if m["status"] == "done"}
         self.fixed_columns = {"id", *keep_columns}  # taken from today's input, never from yesterday
+        done = sorted(stem for stem, m in self.manifest.shard_markers().items() if m["status"] == "done")
+        counted = {stem: rows for stem in done if (rows := self._hash_rows(stem)) is not None}
+        self.stems: list[str] = list(counted)  # a previous shard's number in the index → its stem
+        self.index = ReuseIndex(total_rows=sum(counted.values()), bucket_rows=bucket_rows)
+        for number, stem in enumerate(self.stems):  # one hash file open at a time
+            with self.fs.open(hashes_path(self.manifest.root, stem), "rb") as f:
+                self.index.add_shard(number, pq.ParquetFile(f).iter_batches(HASH_BATCH_ROWS))
+        self.index.finish()
+        self._files: dict[int, tuple[pq.ParquetFile, np.ndarray, list[str]]] = {}
+        self._groups: dict[tuple[int, int], pa.Table] = {}
 
-    def shard(self, stem: str) -> PreviousShard | None:
-        path = f"{self.directory}/{stem}.parquet"  # where the sink commits it
-        hashes = hashes_path(self.manifest.root, stem)
-        if stem not in self.done or not self.fs.exists(path) or not self.fs.exists(hashes):
+    def _hash_rows(self, stem: str) -> int | None:
+        """The rows of a previous shard's hash file, if its output is there with as many rows (from the footers)."""
+        path, hashes = f"{self.directory}/{stem}.parquet", hashes_path(self.manifest.root, stem)
+        if not self.fs.exists(path) or not self.fs.exists(hashes):
             return None
         with self.fs.open(hashes, "rb") as f:
-            table = pq.read_table(f)
-        previous = PreviousShard(self.fs, path, table, self.fixed_columns)
-        if previous.file.metadata.num_rows != table.num_rows:
-            log.warning(f"--reuse: {path} and its text hashes disagree on the row count; computing {stem} anew")
-            previous.close()
+            hash_rows = pq.ParquetFile(f).metadata.num_rows
+        with self.fs.open(path, "rb") as f:
+            output_rows = pq.ParquetFile(f).metadata.num_rows
+        if output_rows != hash_rows:
+            log.warning(f"--reuse: {path} and its text hashes disagree on the row count; its rows are not reused")
             return None
-        return previous
+        return hash_rows
+
+    def rows(self, shards: np.ndarray, rows: np.ndarray) -> pa.Table:
+        """The previous outputs' id and result columns at (shard, row), in that order: fetched shard by shard,
+        a Parquet row group at a time."""
+        parts, order = [], []
+        for shard in np.unique(shards).tolist():
+            positions = np.flatnonzero(shards == shard)
+            parts.append(self._shard_rows(shard, rows[positions]))
+            order.append(positions)
+        table = pa.concat_tables(parts, promote_options="permissive") if len(parts) > 1 else parts[0]
+        inverse = np.empty(len(shards), np.int64)
+        inverse[np.concatenate(order)] = np.arange(len(shards))
+        return table.take(pa.array(inverse))
+
+    def _shard_rows(self, shard: int, rows: np.ndarray) -> pa.Table:
+        file, group_starts, columns = self._file(shard)
+        groups = np.searchsorted(group_starts, rows, side="right") - 1
+        parts, offsets, start = [], {}, 0
+        for group in dict.fromkeys(groups.tolist()):
+            key = (shard, group)
+            if key not in self._groups:
+                if len(self._groups) >= self.KEPT_ROW_GROUPS:
+                    self._groups.pop(next(iter(self._groups)))
+                self._groups[key] = file.read_row_group(group, columns=columns)
+            table = self._groups[key]
+            offsets[group] = start - int(group_starts[group])
+            parts.append(table)
+            start += table.num_rows
+        local = rows + np.array([offsets[g] for g in groups.tolist()], np.int64)
+        return pa.concat_tables(parts).take(pa.array(local))
+
+    def _file(self, shard: int) -> tuple[pq.ParquetFile, np.ndarray, list[str]]:
+        if shard not in self._files:
+            if len(self._files) >= self.KEPT_FILES:
+                self._files.pop(next(iter(self._files)))[0].close()
+            file = pq.ParquetFile(self.fs.open(f"{self.directory}/{self.stems[shard]}.parquet", "rb"))
+            sizes = [file.metadata.row_group(i).num_rows for i in range(file.metadata.num_row_groups)]
+            columns = ["id", *(name for name in file.schema_arrow.names if name not in self.fixed_columns)]
+            self._files[shard] = (file, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), columns)
+        return self._files[shard]
+
+    def close(self) -> None:
+        for file, _, _ in self._files.values():
+            file.close()
+        self._files.clear()
+        self._groups.clear()
+        self.index.close()
 
 
-def mark_reused(windows: Iterable[list[RowBlock]], shards: list[Shard],
-                previous: PreviousOutput) -> Iterator[list[RowBlock]]:
-    """Each window's blocks with `reuse` set: the rows whose id and text are unchanged in the
-    previous output take its results, and their texts are dropped so they are not tokenized."""
-    current: tuple[int, PreviousShard | None] | None = None
-    try:
-        for blocks in windows:
-            marked = []
-            for block in blocks:
-                if block.failure is not None:
-                    marked.append(block)
-                    continue
-                if current is None or current[0] != block.shard_index:
-                    if current is not None and current[1] is not None:
-                        current[1].close()
-                    current = (block.shard_index, previous.shard(shards[block.shard_index].stem))
-                marked.append(reuse_block(block, current[1]))
-            yield marked
-    finally:
-        if current is not None and current[1] is not None:
-            current[1].close()
+def mark_reused(windows: Iterable[list[RowBlock]], previous: PreviousOutput) -> Iterator[list[RowBlock]]:
+    """Each window's blocks with `reuse` set: the rows whose id and text (or text alone) are in the
+    previous output, in any shard, take its results, and their texts are dropped so they are not tokenized."""
+    for blocks in windows:
+        yield [block if block.failure is not None else reuse_block(block, previous) for block in blocks]
 
 
-def reuse_block(block: RowBlock, previous: PreviousShard | None) -> RowBlock:
+def reuse_block(block: RowBlock, previous: PreviousOutput) -> RowBlock:
     hashes = hash_rows(block.ids, block.texts)
-    positions = previous.match(hashes) if previous is not None else np.full(block.num_rows, -1, np.int64)
-    mask = positions >= 0
+    has_text = hashes.text_hashes.is_valid().to_numpy(zero_copy_only=False)
+    matches = previous.index.match(hashes.id_hashes, hashes.text_hashes.fill_null(0).to_numpy(), has_text)
+    mask = matches.reused
     results = None
     if mask.any():
-        results = previous.rows(positions[mask])
+        results = previous.rows(matches.shard[mask], matches.row[mask])
         today_ids = block.ids.filter(pa.array(mask))
         same_id = np.array([a == b for a, b in zip(results["id"].to_pylist(), today_ids.to_pylist())], bool)
-        if not same_id.all():  # a 64-bit id hash collision: compute those rows
-            mask[np.flatnonzero(mask)[~same_id]] = False
-            results = results.filter(pa.array(same_id))
+        collided = ~same_id & ~matches.by_text[mask]  # a 64-bit id hash collision: compute those rows
+        if collided.any():
+            rows = np.flatnonzero(mask)[collided]
+            mask[rows], matches.kind[rows], matches.by_text[rows] = False, NEW, False
+            results = results.filter(pa.array(~collided))
         results = results.drop_columns(["id"])
     texts = pc.if_else(pa.array(mask), pa.scalar(None, block.texts.type), block.texts)
-    return replace(block, texts=texts, reuse=ReusedRows(hashes, mask, results))
+    return replace(block, texts=texts, reuse=ReusedRows(hashes, mask, results, matches))
+
+
+@dataclass
+class ReuseCounts:
+    """What --reuse did with one shard's rows: reused (by id and text, or by text under another id), and
+    why the others were computed (new: an id yesterday had not; edited: another text; a row without a text
+    is neither). `sources`: previous shard → rows reused from it by id."""
+
+    reused: int = 0
+    by_text: int = 0
+    new: int = 0
+    edited: int = 0
+    retried: int = 0
+    fixed: int = 0
+    sources: dict = field(default_factory=dict)
+
+    def add(self, reused: ReusedRows, errors: pa.Array) -> None:
+        matches = reused.matches
+        self.reused += int(reused.mask.sum())
+        self.by_text += int(matches.by_text.sum())
+        computed = ~reused.mask & reused.hashes.text_hashes.is_valid().to_numpy(zero_copy_only=False)
+        self.new += int((computed & (matches.kind == NEW)).sum())
+        self.edited += int((computed & (matches.kind == EDITED)).sum())
+        retried = matches.kind == RETRY
+        self.retried += int(retried.sum())
+        self.fixed += int((retried & errors.is_null().to_numpy(zero_copy_only=False)).sum())
+        by_id = reused.mask & ~matches.by_text
+        for shard, rows in zip(*np.unique(matches.shard[by_id], return_counts=True)):
+            self.sources[int(shard)] = self.sources.get(int(shard), 0) + int(rows)
+
+    @property
+    def moved(self) -> int:
+        """Rows reused by id from another previous shard than the one most of this shard's rows came from
+        (a renamed partition moves nothing)."""
+        return sum(self.sources.values()) - max(self.sources.values(), default=0)
 
 
 def merge_reused(computed: pa.Table, reused: ReusedRows | None) -> pa.Table:
@@ -291,11 +343,11 @@ def merge_reused(computed: pa.Table, reused: ReusedRows | None) -> pa.Table:
     order = np.arange(rows)
     order[reused.mask] = rows + np.arange(int(reused.mask.sum()))
     columns = []
-    for field in computed.schema:
-        column = computed[field.name]
-        if field.name in reused.results.column_names:
-            previous = reused.results[field.name].combine_chunks()
-            combined = pa.concat_arrays([column.combine_chunks(), previous.cast(field.type)])
+    for output_field in computed.schema:
+        column = computed[output_field.name]
+        if output_field.name in reused.results.column_names:
+            previous = reused.results[output_field.name].combine_chunks()
+            combined = pa.concat_arrays([column.combine_chunks(), previous.cast(output_field.type)])
             column = combined.take(pa.array(order))
         columns.append(column)
     return pa.table(columns, schema=computed.schema)

@@ -20,6 +20,7 @@ import functools
 import logging
 import sys
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -50,8 +51,15 @@ from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import PreviousOutput, mark_reused
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
 from pipeline.offline.source import Shard, read_blocks
-from pipeline.offline.summary import IdTracker, RunSummary
-from pipeline.offline.windows import Window, WindowPart, group_into_windows, tokenize_windows, window_parts
+from pipeline.offline.summary import IdTracker, RunSummary, low_reuse_warning
+from pipeline.offline.windows import (
+    Window,
+    WindowPart,
+    dedupe_windows,
+    group_into_windows,
+    tokenize_windows,
+    window_parts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,7 @@ class ShardRunner:
             self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
                                         loaded.choice.device) if self.config.probe else None
         self.limits = BatchLimits(self.plan)
+        self._previous: PreviousOutput | None = None
         check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names,
                            [f.name for f in self._split_fields()])
 
@@ -110,16 +119,19 @@ class ShardRunner:
                                            config.storage_options, config.keep_columns), times, "read")
                 grouped = group_into_windows(blocks, config.window_rows)
                 if config.reuse:
-                    grouped = mark_reused(grouped, shards, PreviousOutput(config.reuse, config.storage_options,
-                                                                          config.keep_columns))
+                    grouped = mark_reused(grouped, self._previous_output())
                 windows = tokenize_windows(pool, grouped, times)
+                if config.dedupe:
+                    windows = dedupe_windows(windows)
                 feeder = DeviceFeeder(device)
                 work = batches_of(windows, config, self.limits, loaded.tokenizer.pad_token_id, feeder, times)
                 for item, result in run_on_device(work, job, model, device, feeder, self.limits,
                                                   config.prefetch_batches, times):
                     if isinstance(item, WindowPart):
+                        copied = item.window.copy_duplicates(item.start_row, item.end_row)
+                        summary.deduplicated_rows += copied
                         background.write(item)
-                        progress.update(item.tokenize_errors)
+                        progress.update(item.tokenize_errors + copied)
                         # a shard that failed to read is seen here; one whose commit failed, up to two parts later
                         if config.fail_fast and (background.failures or any(b.failure for b in item.blocks)):
                             break
@@ -146,6 +158,11 @@ class ShardRunner:
             background.close(raise_error=False)  # on an error: the windows already handed on are still written
             progress.close()
             writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
+            if config.reuse and self._previous is not None:
+                summary.reuse_warning = low_reuse_warning(summary.rows, summary.reused_rows, summary.reuse,
+                                                          self._previous.index.rows, config.reuse)
+                if summary.reuse_warning:
+                    log.warning(summary.reuse_warning)
         wall_s = time.perf_counter() - started
         summary.padding_efficiency = padding_efficiency(summary.real_tokens, summary.padded_tokens)
         summary.rows_per_s = summary.rows / wall_s
@@ -156,6 +173,17 @@ class ShardRunner:
         summary.compiled_graphs = loaded.compile.graphs()
 
     __call__ = run  # an engine's ShardsRunner (pipeline/engines/claim.py)
+
+    def _previous_output(self) -> PreviousOutput:
+        """--reuse: yesterday's output and its index, built once for every `run` of this runner (a Ray
+        actor's shards share it); removed when the runner goes."""
+        if self._previous is None:
+            started = time.perf_counter()
+            self._previous = PreviousOutput(self.config.reuse, self.config.storage_options, self.config.keep_columns)
+            weakref.finalize(self, self._previous.close)
+            log.info(f"--reuse: indexed {self._previous.index.rows:,} rows of {len(self._previous.stems)} shard(s) "
+                     f"of {self.config.reuse} in {time.perf_counter() - started:.2f}s")
+        return self._previous
 
     def close(self) -> None:
         """Stop a tokenizer pool started for a `run` that never came (the claim failed)."""

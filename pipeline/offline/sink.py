@@ -29,7 +29,7 @@ from pipeline.core.errors import StorageError, UsageError, as_storage_error
 from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
 from pipeline.offline.manifest import RunManifest, shown_path
-from pipeline.offline.reuse import TextHashSink, merge_reused
+from pipeline.offline.reuse import ReuseCounts, TextHashSink, merge_reused
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RowStats, RunSummary, add_counts, top_counts
 from pipeline.offline.windows import Window, WindowPart
@@ -309,7 +309,7 @@ class WindowWriter:
         self.ids = ids or IdTracker()  # an engine's own tracker counts duplicate ids across its runners
         self.row_stats = RowStats()
         self.text_hashes = TextHashSink(manifest)  # what tomorrow's --reuse recognises rows by
-        self.reused_rows: dict[int, int] = {}  # shard index → rows that took the previous output's result
+        self.reuse_counts: dict[int, ReuseCounts] = {}  # --reuse: shard index → what it did with its rows
 
     def write(self, part: WindowPart) -> None:
         started = time.perf_counter()
@@ -330,9 +330,8 @@ class WindowWriter:
             self.text_hashes.write(block.shard_index, shard, block, table["error"])
             counts = self.counts.setdefault(block.shard_index, ShardCounts())
             counts.add(table, self.count_flagged)
-            if block.reuse is not None:
-                reused = int(block.reuse.mask.sum())
-                self.reused_rows[block.shard_index] = self.reused_rows.get(block.shard_index, 0) + reused
+            if block.reuse is not None and block.reuse.matches is not None:
+                self.reuse_counts.setdefault(block.shard_index, ReuseCounts()).add(block.reuse, table["error"])
             if block.is_last_of_shard:
                 try:
                     self.sink.commit(block.shard_index, self.manifest)
@@ -371,8 +370,12 @@ class WindowWriter:
         summary.truncated_rows = sum(c.truncated_rows for c in committed)
         summary.split_rows = sum(c.split_rows for c in committed)
         summary.segments = sum(c.segments for c in committed)
-        summary.reused_rows = int(sum(self.reused_rows.get(i, 0) for i in self.sink.committed))
+        reuse = [self.reuse_counts[i] for i in self.sink.committed if i in self.reuse_counts]
+        summary.reused_rows = sum(c.reused for c in reuse)
         summary.computed_rows = summary.rows - summary.reused_rows
+        summary.reuse = {"reused_by_text": sum(c.by_text for c in reuse), "moved": sum(c.moved for c in reuse),
+                         "new": sum(c.new for c in reuse), "edited": sum(c.edited for c in reuse),
+                         "retried": sum(c.retried for c in reuse), "fixed": sum(c.fixed for c in reuse)} if reuse else {}
         if self.count_flagged is not None:
             summary.flagged_rows = sum(c.flagged_rows or 0 for c in committed)
             summary.truncated_unflagged_rows = sum(c.truncated_unflagged_rows for c in committed)

@@ -22,6 +22,10 @@ class RunSummary:
     rows: int = 0  # rows written by this run (output_totals: by every run that wrote the output)
     reused_rows: int = 0  # --reuse: rows whose result was copied from the previous output (id and text unchanged)
     computed_rows: int = 0  # rows written by this run that were not reused (new, edited, or without --reuse)
+    reuse: dict = field(default_factory=dict)  # --reuse: reused_by_text, moved (of the reused); new, edited, retried,
+    # fixed (of the computed: ids yesterday had not; ids with another text; rows whose error may change, and those it did)
+    reuse_warning: str = ""  # --reuse matched under 10% of the rows: why it may be
+    deduplicated_rows: int = 0  # --dedupe: rows that copied the result of the same text earlier in their window
     error_rows: int = 0
     truncated_rows: int = 0
     split_rows: int = 0  # --long-text split: rows longer than --max-length, scored as segments and folded
@@ -110,9 +114,13 @@ class RunSummary:
                             f"({label_counts(self.flagged_by_label)})" + (
                                 f"; {self.truncated_unflagged_rows:,} truncated rows not flagged: only their first "
                                 "--max-length tokens were judged" if self.truncated_unflagged_rows else ""))
-        if self.reused_rows:
-            lines.insert(1, f"reused          {self.reused_rows:,} rows from the previous output (id and text "
-                            f"unchanged); {self.computed_rows:,} computed")
+        if self.reuse:
+            lines.insert(1, reuse_line(self.reused_rows, self.computed_rows, self.reuse))
+        if self.deduplicated_rows:
+            lines.insert(1, f"deduplicated    {self.deduplicated_rows:,} rows copied the result of the same text "
+                            "earlier in their window (--no-dedupe computes each)")
+        if self.reuse_warning:
+            lines.insert(2, f"WARNING         {self.reuse_warning}")
         if self.shards_done_before:
             lines.append(f"resumed         {self.shards_done_before} of {self.shards} shards were already done")
         lines += [*totals_lines(self.output_totals), f"output          {self.output}"]
@@ -127,6 +135,33 @@ class RunSummary:
             lines.append(f"FAILED          {failed['shard']}: {failed['error']}")
         lines.extend(diagnosis_lines(self.diagnosis))
         return "\n".join(lines)
+
+
+def reuse_line(reused: int, computed: int, counts: dict) -> str:
+    """`reused 25,900 rows (2,700 moved, 12 by text under another id); computed 1,370: 540 new, 1,350 edited, …`"""
+    return (f"reused          {reused:,} rows from the previous output ({counts['moved']:,} moved from another "
+            f"shard, {counts['reused_by_text']:,} by text under another id); {computed:,} computed: "
+            f"{counts['new']:,} new, {counts['edited']:,} edited, {counts['retried']:,} retried after an error "
+            f"({counts['fixed']:,} fixed), {computed - counts['new'] - counts['edited'] - counts['retried']:,} "
+            "without a text")
+
+
+LOW_REUSE_SHARE = 0.10
+
+
+def low_reuse_warning(rows: int, reused: int, counts: dict, indexed_rows: int, previous: str) -> str:
+    """Why --reuse matched under 10% of the rows, read off its counts ("" when it matched more)."""
+    if not rows or reused >= LOW_REUSE_SHARE * rows:
+        return ""
+    share = f"--reuse matched {reused:,} of {rows:,} rows ({reused / rows:.0%})"
+    if not indexed_rows:
+        return (f"{share}: {previous} has no done shard with text hashes (made by an older lengthwise, or not "
+                "finished); its next night reuses this output")
+    if counts.get("edited", 0) >= counts.get("new", 0):
+        return (f"{share}: {counts.get('edited', 0):,} rows have yesterday's id but another text; is --text-column "
+                "the same, or did the export change the texts (cleaning, a prompt)?")
+    return (f"{share}: {counts.get('new', 0):,} rows have an id {previous} does not have; is --id-column the "
+            "same, and are ids stable from one export to the next?")
 
 
 def label_counts(counts: dict) -> str:

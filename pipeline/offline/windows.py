@@ -14,10 +14,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 from pipeline.core.forward import StageTimes
 from pipeline.core.segments import segment_groups
 from pipeline.core.tokenize import EncodedRows, TokenizerPool
+from pipeline.offline.reuse import ReusedRows, hash_rows
 from pipeline.offline.source import RowBlock
 
 
@@ -62,6 +64,7 @@ class Window:
     tokenize_errors: int = field(init=False)  # rows that never reach the model (reused ones too)
     scored: EncodedRows = field(init=False)  # what runs: the rows, then their segments
     segment_counts: np.ndarray | None = field(init=False)  # --long-text split: segments per row (0: it fit)
+    duplicate_of: np.ndarray | None = None  # --dedupe: per row, the row whose result it copies (itself: none)
 
     def __post_init__(self) -> None:
         reused = np.concatenate([b.reuse.mask if b.reuse is not None else np.zeros(b.num_rows, bool)
@@ -140,12 +143,57 @@ class Window:
     def num_rows(self) -> int:
         return len(self.encoded)
 
+    def set_aside_duplicates(self, text_hashes: np.ndarray) -> None:
+        """Rows whose text an earlier row of the window has are not run: they copy its result. Rows
+        split into segments run each (their result is folded from their own segments at the write)."""
+        whole = self.valid if self.segment_counts is None else self.valid & (self.segment_counts == 0)
+        self.duplicate_of = first_of_each_text(text_hashes, whole)
+        self.valid[self.duplicate_of != np.arange(self.num_rows)] = False
+
+    def copy_duplicates(self, start: int, end: int) -> int:
+        """Once rows `start:end` have run: each duplicate among them takes its first copy's outputs, bit for
+        bit, or its error (the first copy is never later). Returns the rows copied."""
+        if self.duplicate_of is None:
+            return 0
+        rows = start + np.flatnonzero(self.duplicate_of[start:end] != np.arange(start, end))
+        firsts = self.duplicate_of[rows]
+        for values in self.outputs.values():
+            values[rows] = values[firsts]
+        ran = self.valid[firsts]
+        self.valid[rows] = ran
+        for row, first in zip(rows[~ran].tolist(), firsts[~ran].tolist()):
+            self.encoded.errors[row] = self.encoded.errors[first]
+        return len(rows)
+
     def store(self, rows: np.ndarray, batch_outputs: dict[str, np.ndarray]) -> None:
         """Scatter one batch's outputs back to the positions (in `scored`) of its rows."""
         for name, values in batch_outputs.items():
             if name not in self.outputs:
                 self.outputs[name] = np.zeros((len(self.scored), *values.shape[1:]), dtype=values.dtype)
             self.outputs[name][rows] = values
+
+
+def first_of_each_text(text_hashes: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+    """Per row, the first eligible row with its text hash: itself for a first copy and for a row not eligible."""
+    source = np.arange(len(text_hashes))
+    rows = np.flatnonzero(eligible)
+    if len(rows):
+        _, first, inverse = np.unique(text_hashes[rows], return_index=True, return_inverse=True)
+        source[rows] = rows[first[inverse.reshape(-1)]]
+    return source
+
+
+def dedupe_windows(windows: Iterable[Window]) -> Iterator[Window]:
+    """--dedupe: in each window, rows with the same text (its hash, the one the text-hash file keeps, so it is
+    computed once) run once; the block's hashes are kept for that file."""
+    for window in windows:
+        window.blocks = [block if block.reuse is not None else dataclasses.replace(
+            block, reuse=ReusedRows(hash_rows(block.ids, block.texts), np.zeros(block.num_rows, bool), None))
+            for block in window.blocks]
+        if window.blocks:
+            hashes = pa.concat_arrays([block.reuse.hashes.text_hashes for block in window.blocks])
+            window.set_aside_duplicates(hashes.fill_null(0).to_numpy())
+        yield window
 
 
 @dataclass(frozen=True)

@@ -63,17 +63,25 @@ class Estimate:
     window_seconds: float | None = None
     workers: int | None = None  # --num-shards that fits the window (None: no window, or it cannot fit)
     note: str = ""
+    computed_rows: int | None = None  # --reuse: rows predicted to go to the device (the others are reused)
+    reused_share: float | None = None  # --reuse: share of the sampled rows found in the previous output
+    memory_plan: str = ""  # where the run's memory plan comes from (probed here and cached, or the cache)
 
     def to_dict(self) -> dict:
         return {key: round(value, 2) if isinstance(value, float) else value for key, value in asdict(self).items()}
 
     def to_text(self) -> str:
-        lines = [f"rows            {self.rows:,} in {self.shards} shard(s) (from the footers)",
-                 f"tokens          {self.tokens:,} predicted ({self.mean_tokens_per_row:,.1f} a row in a sample of "
+        lines = [f"rows            {self.rows:,} in {self.shards} shard(s) (from the footers)"]
+        if self.reused_share is not None:
+            lines.append(f"reuse           {self.reused_share:.1%} of the sampled rows are in the --reuse output: "
+                         f"{self.computed_rows:,} rows to compute")
+        lines += [f"tokens          {self.tokens:,} predicted ({self.mean_tokens_per_row:,.1f} a row in a sample of "
                  f"{self.sample_rows:,})",
                  f"throughput      {self.tokens_per_s:,.0f} tokens/s ({self.basis})",
                  f"device          {self.device_seconds:,.0f}s; setup {self.setup_seconds:,.1f}s",
                  f"predicted wall  {self.predicted_seconds:,.0f}s ({self.predicted_seconds / 3600:.2f}h) on one worker"]
+        if self.memory_plan:
+            lines.append(f"memory plan     {self.memory_plan}")
         if self.window_seconds is not None:
             fits = (f"{self.workers} worker(s): --num-shards {self.workers}" if self.workers
                     else "no number of workers (setup alone is longer)")
@@ -84,13 +92,19 @@ class Estimate:
 
 
 def summarize_estimate(rows: int, shards: int, lengths: np.ndarray, tokens_per_s: float, basis: str, setup_s: float,
-                       window_s: float | None) -> Estimate:
-    """The estimate from its measured inputs (pure)."""
+                       window_s: float | None, reused: np.ndarray | None = None) -> Estimate:
+    """The estimate from its measured inputs (pure); `reused` (--reuse): which sampled rows the previous
+    output has, so they cost no device time."""
     mean = mean_tokens_per_row(lengths)
-    tokens = int(round(mean * rows))
+    computed_share = 1.0 if reused is None or not len(reused) else 1.0 - float(np.mean(reused))
+    tokens = int(round(mean_tokens_per_row(np.where(reused, 0, lengths)) * rows if reused is not None and len(reused)
+                       else mean * rows))
     device_s = device_seconds(tokens, tokens_per_s)
     estimate = Estimate(rows, shards, len(lengths), mean, tokens, tokens_per_s, basis, device_s, setup_s,
                         wall_seconds(device_s, setup_s), window_s)
+    if reused is not None:
+        estimate.reused_share = 1.0 - computed_share
+        estimate.computed_rows = int(round(rows * computed_share))
     if window_s is not None:
         estimate.workers = workers_for_window(device_s, setup_s, window_s)
         if estimate.workers is not None and estimate.workers > shards:
@@ -104,6 +118,8 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     here on the sample), and predict."""
     from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
     from pipeline.core.model import load_model
+    from pipeline.core.probe import memory_plan_for
+    from pipeline.core.settings import set_torch_threads
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.offline.source import list_shards
     from pipeline.tuning.sweep import LevelSettings, measure_level, read_sample
@@ -111,17 +127,25 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options,
                          split=config.split)
     rows = sum(shard.num_rows for shard in shards if not shard.problem)
+    set_torch_threads(config.torch_threads)  # as the run will: the throughput and the plan's key depend on it
     started = time.perf_counter()
     loaded = load_model(config)
     setup_s = time.perf_counter() - started
     config = dataclasses.replace(config, max_length=loaded.choice.max_length)
-    texts = read_sample(shards, config.text_column, config.id_column, sample_rows, 0, config.storage_options)
+    sample = read_sample(shards, config.text_column, config.id_column, sample_rows, 0, config.storage_options,
+                         with_ids=True)
+    texts = [text for _, text in sample]
+    reused, reuse_s = sampled_rows_reused(config, sample) if config.reuse else (None, 0.0)
     with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
         encoded = pool.result(pool.submit(texts))
     valid = np.array([error is None for error in encoded.errors], dtype=bool)
     lengths = np.where(valid, encoded.lengths, 0)
     saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
     reference = sweep_reference(saved_for)
+    # the batch setting and memory plan the run will take: probed here once and cached, so the run does not probe
+    config = resolve_batch_setting(config, loaded.choice.device.type, saved_for, model_config=loaded.model.config)[0]
+    plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device) \
+        if config.probe else None
     if reference:
         tokens_per_s = reference["tokens_per_s"]
         basis = (f"the saved sweep of {reference['created']}: --{reference['vary']} {reference['level']} "
@@ -130,7 +154,6 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
         usable = np.flatnonzero(valid)
         if len(usable) < 2:
             raise UsageError("the sample has no usable text to measure the throughput on; check --text-column")
-        config = resolve_batch_setting(config, loaded.choice.device.type, saved_for)[0]
         warmup = usable[:min(WARMUP_ROWS, len(usable) // 2)]
         measured = usable[len(warmup):len(warmup) + MEASURED_ROWS]
         level = LevelSettings(config.max_batch_tokens, config.max_batch_rows, config.max_length,
@@ -141,4 +164,26 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
         basis = (f"measured here on {len(measured)} sampled rows at --max-batch-tokens {config.max_batch_tokens}, "
                  f"--max-batch-rows {config.max_batch_rows}; `lengthwise sweep` saves a figure")
     device = f"{loaded.choice.device}, {loaded.choice.dtype}".replace("torch.", "")
-    return summarize_estimate(rows, len(shards), lengths, tokens_per_s, f"{basis}; {device}", setup_s, window_s)
+    estimate = summarize_estimate(rows, len(shards), lengths, tokens_per_s, f"{basis}; {device}", setup_s + reuse_s,
+                                  window_s, reused)
+    estimate.memory_plan = plan.source if plan is not None else "none (--no-probe)"
+    return estimate
+
+
+def sampled_rows_reused(config: RunConfig, sample: list) -> tuple[np.ndarray, float]:
+    """Which sampled (id, text) rows the --reuse output has (the run's own index and match), and the seconds
+    building the index took (the run spends them too)."""
+    import pyarrow as pa
+
+    from pipeline.offline.reuse import PreviousOutput, hash_rows
+
+    started = time.perf_counter()
+    previous = PreviousOutput(config.reuse, config.storage_options, config.keep_columns)
+    try:
+        build_s = time.perf_counter() - started
+        hashes = hash_rows(pa.array([i for i, _ in sample]), pa.array([t for _, t in sample]))
+        has_text = hashes.text_hashes.is_valid().to_numpy(zero_copy_only=False)
+        matches = previous.index.match(hashes.id_hashes, hashes.text_hashes.fill_null(0).to_numpy(), has_text)
+        return matches.reused, build_s
+    finally:
+        previous.close()

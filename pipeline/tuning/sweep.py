@@ -45,10 +45,10 @@ log = logging.getLogger(__name__)
 
 
 def read_sample(shards: list[Shard], text_column: str, id_column: str, sample_rows: int, seed: int,
-                storage_options: dict) -> list:
+                storage_options: dict, with_ids: bool = False) -> list:
     """Texts of `sample_rows` rows drawn uniformly across all shards (positions chosen from
-    the footers' row counts), in random order. Streams the shards; a broken shard is skipped
-    with a warning."""
+    the footers' row counts), in random order (`with_ids`: (id, text) pairs). Streams the shards;
+    a broken shard is skipped with a warning."""
     readable = [shard for shard in shards if not shard.problem]
     for shard in shards:
         if shard.problem:
@@ -68,7 +68,10 @@ def read_sample(shards: list[Shard], text_column: str, id_column: str, sample_ro
         first = starts[block.shard_index] + block.first_row
         low, high = np.searchsorted(wanted, [first, first + block.num_rows])
         if high > low:
-            picked = block.texts.take(pa.array(wanted[low:high] - first)).to_pylist()
+            rows = pa.array(wanted[low:high] - first)
+            picked = block.texts.take(rows).to_pylist()
+            if with_ids:
+                picked = list(zip(block.ids.take(rows).to_pylist(), picked))
             for slot, text in zip(order[low:high], picked):
                 texts[slot] = text
             taken[order[low:high]] = True

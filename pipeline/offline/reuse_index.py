@@ -1,0 +1,190 @@
+"""The index `--reuse` finds yesterday's rows by, whatever today's shard names: (id hash, text
+hash) → (previous shard, row), and text hash → (previous shard, row) for a text seen under another id.
+
+Sorted runs on local disk, never a dict of every row. The keys are split by their top bits into
+buckets of at most `bucket_rows` rows; each bucket is a sorted array of keys and one of records
+(raw files, memory-mapped), so a lookup is `np.searchsorted` over the pages it touches. Building
+holds one hash-file batch, then one bucket, at a time: memory follows `bucket_rows`, not the table.
+On disk: 25 bytes a row by id (8 key, 8 text hash, 4 shard, 4 row, 1 status) and 16 by text (8 key,
+4 shard, 4 row), so 41 bytes a row; 100M rows take 4.1 GB of local temporary disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+
+import numpy as np
+import pyarrow as pa
+
+ID_RECORD = np.dtype([("text_hash", "<i8"), ("shard", "<i4"), ("row", "<i4"), ("status", "i1")])
+TEXT_RECORD = np.dtype([("shard", "<i4"), ("row", "<i4")])
+OK, PERMANENT_ERROR, RETRYABLE_ERROR = 0, 1, 2  # a previous row's status: reused, reused (its error), computed
+BUCKET_ROWS = 1 << 20  # rows a bucket holds at most: ~41 MB while it is sorted
+MAX_BUCKET_BITS = 12
+HASH_BATCH_ROWS = 1 << 16
+
+
+def bucket_bits(total_rows: int, bucket_rows: int) -> int:
+    """The top bits of a key that pick its bucket: enough that a bucket holds about `bucket_rows` rows."""
+    bits = 0
+    while (total_rows >> bits) > bucket_rows and bits < MAX_BUCKET_BITS:
+        bits += 1
+    return bits
+
+
+def bucket_of(keys: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 0:
+        return np.zeros(len(keys), np.int64)
+    return (keys.view(np.uint64) >> np.uint64(64 - bits)).astype(np.int64)
+
+
+class SortedRuns:
+    """Keys (int64) with one record each, bucketed by the keys' top bits, each bucket sorted."""
+
+    def __init__(self, folder: str, record: np.dtype, bits: int):
+        self.folder, self.record, self.bits = folder, record, bits
+        os.makedirs(folder, exist_ok=True)
+        self._maps: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
+        self.rows = 0
+
+    def _paths(self, bucket: int) -> tuple[str, str]:
+        return f"{self.folder}/{bucket:04d}.keys", f"{self.folder}/{bucket:04d}.records"
+
+    def append(self, keys: np.ndarray, records: np.ndarray) -> None:
+        """Add unsorted rows (call `finish` once all are in)."""
+        buckets = bucket_of(keys, self.bits)
+        order = np.argsort(buckets, kind="stable")
+        buckets, keys, records = buckets[order], keys[order], records[order]
+        starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]]) if len(buckets) else []
+        for start, end in zip(starts, [*starts[1:], len(buckets)]):
+            key_path, record_path = self._paths(int(buckets[start]))
+            with open(key_path, "ab") as f:
+                f.write(keys[start:end].tobytes())
+            with open(record_path, "ab") as f:
+                f.write(records[start:end].tobytes())
+        self.rows += len(keys)
+
+    def finish(self, tie_break: str | None = None) -> None:
+        """Sort each bucket by key (then by `tie_break`, a record field), one bucket in memory at a time."""
+        for bucket in range(1 << self.bits):
+            key_path, record_path = self._paths(bucket)
+            if not os.path.exists(key_path):
+                continue
+            keys = np.fromfile(key_path, np.int64)
+            records = np.fromfile(record_path, self.record)
+            order = np.lexsort((records[tie_break], keys)) if tie_break else np.argsort(keys, kind="stable")
+            keys[order].tofile(key_path)
+            records[order].tofile(record_path)
+            del keys, records, order
+
+    def _bucket(self, bucket: int) -> tuple[np.ndarray, np.ndarray] | None:
+        if bucket not in self._maps:
+            key_path, record_path = self._paths(bucket)
+            self._maps[bucket] = ((np.memmap(key_path, np.int64, "r"), np.memmap(record_path, self.record, "r"))
+                                  if os.path.exists(key_path) and os.path.getsize(key_path) else None)
+        return self._maps[bucket]
+
+    def ranges(self, keys: np.ndarray) -> Iterable[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per bucket the queries touch: (query positions, first match, end of matches, the bucket's records)."""
+        buckets = bucket_of(keys, self.bits)
+        for bucket in np.unique(buckets).tolist():
+            found = self._bucket(bucket)
+            if found is None:
+                continue
+            sorted_keys, records = found
+            positions = np.flatnonzero(buckets == bucket)
+            queries = keys[positions]
+            yield (positions, np.searchsorted(sorted_keys, queries, "left"),
+                   np.searchsorted(sorted_keys, queries, "right"), records)
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+class ReuseIndex:
+    """Yesterday's rows by (id hash, text hash) and by text hash, with the previous shard each is in."""
+
+    def __init__(self, folder: str | None = None, total_rows: int = 0, bucket_rows: int = BUCKET_ROWS):
+        self.folder = folder or tempfile.mkdtemp(prefix="lengthwise-reuse-")
+        bits = bucket_bits(total_rows, bucket_rows)
+        self.by_id = SortedRuns(f"{self.folder}/by-id", ID_RECORD, bits)
+        self.by_text = SortedRuns(f"{self.folder}/by-text", TEXT_RECORD, bits)
+
+    def add_shard(self, shard: int, hashes: Iterable[pa.RecordBatch]) -> None:
+        """One previous shard's hash file, batch by batch (`id_hash`, `text_hash`, and `status` where the
+        file has one: a file of an older version marks an error by a null text hash, retried)."""
+        row = 0
+        for batch in hashes:
+            ids = batch.column("id_hash").to_numpy()
+            text = batch.column("text_hash")
+            status = (batch.column("status").to_numpy() if "status" in batch.schema.names
+                      else np.where(text.is_null().to_numpy(zero_copy_only=False), RETRYABLE_ERROR, OK))
+            records = np.zeros(len(ids), ID_RECORD)
+            records["text_hash"] = text.fill_null(0).to_numpy()
+            records["shard"], records["row"] = shard, np.arange(row, row + len(ids))
+            records["status"] = status
+            self.by_id.append(ids, records)
+            ok = (records["status"] == OK) & text.is_valid().to_numpy(zero_copy_only=False)
+            self.by_text.append(records["text_hash"][ok], records[["shard", "row"]][ok].astype(TEXT_RECORD))
+            row += len(ids)
+
+    def finish(self) -> None:
+        self.by_id.finish(tie_break="text_hash")
+        self.by_text.finish()
+
+    @property
+    def rows(self) -> int:
+        return self.by_id.rows
+
+    def match(self, id_hashes: np.ndarray, text_hashes: np.ndarray, has_text: np.ndarray) -> RowMatches:
+        """Each row's previous (shard, row) and how it was found; see RowMatches."""
+        rows = len(id_hashes)
+        matches = RowMatches(np.full(rows, -1, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int8))
+        for positions, first, end, records in self.by_id.ranges(id_hashes):
+            has_id = end > first
+            matches.kind[positions[has_id]] = EDITED
+            found = np.where(has_id, first, 0)  # the first record of the id (sorted by text hash within it)
+            for index in np.flatnonzero(end - first > 1).tolist():  # the id more than once yesterday: find the text
+                same = np.flatnonzero(records["text_hash"][first[index]:end[index]] == text_hashes[positions[index]])
+                found[index] = first[index] + (same[0] if len(same) else 0)
+            candidates = records[found]
+            same = has_id & (candidates["text_hash"] == text_hashes[positions]) & has_text[positions]
+            retry = same & (candidates["status"] == RETRYABLE_ERROR)
+            matches.kind[positions[retry]] = RETRY
+            reused = same & ~retry
+            matches.kind[positions[reused]] = SAME
+            matches.shard[positions[reused]] = candidates["shard"][reused]
+            matches.row[positions[reused]] = candidates["row"][reused]
+        unmatched = np.flatnonzero(np.isin(matches.kind, (NEW, EDITED)) & has_text)
+        for positions, first, end, records in self.by_text.ranges(text_hashes[unmatched]):
+            hit = end > first
+            targets = unmatched[positions[hit]]
+            matches.shard[targets] = records["shard"][first[hit]]
+            matches.row[targets] = records["row"][first[hit]]
+            matches.by_text[targets] = True
+        return matches
+
+    def close(self) -> None:
+        self.by_id.close()
+        self.by_text.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+NEW, EDITED, SAME, RETRY = 0, 1, 2, 3  # a row's id is not in the index; it is, with another text; both; an error
+
+
+class RowMatches:
+    """Per row of a block: the previous shard and row whose result it takes (-1: none), `kind` (NEW,
+    EDITED, SAME, RETRY: the same id and text had an error that may change on a retry), and
+    `by_text`: taken from a row with the same text under another id."""
+
+    def __init__(self, shard: np.ndarray, row: np.ndarray, kind: np.ndarray):
+        self.shard, self.row, self.kind = shard, row, kind
+        self.by_text = np.zeros(len(kind), bool)
+
+    @property
+    def reused(self) -> np.ndarray:
+        return (self.kind == SAME) | self.by_text
