@@ -319,3 +319,16 @@ def test_a_5_mb_text_splits_under_a_memory_cap(tmp_path, tiny_encoder_path):
     assert output["segments"].to_pylist() == [1, MAX_SEGMENTS_PER_ROW, 1]
     assert output["truncated"].to_pylist() == [False, True, False]
     assert "truncated after 256 segments" in finished.stdout
+
+
+@pytest.mark.slow
+def test_duplicate_long_rows_each_fold_their_own_segments_and_short_duplicates_are_copied(tmp_path,
+                                                                                         tiny_multilabel_path):
+    """--dedupe beside --long-text split: a copy of a split row is not set aside (its result is folded from
+    its own segments at the write), a copy of a row that fits takes its first copy's result."""
+    rows = [LONG, "a short row", LONG, "a short row"]
+    output, summary = run(tmp_path, "dupes", rows, model=tiny_multilabel_path, job="classify", long_text="split")
+    scores = output["scores"].to_pylist()
+    assert scores[0] == pytest.approx(scores[2], abs=1e-6) and scores[1] == scores[3]
+    assert output["segments"].to_pylist()[0] == output["segments"].to_pylist()[2] > 1
+    assert summary.deduplicated_rows == 1
