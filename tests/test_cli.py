@@ -97,6 +97,8 @@ def test_usage_errors_exit_2_with_one_line_saying_what_to_change(tmp_path, shard
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-batch-tokens", "lots", "is neither a number of tokens nor 'auto'"),
     ("--max-batch-rows", "0", "0 is not a positive number of rows"),
+    ("--window-rows", "0", "0 is not a positive number of rows"),
+    ("--window-rows", "many", "is neither a number of rows nor 'auto'"),
 ])
 def test_batch_limits_take_a_positive_count_or_auto(flag, value, message):
     result = CliRunner().invoke(cli, ["run", "--input", "x", "--output", "y", flag, value])

@@ -46,6 +46,19 @@ def device_batch_limit(device_type: str, name: str, model_config=None) -> int:
     return DEVICE_BATCH_LIMITS.get(device_type, DEVICE_BATCH_LIMITS["cpu"])[name]
 
 
+WINDOW_BATCHES = 16  # `--window-rows auto` holds this many batches of the row limit: enough rows of each length
+# that a batch need not span the window's length range (an 8,192-row window at CUDA's 4,096 rows was two batches,
+# half their tokens padding)
+MIN_WINDOW_ROWS, MAX_WINDOW_ROWS = 8192, 65536  # 8,192: the CPU's window before auto (never fewer: packing only gets worse);
+# 65,536: what bounds memory (docs/design.md "Windows")
+
+
+def auto_window_rows(max_batch_rows: int) -> int:
+    """`--window-rows auto`: WINDOW_BATCHES batches of `max_batch_rows` rows, within MIN_WINDOW_ROWS–MAX_WINDOW_ROWS.
+    CPU (512 rows): 8,192, as before; CUDA (4,096 rows): 65,536."""
+    return min(MAX_WINDOW_ROWS, max(MIN_WINDOW_ROWS, WINDOW_BATCHES * max_batch_rows))
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity: a container's or a Slurm job's share),
     not the host's count."""
@@ -92,7 +105,8 @@ class RunConfig:
     safety: float = 1.5  # headroom factor of the memory formula, 1.0–4.0
     plan_cache: str | None = None  # directory of cached plans; None = ~/.cache/lengthwise/plans
     use_plan_cache: bool = True  # reuse a cached plan instead of probing
-    window_rows: int = 8192  # rows sorted and packed together; bounds memory in flight
+    window_rows: int | None = None  # rows sorted and packed together; bounds memory in flight; None = auto:
+    # 16 batches of the row limit, 8,192–65,536 (`auto_window_rows`)
     tokenize_workers: int = field(default_factory=usable_cores)  # 0 = in-process
     torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     device: str = "auto"  # auto | cpu | cuda | cuda:N

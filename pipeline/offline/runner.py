@@ -44,7 +44,7 @@ from pipeline.core.forward import (
 )
 from pipeline.core.model import LoadedModel
 from pipeline.core.probe import describe_plan, memory_plan_for
-from pipeline.core.settings import RunConfig, usable_cores
+from pipeline.core.settings import RunConfig, auto_window_rows, usable_cores
 from pipeline.core.tokenize import TokenizerPool
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import PreviousOutput, mark_reused
@@ -70,6 +70,8 @@ class ShardRunner:
             saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
             self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
                                                                        model_config=loaded.model.config)
+            if self.config.window_rows is None:
+                self.config = dataclasses.replace(self.config, window_rows=auto_window_rows(self.config.max_batch_rows))
             log.info(f"batch setting: {self.batch_setting}")
             self.sweep_reference = sweep_reference(saved_for)
             self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
