@@ -167,7 +167,7 @@ def test_run_defaults_are_the_config_defaults():
         if field is None or option.is_flag or field.default is field.default_factory is dataclasses.MISSING:
             continue
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-        if option.name in ("max_batch_tokens", "max_batch_rows"):  # a count or auto (None)
+        if option.name in ("max_batch_tokens", "max_batch_rows", "window_rows"):  # a count or auto (None)
             default = "auto" if default is None else str(default)
         expected = default
         assert option.default == expected, option.name
