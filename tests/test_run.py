@@ -143,3 +143,11 @@ def test_a_run_scales_an_auto_window_with_its_row_limit_and_keeps_an_explicit_on
                                        max_length=128, **settings)
         assert summary["settings"]["window_rows"] == window and output["id"].to_pylist() == rows_with_bad_ones[
             "id"].to_pylist()
+
+
+def test_auto_tokenizer_workers_leave_a_cuda_run_three_cores_for_its_own_threads():
+    from pipeline.core.settings import tokenize_workers_for
+
+    assert [tokenize_workers_for(None, "cuda", cores) for cores in (16, 4, 2)] == [13, 1, 1]
+    assert tokenize_workers_for(None, "cpu", cores=16) == 16  # the forward waits while a window is tokenized
+    assert (tokenize_workers_for(0, "cuda", cores=16), tokenize_workers_for(20, "cuda", cores=16)) == (0, 20)

@@ -68,6 +68,20 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+CUDA_HOST_THREADS = 3  # cores a CUDA run keeps from its tokenizer pool for its own busy threads: the device loop
+# (kernel launches), the prefetch thread (collate, pin, copy) and the writer (Parquet encoding); on a CPU the
+# pool takes every core, as measured (the forward's threads wait while a window is tokenized)
+
+
+def tokenize_workers_for(setting: int | None, device_type: str, cores: int | None = None) -> int:
+    """`--tokenize-workers` (None: auto): on a CPU every usable core; on CUDA all but
+    CUDA_HOST_THREADS of them, at least one (13 on a 16-core H200 host)."""
+    if setting is not None:
+        return setting
+    cores = usable_cores() if cores is None else cores
+    return max(1, cores - CUDA_HOST_THREADS) if device_type == "cuda" else cores
+
+
 def set_torch_threads(threads: int | None) -> None:
     """Fix the forward's intra-op threads (process-wide) before the model is loaded and timed
     (--torch-threads). On a CPU shared with other processes, two threads that meet at every
@@ -107,7 +121,8 @@ class RunConfig:
     use_plan_cache: bool = True  # reuse a cached plan instead of probing
     window_rows: int | None = None  # rows sorted and packed together; bounds memory in flight; None = auto:
     # 16 batches of the row limit, 8,192–65,536 (`auto_window_rows`)
-    tokenize_workers: int = field(default_factory=usable_cores)  # 0 = in-process
+    tokenize_workers: int | None = None  # tokenizer processes, 0 = in-process; None = auto: the usable cores,
+    # on CUDA less CUDA_HOST_THREADS (`tokenize_workers_for`)
     torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -163,7 +178,7 @@ class SweepConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
-    tokenize_workers: int = field(default_factory=usable_cores)
+    tokenize_workers: int | None = None  # as RunConfig's
     torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     prefetch_batches: int = 4
     storage_options: dict = field(default_factory=dict)

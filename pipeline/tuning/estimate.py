@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from pipeline.core.errors import UsageError
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import RunConfig, tokenize_workers_for
 
 EXPECTED_DEVICE_BUSY = 0.9  # share of a run's wall after setup that the device computes (reading, tokenizing
 # and writing overlap it; a run's summary prints the measured share as `device busy`)
@@ -116,7 +116,8 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     setup_s = time.perf_counter() - started
     config = dataclasses.replace(config, max_length=loaded.choice.max_length)
     texts = read_sample(shards, config.text_column, config.id_column, sample_rows, 0, config.storage_options)
-    with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
+    with TokenizerPool(loaded.tokenizer, tokenize_workers_for(config.tokenize_workers,
+                                                              loaded.choice.device.type)) as pool:
         encoded = pool.result(pool.submit(texts))
     valid = np.array([error is None for error in encoded.errors], dtype=bool)
     lengths = np.where(valid, encoded.lengths, 0)
