@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.core.compile import CompileVerdict
+from pipeline.core.settings import MAX_BATCH_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ def export_call(job, model, device) -> tuple[tuple, dict, dict]:
         job.forward(recorder, input_ids, attention_mask, True)
     args, kwargs = recorder.call
     positions = getattr(model.config, "max_position_embeddings", None)
-    rows, length = Dim("rows", min=1), Dim("length", min=1, max=positions) if positions else Dim("length", min=1)
+    rows = Dim("rows", min=1, max=MAX_BATCH_ROWS)  # batches never hold more (`resolve_batch_setting`)
+    length = Dim("length", min=1, max=positions) if positions else Dim("length", min=1)
     sizes = {EXAMPLE_ROWS: rows, EXAMPLE_LENGTH: length}
 
     def dims(value):

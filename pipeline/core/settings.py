@@ -23,6 +23,9 @@ SWEEP_VARIES = ("max-batch-tokens", "max-batch-rows")  # `lengthwise sweep --var
 LOADTEST_VARIES = ("max-batch-size", "batch-timeout-ms", "max-batch-tokens")  # `lengthwise loadtest --vary` (batcher)
 
 
+MAX_BATCH_ROWS = 65535  # the most rows a batch may hold: CUDA's grid limit (65,535 blocks in y and z), where the
+# attention kernels put the batch; the exported forward's row bound (`Dim("rows")`) on every device
+
 CUDA_TOKENS_AT_BERT_BASE = 32768  # DEVICE_BATCH_LIMITS' CUDA tokens hold for hidden 768 × 12 layers
 CUDA_TOKEN_RANGE = (16384, 262144)
 

@@ -1,0 +1,66 @@
+"""The third review of the CUDA path (issue 32), what a CPU can check: the allocator check
+under cudaMallocAsync, the row clamp at CUDA's grid limit and the export's row bound. None of
+it has run on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipeline.core.batch_setting import resolve_batch_setting
+from pipeline.core.settings import MAX_BATCH_ROWS, RunConfig
+
+
+def test_the_allocator_check_does_not_ask_cuda_malloc_async_for_segments(monkeypatch):
+    """memory_snapshot() raises under the cudaMallocAsync backend (a setting users may choose):
+    every run would have failed at the plan key."""
+    from pipeline.core.cache import plan_cache_key
+    from pipeline.core.device import allocator_config
+
+    def snapshot_refused():
+        raise RuntimeError("cudaMallocAsync does not support memory_snapshot")  # as torch refuses it
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "backend:cudaMallocAsync",
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot_refused)
+    expected = "cudaMallocAsync; settings backend:cudaMallocAsync; expandable segments not used by cudaMallocAsync"
+    assert allocator_config() == expected
+    assert plan_cache_key(kind="test")[0]["allocator"] == expected
+
+
+@pytest.mark.parametrize("rows, expected", [(4096, 4096), (65535, 65535), (65536, 65535), (10**6, 65535)])
+def test_batch_rows_stop_at_cudas_grid_limit(rows, expected):
+    config, note = resolve_batch_setting(RunConfig(input=(), output="", max_batch_tokens=2**20, max_batch_rows=rows),
+                                         "cuda")
+    assert config.max_batch_rows == expected
+    assert ("rows capped at 65,535 (CUDA's grid limit" in note) == (rows > MAX_BATCH_ROWS)
+
+
+def test_a_saved_recommendation_above_the_grid_limit_is_capped_too():
+    saved = {"max-batch-rows": {"level": 100_000, "created": "2026-12-01", "path": "sweep.json"}}
+    config, note = resolve_batch_setting(RunConfig(input=(), output="", max_batch_tokens=2**20), "cuda", saved)
+    assert config.max_batch_rows == MAX_BATCH_ROWS and "recommended by the sweep" in note and "capped" in note
+
+
+def test_the_batcher_keeps_its_own_batch_size_field():
+    from pipeline.core.settings import BatcherConfig
+
+    config, _ = resolve_batch_setting(BatcherConfig(max_batch_size=100_000), "cuda", fields=("max_batch_tokens",))
+    assert config.max_batch_size == 100_000 and dataclasses.is_dataclass(config)
+
+
+def test_the_exported_forward_bounds_rows_at_the_grid_limit(tiny_encoder_path):
+    from jobs.embed import EmbedJob
+    from pipeline.core.compiled_forward import export_call
+    from pipeline.core.model import load_model
+
+    loaded = load_model(RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
+                                  compile="off", max_length=64))
+    assert isinstance(loaded.job, EmbedJob)
+    _, _, dynamic_shapes = export_call(loaded.job, loaded.model, torch.device("cpu"))
+    rows = {dims[0] for dims in dynamic_shapes.values() if dims and 0 in dims}
+    assert {(dim.__name__, dim.min, dim.max) for dim in rows} == {("rows", 1, MAX_BATCH_ROWS)}
