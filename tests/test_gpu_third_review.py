@@ -64,3 +64,18 @@ def test_the_exported_forward_bounds_rows_at_the_grid_limit(tiny_encoder_path):
     _, _, dynamic_shapes = export_call(loaded.job, loaded.model, torch.device("cpu"))
     rows = {dims[0] for dims in dynamic_shapes.values() if dims and 0 in dims}
     assert {(dim.__name__, dim.min, dim.max) for dim in rows} == {("rows", 1, MAX_BATCH_ROWS)}
+
+
+def test_cuda_fits_memory_on_batches_many_allocator_pages_large():
+    """2 and 8 rows of ≤ 2,048 tokens sat below the CUDA allocator's 2 MiB pages: the fit measured
+    page rounding. On CUDA the smaller fitting batch's hidden state now holds ≥ 32 MiB where the
+    token caps allow; on the CPU the grid stays 2 and 8 rows."""
+    from pipeline.core.memory import fit_rows
+
+    assert fit_rows("cpu", 64, 256, 384, 4, None) == (2, 8)
+    # MiniLM in bf16 at 256 tokens: 683 rows would put 32 MiB in the 64-token batch; 262,144 tokens cap it at 256
+    assert fit_rows("cuda", 64, 256, 384, 2, None) == (256, 1024)
+    assert 256 * 64 * 384 * 2 >= 6 * 2**21
+    assert fit_rows("cuda", 64, 256, 384, 2, 32768) == (32, 128)  # never past the run's token budget
+    assert fit_rows("cuda", 128, 512, 1024, 2, None) == (128, 512)  # BERT-large, fp16: exactly 32 MiB
+    assert fit_rows("cuda", 64, 256, 384, 2, 1000) == (2, 8)  # never fewer than the CPU's grid
