@@ -79,3 +79,42 @@ def test_cuda_fits_memory_on_batches_many_allocator_pages_large():
     assert fit_rows("cuda", 64, 256, 384, 2, 32768) == (32, 128)  # never past the run's token budget
     assert fit_rows("cuda", 128, 512, 1024, 2, None) == (128, 512)  # BERT-large, fp16: exactly 32 MiB
     assert fit_rows("cuda", 64, 256, 384, 2, 1000) == (2, 8)  # never fewer than the CPU's grid
+
+
+def test_a_cuda_compile_trial_runs_the_runs_own_batch_shapes():
+    from pipeline.core.compile import CPU_TRIAL_SHAPES, trial_shapes
+
+    assert trial_shapes("cpu", 2048, 512, 256) == CPU_TRIAL_SHAPES == ((64, 32), (16, 128))
+    # MiniLM's CUDA default, 262,144 tokens and 4,096 rows: the rows cap the short batch, the budget the long one
+    assert trial_shapes("cuda", 262144, 4096, 256) == ((4096, 32), (2048, 128))
+    assert trial_shapes("cuda", 32768, 4096, 64) == ((1024, 32), (512, 64))  # never past the max length
+
+
+def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_path, tiny_encoder_path, monkeypatch):
+    """5M tokens at 50k eager tokens/s save 50 s at the best 2x: worth a trial against the CPU's
+    30 s figure, not against the 1,000 s this device measured."""
+    import pipeline.core.model
+    from pipeline.core.cache import write_keyed
+    from pipeline.core.model import device_compile_seconds, load_model, settle_compile
+
+    trials = []
+
+    def trial(job, model, device, package, shapes):
+        trials.append(shapes)
+        raise RuntimeError("trial stopped here")
+
+    monkeypatch.setattr(pipeline.core.model, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
+    monkeypatch.setattr(pipeline.core.model, "compile_trial", trial)
+    config = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
+                       max_length=64, plan_cache=str(tmp_path))
+    loaded = load_model(config)
+    auto = dataclasses.replace(config, compile="auto")
+    assert device_compile_seconds(tmp_path, loaded.choice.device)[0] == 30.0  # none measured yet: the CPU's figure
+    _, choice = settle_compile(auto, loaded.choice, loaded.job, loaded.model, 5_000_000)
+    assert choice.reason == "eager: the compile trial failed (RuntimeError: trial stopped here)"
+    assert trials == [((64, 32), (16, 128))]
+    _, path, key = device_compile_seconds(tmp_path, loaded.choice.device)
+    write_keyed(path, key, {"compile_s": 1000.0})  # what this device measured for a cold compile
+    _, choice = settle_compile(auto, loaded.choice, loaded.job, loaded.model, 5_000_000)
+    assert choice.reason == "eager: 5,000,000 tokens are too few to try a compile (1000 s on this device)"
+    assert len(trials) == 1
