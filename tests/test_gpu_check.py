@@ -153,9 +153,9 @@ def test_the_gpu_check_runs_on_cpu_and_fills_every_block(tmp_path, sample_table,
     pq.write_table(sample_table.slice(0, 60), rows)
     completed = run_check(tmp_path, "--model", tiny_encoder_path, "--rows", str(rows), "--device", "auto",
                           "--token-levels", "512", "--correctness-rows", "16", "--memory-budget", "64MiB",
-                          "--repeat", "2", "--budget-s", "500")
+                          "--repeat", "2", "--budget-s", "900", "--deadline-scale", "5")  # 2 shared cores
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert completed.returncode == 0, (completed.stdout, completed.stderr)
+    assert completed.returncode == 0, (report["verdict"], report.get("step_s"), completed.stdout[-3000:])
     assert [name for name in ("environment", "correctness", "memory_plan", "induced_oom", "throughput", "compile")
             if name not in report or "error" in report[name]] == []
     environment = report["environment"]
@@ -171,7 +171,7 @@ def test_the_gpu_check_runs_on_cpu_and_fills_every_block(tmp_path, sample_table,
     assert plan["probe_peak_bytes"] == max(b["measured_peak_bytes"] for b in plan["buckets"])
     oom = report["induced_oom"]
     assert oom["cap_tokens"] == 256 and oom["oom_splits"] > 0 and oom["lowered_batch_rows"]
-    assert oom["rows_in"] == oom["rows_written"] == 120 and oom["lost_rows"] == 0 and oom["error_rows"] == 0
+    assert oom["rows_in"] == oom["rows_written"] == 60 and oom["lost_rows"] == 0 and oom["error_rows"] == 0
     throughput = report["throughput"]
     assert throughput["tokenizers_parallelism"] == "true" and throughput["skipped_for_time"] == []
     levels = throughput["lengthwise"]
