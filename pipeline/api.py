@@ -72,7 +72,7 @@ def _run(input, output: str | None, job: str, options: dict, unguarded: tuple[st
             config = run_config(**{name: context.params[name] for name in context.params})
     except click.ClickException as error:  # a bad value, an unknown flag, an unreadable --config file
         raise UsageError(error.format_message()) from None
-    if unguarded and config.tokenize_workers > 0:
+    if unguarded and config.tokenize_workers != 0:  # None: auto, at least one worker
         refuse_an_unguarded_main_script(*unguarded)
     summary = json.loads(execute_run(config).to_json())
     if summary["failed_shards"]:

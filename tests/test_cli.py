@@ -97,6 +97,9 @@ def test_usage_errors_exit_2_with_one_line_saying_what_to_change(tmp_path, shard
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-batch-tokens", "lots", "is neither a number of tokens nor 'auto'"),
     ("--max-batch-rows", "0", "0 is not a positive number of rows"),
+    ("--window-rows", "0", "0 is not a positive number of rows"),
+    ("--window-rows", "many", "is neither a number of rows nor 'auto'"),
+    ("--tokenize-workers", "-1", "-1 is below 0, the fewest workers"),
 ])
 def test_batch_limits_take_a_positive_count_or_auto(flag, value, message):
     result = CliRunner().invoke(cli, ["run", "--input", "x", "--output", "y", flag, value])
@@ -165,7 +168,7 @@ def test_run_defaults_are_the_config_defaults():
         if field is None or option.is_flag or field.default is field.default_factory is dataclasses.MISSING:
             continue
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-        if option.name in ("max_batch_tokens", "max_batch_rows"):  # a count or auto (None)
+        if option.name in ("max_batch_tokens", "max_batch_rows", "window_rows", "tokenize_workers"):  # a count or auto (None)
             default = "auto" if default is None else str(default)
         expected = default
         assert option.default == expected, option.name

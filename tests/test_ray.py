@@ -71,6 +71,15 @@ def test_actors_follow_the_cluster():
     assert actor_layout(cpu_only, [{"GPU": 2.0, "CPU": 8.0}], 100)[:3] == (8, {"num_cpus": 1}, 1)
 
 
+def test_auto_tokenizer_pools_leave_a_gpu_actor_cores_for_its_cuda_threads():
+    auto = RunConfig(input=(), output="")
+    # a share of 12 CPUs: 3 for the device loop, prefetch and writer threads; a CPU actor keeps one for its loop
+    assert actor_layout(auto, [{"GPU": 2.0, "CPU": 24.0}], 100).tokenize_workers == 9
+    assert actor_layout(RunConfig(input=(), output="", threads_per_worker=4), [{"CPU": 8.0}], 100).tokenize_workers == 3
+    assert actor_layout(auto, [{"CPU": 8.0}], 100).tokenize_workers == 0
+    assert actor_layout(auto, [{"GPU": 1.0, "CPU": 2.0}], 100).tokenize_workers == 0
+
+
 def test_more_workers_than_the_cluster_places_are_capped_with_a_warning_not_left_waiting():
     layout = actor_layout(RunConfig(input=(), output="", workers=8), [{"GPU": 2.0, "CPU": 16.0}], 100)
     assert layout.count == 2 and layout.note == "--workers 8 is more than the cluster's 2 GPU(s); running 2 actor(s)"
@@ -347,3 +356,38 @@ def test_ray_actors_reuse_yesterdays_rows(tmp_path, ray_cluster, rows_with_bad_o
     assert_equal_outputs(ours, read_outputs(tmp_path / "full"))
     reused = [i for i in range(200) if i not in (0, 17, 99, 150, 160)]
     assert ours.take(reused).equals(yesterday.take(reused))
+
+
+def spawned_children(pid: int) -> set[int]:
+    """The tokenizer processes (multiprocessing spawn workers) of process `pid`."""
+    import psutil
+
+    return {child.pid for child in psutil.Process(pid).children()
+            if "spawn_main" in " ".join(child.cmdline()) and "resource_tracker" not in " ".join(child.cmdline())}
+
+
+def test_a_ray_actor_starts_its_tokenizer_pool_once_for_all_its_shards(tmp_path, ray_cluster, sample_table,
+                                                                       tiny_encoder_path):
+    import ray
+
+    from pipeline.engines.ray import ShardWorker
+    from pipeline.offline.source import list_shards
+
+    write_shards(tmp_path / "in", sample_table.slice(0, 60), [20, 20, 20])
+    config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
+                       max_length=64, device="cpu", dtype="float32", probe=False, progress=False,
+                       tokenize_workers=1)
+    ray.init(address=ray_cluster, logging_level=logging.WARNING)
+    try:
+        actor = ray.remote(ShardWorker).options(num_cpus=1).remote(config, 1)
+        where = ray.get(actor.where.remote())
+        assert where["start_error"] is None
+        pools = []
+        for number, shard in enumerate(list_shards(config.input, "id", "text")):
+            result = ray.get(actor.run_shard.remote(shard, f"test.{number}"))
+            assert result["summary"]["rows"] == 20
+            pools.append(spawned_children(where["pid"]))
+        assert len(pools[0]) == 1 and pools == [pools[0]] * 3  # the same one process, alive between shards
+        ray.kill(actor)
+    finally:
+        ray.shutdown()

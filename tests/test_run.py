@@ -125,3 +125,29 @@ def test_a_tokenizer_pool_started_ahead_is_stopped_when_the_claim_fails(tmp_path
     left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
             if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert [c for c in left if "resource_tracker" not in c] == []  # multiprocessing's tracker stays by design
+
+
+def test_auto_windows_hold_sixteen_batches_of_the_row_limit_within_bounds():
+    from pipeline.core.settings import auto_window_rows
+
+    assert [auto_window_rows(rows) for rows in (1, 512, 1000, 4096, 16384)] == [8192, 8192, 16000, 65536, 65536]
+
+
+def test_a_run_scales_an_auto_window_with_its_row_limit_and_keeps_an_explicit_one(baseline, tmp_path,
+                                                                                   rows_with_bad_ones,
+                                                                                   tiny_encoder_path):
+    assert baseline[1]["settings"]["window_rows"] == 8192  # the CPU's 512 rows
+    for name, settings, window in (("wide", dict(max_batch_rows=2048), 32768),
+                                   ("explicit", dict(max_batch_rows=2048, window_rows=33), 33)):
+        output, summary = run_to_table(tmp_path, name, rows_with_bad_ones, [200], model=tiny_encoder_path,
+                                       max_length=128, **settings)
+        assert summary["settings"]["window_rows"] == window and output["id"].to_pylist() == rows_with_bad_ones[
+            "id"].to_pylist()
+
+
+def test_auto_tokenizer_workers_leave_a_cuda_run_three_cores_for_its_own_threads():
+    from pipeline.core.settings import tokenize_workers_for
+
+    assert [tokenize_workers_for(None, "cuda", cores) for cores in (16, 4, 2)] == [13, 1, 1]
+    assert tokenize_workers_for(None, "cpu", cores=16) == 16  # the forward waits while a window is tokenized
+    assert (tokenize_workers_for(0, "cuda", cores=16), tokenize_workers_for(20, "cuda", cores=16)) == (0, 20)

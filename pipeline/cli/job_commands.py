@@ -19,6 +19,7 @@ from pipeline.cli.options import (
     MODEL_OPTIONS,
     WORKER_OPTIONS,
     ByteSize,
+    CountOrAuto,
     Duration,
     FiniteFloatRange,
     NameList,
@@ -63,8 +64,9 @@ from pipeline.sample_data import SAMPLE_DIR
 @with_options(BATCH_OPTIONS)
 @env_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
             help="Size batches by the memory plan (cached, or probed on the device first).")
-@env_option("--window-rows", env="WINDOW_ROWS", type=click.IntRange(1), default=default_of("window_rows"),
-            show_default=True, help="Rows sorted and packed together; bounds the rows in flight.")
+@env_option("--window-rows", env="WINDOW_ROWS", type=CountOrAuto("rows"), default="auto", show_default=True,
+            help="Rows sorted and packed together; bounds the rows in flight. auto: 16 batches of the row limit, "
+                 "8,192 to 65,536 (8,192 on a CPU, 65,536 at CUDA's 4,096 rows).")
 @env_option("--threshold", env="THRESHOLD", multiple=True, callback=merge_config_table,
             help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
                  "--config file a [thresholds] table, which a flag overrides label by label.")

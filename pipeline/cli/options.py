@@ -267,8 +267,8 @@ class CountOrAuto(click.ParamType):
     """A positive count of tokens or rows, or `auto` (None): the sweep's recommendation or
     the memory plan decides."""
 
-    def __init__(self, unit: str):
-        self.unit = unit
+    def __init__(self, unit: str, minimum: int = 1):
+        self.unit, self.minimum = unit, minimum
         self.name = f"{unit}|auto"
 
     def convert(self, value, param, ctx):
@@ -278,8 +278,9 @@ class CountOrAuto(click.ParamType):
             count = int(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is neither a number of {self.unit} nor 'auto'", param, ctx)
-        if count < 1:
-            self.fail(f"{count} is not a positive number of {self.unit}", param, ctx)
+        if count < self.minimum:
+            self.fail(f"{count} is not a positive number of {self.unit}" if self.minimum == 1 else
+                      f"{count} is below {self.minimum}, the fewest {self.unit}", param, ctx)
         return count
 
 
@@ -399,9 +400,10 @@ TORCH_THREADS_OPTION = env_option(
 
 
 WORKER_OPTIONS = [
-    env_option("--tokenize-workers", env="TOKENIZE_WORKERS", type=click.IntRange(0),
-               default=default_of("tokenize_workers"), show_default=True,
-               help="Tokenizer processes (0 tokenizes in the main process)."),
+    env_option("--tokenize-workers", env="TOKENIZE_WORKERS", type=CountOrAuto("workers", minimum=0), default="auto",
+               show_default=True,
+               help="Tokenizer processes (0 tokenizes in the main process). auto: the usable cores; on CUDA 3 fewer "
+                    "(the device loop, the prefetch and the writer threads keep theirs)."),
     env_option("--prefetch-batches", env="PREFETCH_BATCHES", type=click.IntRange(1),
                default=default_of("prefetch_batches"), show_default=True,
                help="Collated batches kept ready ahead of the device."),

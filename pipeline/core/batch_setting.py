@@ -43,8 +43,8 @@ def resolve_batch_setting(config, device_type: str, saved_for: dict[str, dict | 
     sweep's or batcher's) by the saved sweep recommendation for this model, device, dtype and
     max length (`saved_for`: `saved_recommendations`), else by the device's default
     (`device_batch_limit`: on CUDA the token budget follows `model_config`'s size). Returns the
-    config and where each limit came from."""
-    from pipeline.core.settings import device_batch_limit
+    config and where each limit came from. Rows above MAX_BATCH_ROWS become that many, said so."""
+    from pipeline.core.settings import MAX_BATCH_ROWS, device_batch_limit
 
     changes, notes = {}, []
     for name in fields:
@@ -60,6 +60,11 @@ def resolve_batch_setting(config, device_type: str, saved_for: dict[str, dict | 
             changes[name] = device_batch_limit(device_type, name, model_config)
             notes.append(f"--{vary} {changes[name]} (auto: no sweep recommendation for this model, device and dtype; "
                          f"the {device_type} default)")
+    rows = changes.get("max_batch_rows", getattr(config, "max_batch_rows", None)) if "max_batch_rows" in fields else None
+    if rows is not None and rows > MAX_BATCH_ROWS:
+        changes["max_batch_rows"] = MAX_BATCH_ROWS
+        notes.append(f"rows capped at {MAX_BATCH_ROWS:,} (CUDA's grid limit, which the attention kernels' batch "
+                     f"dimension meets)")
     return dataclasses.replace(config, **changes), "; ".join(notes)
 
 

@@ -85,6 +85,21 @@ def worth_a_trial(job_tokens: float | None, eager_tokens_per_s: float, cold_comp
                                                     cold_compile_s)
 
 
+CPU_TRIAL_SHAPES = ((64, 32), (16, 128))  # rows × length of the CPU trial batches: short rows, where the gain is
+TRIAL_LENGTHS = (32, 128)  # the padded lengths a CUDA trial runs at, each with the run's own rows
+
+
+def trial_shapes(device_type: str, max_batch_tokens: int, max_batch_rows: int, max_length: int) -> tuple:
+    """Rows × length of the compile trial's batches. On the CPU, CPU_TRIAL_SHAPES (its batches
+    are that small). On CUDA the run's own batches at TRIAL_LENGTHS: as many rows as its token
+    budget and row limit give. A 2,048-token trial is launch-bound on a large GPU, where eager
+    and compiled are timed on kernel launches, not on the batches the run will have."""
+    if device_type != "cuda":
+        return CPU_TRIAL_SHAPES
+    lengths = sorted({min(length, max_length) for length in TRIAL_LENGTHS})
+    return tuple((max(1, min(max_batch_rows, max_batch_tokens // length)), length) for length in lengths)
+
+
 def inductor_cache_dir(cache: Path) -> Path:
     return cache / "inductor"
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.core.compile import CompileVerdict
+from pipeline.core.compile import CPU_TRIAL_SHAPES, CompileVerdict
+from pipeline.core.settings import MAX_BATCH_ROWS
 
 log = logging.getLogger(__name__)
 
-TRIAL_SHAPES = ((64, 32), (16, 128))  # rows × length of the trial batches: short rows, where the gain is
 TRIAL_REPEATS = 3  # timed forwards per shape, best taken
 EXAMPLE_ROWS, EXAMPLE_LENGTH = 3, 17  # the example batch the forward is exported with: sizes no fixed dim of a
 # model's inputs has, so every input dim of one of these sizes is the batch's rows or length, marked dynamic
@@ -78,7 +78,8 @@ def export_call(job, model, device) -> tuple[tuple, dict, dict]:
         job.forward(recorder, input_ids, attention_mask, True)
     args, kwargs = recorder.call
     positions = getattr(model.config, "max_position_embeddings", None)
-    rows, length = Dim("rows", min=1), Dim("length", min=1, max=positions) if positions else Dim("length", min=1)
+    rows = Dim("rows", min=1, max=MAX_BATCH_ROWS)  # batches never hold more (`resolve_batch_setting`)
+    length = Dim("length", min=1, max=positions) if positions else Dim("length", min=1)
     sizes = {EXAMPLE_ROWS: rows, EXAMPLE_LENGTH: length}
 
     def dims(value):
@@ -129,7 +130,7 @@ def load_package(package: Path):
         return None
 
 
-def trial_batches(model, device, shapes=TRIAL_SHAPES):
+def trial_batches(model, device, shapes=CPU_TRIAL_SHAPES):
     """Random token batches of `shapes`, half the rows padded to half length."""
     generator = torch.Generator().manual_seed(0)
     vocab = getattr(model.config, "vocab_size", 1000)
@@ -161,17 +162,18 @@ def time_forward(job, model, batches, device) -> tuple[float, list[dict]]:
     return seconds, outputs
 
 
-def eager_tokens_per_s(job, model, device) -> float:
+def eager_tokens_per_s(job, model, device, shapes=CPU_TRIAL_SHAPES) -> float:
     """Padded tokens per second of the eager forward on the trial shapes (a second or two)."""
-    batches = trial_batches(model, device)
+    batches = trial_batches(model, device, shapes)
     seconds, _ = time_forward(job, model, batches, device)
     return sum(ids.numel() for ids, _ in batches) / seconds
 
 
-def compile_trial(job, model, device, package: Path) -> tuple[CompileVerdict, CompiledModel]:
+def compile_trial(job, model, device, package: Path,
+                  shapes=CPU_TRIAL_SHAPES) -> tuple[CompileVerdict, CompiledModel]:
     """Compile `model` (`compile_model`), time it against eager on the trial shapes, check the
     job's strict agreement; the verdict and the compiled model (kept: the compile is paid for)."""
-    batches = trial_batches(model, device)
+    batches = trial_batches(model, device, shapes)
     eager_s, eager_outputs = time_forward(job, model, batches, device)
     compiled, compile_s = compile_model(job, model, device, package)
     compiled_s, compiled_outputs = time_forward(job, compiled, batches, device)

@@ -81,16 +81,21 @@ def allocator_config() -> str:
     if not torch.cuda.is_initialized():
         return ""
     read_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch ≥ 2.9
+    backend = torch.cuda.get_allocator_backend()
+    if backend != "native":  # cudaMallocAsync has no segments, and memory_snapshot() raises under it
+        return describe_allocator(backend, read_settings() if read_settings else None, None)
     segments = torch.cuda.memory_snapshot()
-    return describe_allocator(torch.cuda.get_allocator_backend(), read_settings() if read_settings else None,
+    return describe_allocator(backend, read_settings() if read_settings else None,
                               any(segment.get("is_expandable") for segment in segments) if segments else None)
 
 
 def describe_allocator(backend: str, settings: str | None, expandable_segments: bool | None) -> str:
     """One line for the plan key and the environment report: the allocator backend, the
     settings torch parsed, and whether the segments it holds are expandable (None: it holds
-    none yet, so cannot tell)."""
+    none yet, so cannot tell; or the backend is not the caching allocator, which alone has them)."""
     seen = {True: "yes", False: "no", None: "none held yet"}[expandable_segments]
+    if backend != "native":
+        seen = f"not used by {backend}"
     return f"{backend}; settings {settings if settings is not None else 'unknown'}; expandable segments {seen}"
 
 

@@ -304,7 +304,29 @@ def tokenizer_for(settings, choice: ModelChoice) -> TokenizerSpec:
 FASTEST_EAGER_TOKENS_PER_S = 50_000.0  # MiniLM's eager bf16 forward on AMX at its best: a job too small even
 # at this speed is decided without timing anything
 COLD_COMPILE_S = 30.0  # a first compile of a MiniLM-sized encoder on a 2-core CPU (19-47 s measured); a trial
-# is worth running only for a job that could pay this back
+# is worth running only for a job that could pay this back; once a device has compiled, its own seconds
+# (`device_compile_seconds`)
+
+
+def device_compile_seconds(cache: Path, device) -> tuple[float, Path, dict]:
+    """(seconds of the last cold compile measured on this device, else COLD_COMPILE_S; where it
+    is kept; its key): what a trial's pay-back is judged by before this model has a verdict."""
+    key, name = plan_cache_key(kind="compile-seconds", device=device_name(device))
+    path = cache / f"compile-seconds-{name}.json"
+    record = read_keyed(path, key)
+    return (record["compile_s"] if record else COLD_COMPILE_S), path, key
+
+
+def compile_trial_shapes(settings, device, model_config, max_length: int) -> tuple:
+    """The trial's shapes from the run's batch limits as set, else the device's defaults (a
+    sweep's recommendation and the memory plan are settled after the model loads)."""
+    from pipeline.core.compile import trial_shapes
+    from pipeline.core.settings import MAX_BATCH_ROWS, device_batch_limit
+
+    tokens = getattr(settings, "max_batch_tokens", None) or device_batch_limit(device.type, "max_batch_tokens",
+                                                                               model_config)
+    rows = getattr(settings, "max_batch_rows", None) or device_batch_limit(device.type, "max_batch_rows")
+    return trial_shapes(device.type, tokens, min(rows, MAX_BATCH_ROWS), max_length)
 
 
 def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float | None):
@@ -322,16 +344,21 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     use_inductor_cache(cache)
     package = compiled_package_path(cache, settings, choice)
     if setting == "auto" and verdict is None and job_tokens is not None:
-        too_few = f"eager: {job_tokens:,.0f} tokens are too few to try a compile"
-        if not worth_a_trial(job_tokens, FASTEST_EAGER_TOKENS_PER_S, COLD_COMPILE_S):
+        compile_s, seconds_path, seconds_key = device_compile_seconds(cache, choice.device)
+        too_few = f"eager: {job_tokens:,.0f} tokens are too few to try a compile ({compile_s:.0f} s on this device)"
+        if not worth_a_trial(job_tokens, FASTEST_EAGER_TOKENS_PER_S, compile_s):
             return model, CompileChoice(False, too_few)  # not even worth timing the eager forward
+        shapes = compile_trial_shapes(settings, choice.device, model.config, choice.max_length)
         try:
-            if not worth_a_trial(job_tokens, eager_tokens_per_s(job, model, choice.device), COLD_COMPILE_S):
+            if not worth_a_trial(job_tokens, eager_tokens_per_s(job, model, choice.device, shapes), compile_s):
                 return model, CompileChoice(False, too_few)
-            verdict, compiled = compile_trial(job, model, choice.device, package)
+            cold = not package.exists()
+            verdict, compiled = compile_trial(job, model, choice.device, package, shapes)
         except Exception as error:  # noqa: BLE001 - out of memory, an op inductor lacks: eager is always safe
             return model, CompileChoice(False, f"eager: the compile trial failed ({type(error).__name__}: {error})")
         write_keyed(path, key, {**dataclasses.asdict(verdict), "last_compile_s": verdict.compile_s})
+        if cold:
+            write_keyed(seconds_path, seconds_key, {"compile_s": verdict.compile_s})
         use, reason = pick_compile(setting, verdict, job_tokens, expected_compile_s=0.0)  # already compiled
         if not use:
             return model, CompileChoice(False, reason)
@@ -347,6 +374,9 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     compiled, compile_s = compile_model(job, model, choice.device, package)
     if record:
         write_keyed(path, key, {**record, "last_load_s" if loads else "last_compile_s": compile_s})
+    if not loads:
+        _, seconds_path, seconds_key = device_compile_seconds(cache, choice.device)
+        write_keyed(seconds_path, seconds_key, {"compile_s": compile_s})
     return compiled, CompileChoice(True, reason, compile_s)
 
 

@@ -14,11 +14,11 @@ from pipeline.core.errors import UsageError
 from pipeline.core.units import format_bytes
 from pipeline.core.memory import (
     FIT_LENGTH_FRACTIONS,
-    FIT_ROWS,
     PROBE_ROUNDS,
     MemoryPlan,
     PeakMeasurement,
     fit_memory_model,
+    fit_rows,
     memory_bucket_lengths,
     plan_buckets,
     plan_for_budget,
@@ -162,10 +162,11 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
 
     measure(1, min(8, max_length), None)  # the first call's one-off costs (CUDA workspaces) stay out of the fit
     fit_lengths = sorted({max(1, int(max_length * f)) for f in FIT_LENGTH_FRACTIONS})
+    grid_rows = fit_rows(device.type, fit_lengths[0], max_length, hidden_size, element_bytes, max_batch_tokens)
     measurements = [PeakMeasurement(rows, length, measure(rows, length, None))
-                    for rows in FIT_ROWS for length in fit_lengths]
+                    for rows in grid_rows for length in fit_lengths]
     if any(math.isinf(m.peak_bytes) for m in measurements):
-        raise ValueError(f"even the fitting batches ({max(FIT_ROWS)} rows × {max_length} tokens) run out of "
+        raise ValueError(f"even the fitting batches ({max(grid_rows)} rows × {max_length} tokens) run out of "
                          f"memory on {device}; lower --max-length")
     kept = max(0, resident_bytes() - since) if since is not None else 0
     measurements = [PeakMeasurement(m.rows, m.length, m.peak_bytes + kept) for m in measurements]

@@ -25,6 +25,9 @@ SWEEP_VARIES = ("max-batch-tokens", "max-batch-rows")  # `lengthwise sweep --var
 LOADTEST_VARIES = ("max-batch-size", "batch-timeout-ms", "max-batch-tokens")  # `lengthwise loadtest --vary` (batcher)
 
 
+MAX_BATCH_ROWS = 65535  # the most rows a batch may hold: CUDA's grid limit (65,535 blocks in y and z), where the
+# attention kernels put the batch; the exported forward's row bound (`Dim("rows")`) on every device
+
 CUDA_TOKENS_AT_BERT_BASE = 32768  # DEVICE_BATCH_LIMITS' CUDA tokens hold for hidden 768 × 12 layers
 CUDA_TOKEN_RANGE = (16384, 262144)
 
@@ -48,6 +51,19 @@ def device_batch_limit(device_type: str, name: str, model_config=None) -> int:
     return DEVICE_BATCH_LIMITS.get(device_type, DEVICE_BATCH_LIMITS["cpu"])[name]
 
 
+WINDOW_BATCHES = 16  # `--window-rows auto` holds this many batches of the row limit: enough rows of each length
+# that a batch need not span the window's length range (an 8,192-row window at CUDA's 4,096 rows was two batches,
+# half their tokens padding)
+MIN_WINDOW_ROWS, MAX_WINDOW_ROWS = 8192, 65536  # 8,192: the CPU's window before auto (never fewer: packing only gets worse);
+# 65,536: what bounds memory (docs/design.md "Windows")
+
+
+def auto_window_rows(max_batch_rows: int) -> int:
+    """`--window-rows auto`: WINDOW_BATCHES batches of `max_batch_rows` rows, within MIN_WINDOW_ROWS–MAX_WINDOW_ROWS.
+    CPU (512 rows): 8,192, as before; CUDA (4,096 rows): 65,536."""
+    return min(MAX_WINDOW_ROWS, max(MIN_WINDOW_ROWS, WINDOW_BATCHES * max_batch_rows))
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity: a container's or a Slurm job's share),
     not the host's count."""
@@ -55,6 +71,20 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+CUDA_HOST_THREADS = 3  # cores a CUDA run keeps from its tokenizer pool for its own busy threads: the device loop
+# (kernel launches), the prefetch thread (collate, pin, copy) and the writer (Parquet encoding); on a CPU the
+# pool takes every core, as measured (the forward's threads wait while a window is tokenized)
+
+
+def tokenize_workers_for(setting: int | None, device_type: str, cores: int | None = None) -> int:
+    """`--tokenize-workers` (None: auto): on a CPU every usable core; on CUDA all but
+    CUDA_HOST_THREADS of them, at least one (13 on a 16-core H200 host)."""
+    if setting is not None:
+        return setting
+    cores = usable_cores() if cores is None else cores
+    return max(1, cores - CUDA_HOST_THREADS) if device_type == "cuda" else cores
 
 
 def set_torch_threads(threads: int | None) -> None:
@@ -114,8 +144,10 @@ class RunConfig:
     safety: float = 1.5  # headroom factor of the memory formula, 1.0–4.0
     plan_cache: str | None = None  # directory of cached plans; None = ~/.cache/lengthwise/plans
     use_plan_cache: bool = True  # reuse a cached plan instead of probing
-    window_rows: int = 8192  # rows sorted and packed together; bounds memory in flight
-    tokenize_workers: int = field(default_factory=usable_cores)  # 0 = in-process
+    window_rows: int | None = None  # rows sorted and packed together; bounds memory in flight; None = auto:
+    # 16 batches of the row limit, 8,192–65,536 (`auto_window_rows`)
+    tokenize_workers: int | None = None  # tokenizer processes, 0 = in-process; None = auto: the usable cores,
+    # on CUDA less CUDA_HOST_THREADS (`tokenize_workers_for`)
     torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -172,7 +204,7 @@ class SweepConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
-    tokenize_workers: int = field(default_factory=usable_cores)
+    tokenize_workers: int | None = None  # as RunConfig's
     torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     prefetch_batches: int = 4
     storage_options: dict = field(default_factory=dict)

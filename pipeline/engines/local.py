@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from pipeline.core.clock import SetupClock
 from pipeline.core.model import ModelChoice, load_model, tokenizer_for
-from pipeline.core.settings import RunConfig, set_torch_threads
+from pipeline.core.settings import RunConfig, set_torch_threads, tokenize_workers_for
 from pipeline.engines.claim import ShardsRunner, run_claimed
 from pipeline.offline.runner import ShardRunner
 from pipeline.core.tokenize import TokenizerPool, TokenizerSpec
@@ -53,6 +53,8 @@ def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],
     the model loads; the model loaded once in this process (compiled if that pays back over
     `todo`); one shard runner for all shards; the config with --compile settled."""
     set_torch_threads(config.torch_threads)
+    config = dataclasses.replace(config, tokenize_workers=tokenize_workers_for(config.tokenize_workers,
+                                                                               choice.device.type))
 
     def workload(spec: TokenizerSpec) -> float:
         return estimate_tokens(todo, config.id_column, config.text_column, spec, config.storage_options)

@@ -34,7 +34,7 @@ from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.model import ModelChoice, choose_model, load_model
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import CUDA_HOST_THREADS, RunConfig
 from pipeline.engines.claim import run_claimed
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import remove_stale_hash_temporaries
@@ -74,7 +74,7 @@ class ShardWorker:
         try:
             loaded = load_model(config)  # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
             self.device, self.dtype = str(loaded.choice.device), dtype_name(loaded.choice.dtype)
-            self.runner = ShardRunner(config, loaded)
+            self.runner = ShardRunner(config, loaded, keep_pool=True)  # one tokenizer pool for the actor's life
         except Exception as error:
             self.start_error = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {error}"
         self.setup_s = time.perf_counter() - started
@@ -204,11 +204,12 @@ def actor_layout(config: RunConfig, nodes: list[dict], shards: int) -> ActorLayo
     """One actor per GPU with num_gpus=1 and its share of its node's CPUs (node CPUs / GPUs,
     the smallest share over the GPU nodes) and torch threads 1 unless --threads-per-worker; or
     CPU actors of --threads-per-worker CPUs each where there are no GPUs. The tokenizer pool is
-    the share less the CPU the actor's own loop runs on. Never more actors than shards, nor
+    the share less the CPU the actor's own loop runs on (`actor_tokenize_workers`). Never more actors than shards, nor
     than the nodes can place at once: Ray would hold the others back until one ends, and an
     actor never ends. `nodes`: each live node's resources."""
     gpu_nodes = [node for node in nodes if int(node.get("GPU", 0))]
-    if gpu_nodes and config.device != "cpu":
+    on_gpu = bool(gpu_nodes) and config.device != "cpu"
+    if on_gpu:
         share = min(int(node.get("CPU", 0)) // int(node["GPU"]) for node in gpu_nodes)
         fits, unit = sum(int(node["GPU"]) for node in gpu_nodes), "GPU(s)"
         options, threads = {"num_gpus": 1, "num_cpus": share}, config.threads_per_worker or 1
@@ -220,7 +221,16 @@ def actor_layout(config: RunConfig, nodes: list[dict], shards: int) -> ActorLayo
     if workers > fits:
         note = f"--workers {workers} is more than the cluster's {fits} {unit}; running {fits} actor(s)"
         workers = fits
-    return ActorLayout(min(workers, shards), options, threads, max(0, min(config.tokenize_workers, share - 1)), note)
+    return ActorLayout(min(workers, shards), options, threads, actor_tokenize_workers(config, share, on_gpu), note)
+
+
+def actor_tokenize_workers(config: RunConfig, share: int, on_gpu: bool) -> int:
+    """An actor's tokenizer processes from its share of its node's CPUs: --tokenize-workers, at
+    most the share less the core the actor's own loop runs on; auto: that ceiling on a CPU, and
+    on a GPU the share less the CUDA host threads, as a local run (`tokenize_workers_for`)."""
+    if config.tokenize_workers is not None:
+        return max(0, min(config.tokenize_workers, share - 1))
+    return max(0, share - (CUDA_HOST_THREADS if on_gpu else 1))
 
 
 class ActorPool:

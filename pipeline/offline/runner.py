@@ -15,6 +15,7 @@ loop that `run` and `sweep` share, keeps the device busy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -45,7 +46,7 @@ from pipeline.core.forward import (
 )
 from pipeline.core.model import LoadedModel
 from pipeline.core.probe import describe_plan, memory_plan_for
-from pipeline.core.settings import RunConfig, usable_cores
+from pipeline.core.settings import RunConfig, auto_window_rows, tokenize_workers_for, usable_cores
 from pipeline.core.tokenize import TokenizerPool
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import PreviousOutput, mark_reused
@@ -69,15 +70,20 @@ class ShardRunner:
     `run` may be called for several lists of shards (a Ray actor gets them one by one)."""
 
     def __init__(self, config: RunConfig, loaded: LoadedModel, pool: TokenizerPool | None = None,
-                 clock: SetupClock | None = None):
+                 clock: SetupClock | None = None, keep_pool: bool = False):
         """`pool`: a tokenizer pool already started for the first `run` (it closes it); `clock`:
-        the setup steps so far, for the first run's summary."""
-        self.loaded, self._started_pool, self.clock = loaded, pool, clock or SetupClock()
-        config = dataclasses.replace(config, max_length=loaded.choice.max_length)
+        the setup steps so far, for the first run's summary. `keep_pool`: one pool for every
+        `run` until `close` (a Ray actor's, which runs shard after shard), started now."""
+        self.loaded, self._started_pool, self.clock, self.keep_pool = loaded, pool, clock or SetupClock(), keep_pool
+        config = dataclasses.replace(config, max_length=loaded.choice.max_length,
+                                     tokenize_workers=tokenize_workers_for(config.tokenize_workers,
+                                                                           loaded.choice.device.type))
         with self.clock.step("batch plan"):
             saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
             self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
                                                                        model_config=loaded.model.config)
+            if self.config.window_rows is None:
+                self.config = dataclasses.replace(self.config, window_rows=auto_window_rows(self.config.max_batch_rows))
             log.info(f"batch setting: {self.batch_setting}")
             self.sweep_reference = sweep_reference(saved_for)
             self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
@@ -86,6 +92,8 @@ class ShardRunner:
         self._previous: PreviousOutput | None = None
         check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names,
                            [f.name for f in self._split_fields()])
+        if keep_pool and self._started_pool is None:
+            self._started_pool = TokenizerPool(loaded.tokenizer, self.config.tokenize_workers, wait=False)
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             started: float, ids: IdTracker | None = None) -> None:
@@ -106,10 +114,10 @@ class ShardRunner:
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
-        pool, self._started_pool = self._started_pool, None
-        pool = pool or TokenizerPool(loaded.tokenizer, config.tokenize_workers, wait=False)
+        pool = self._started_pool or TokenizerPool(loaded.tokenizer, config.tokenize_workers, wait=False)
+        self._started_pool = pool if self.keep_pool else None
         try:
-            with pool:
+            with contextlib.nullcontext(pool) if self.keep_pool else pool:
                 with self.clock.step("tokenizer pool"):  # only the wait for processes not yet up
                     pool.ready()
                 times.setup = time.perf_counter() - started
@@ -154,6 +162,10 @@ class ShardRunner:
                     if elapsed:
                         progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)
             background.close()
+        except BaseException:
+            if self.keep_pool:  # the pool of a run that failed may be broken: the next run starts its own
+                self.close()
+            raise
         finally:
             background.close(raise_error=False)  # on an error: the windows already handed on are still written
             progress.close()
@@ -186,7 +198,8 @@ class ShardRunner:
         return self._previous
 
     def close(self) -> None:
-        """Stop a tokenizer pool started for a `run` that never came (the claim failed)."""
+        """Stop the tokenizer pool kept for every run (`keep_pool`), or one started for a `run`
+        that never came (the claim failed)."""
         if self._started_pool is not None:
             self._started_pool.close()
             self._started_pool = None

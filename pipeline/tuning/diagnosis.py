@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeline.core.findings import Finding, as_record
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import MIN_WINDOW_ROWS
 from pipeline.core.units import format_bytes
 
 # Sweep. Differences under ~10% are this machine's noise (docs/tuning.md: repeat a sweep before
@@ -78,7 +78,7 @@ def _thin_sample(results: list[dict], settings: dict) -> Finding | None:
     """Padding falling with the level because the sample is smaller than a run's window: the
     larger levels are measured with more padding than the run will have."""
     ok, sample_rows = _ok(results), settings.get("rows", 0)
-    window = RunConfig.__dataclass_fields__["window_rows"].default
+    window = MIN_WINDOW_ROWS
     if len(ok) < 2 or sample_rows >= window:
         return None
     first, worst = ok[0], min(ok[1:], key=lambda r: r["padding_efficiency"])
@@ -103,7 +103,7 @@ def _padding_dominates(results: list[dict], settings: dict) -> Finding | None:
     """Throughput and padding falling together at the larger levels of a sample as large as
     a run's window: the padding is real, the larger batches span too many lengths."""
     ok, sample_rows = _ok(results), settings.get("rows", 0)
-    if len(ok) < 2 or sample_rows < RunConfig.__dataclass_fields__["window_rows"].default:
+    if len(ok) < 2 or sample_rows < MIN_WINDOW_ROWS:
         return None
     best = max(ok, key=lambda r: r["rows_per_s"])
     fallen = [r for r in ok if r["level"] > best["level"]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from pipeline.core.errors import UsageError
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import RunConfig, tokenize_workers_for
 
 EXPECTED_DEVICE_BUSY = 0.9  # share of a run's wall after setup that the device computes (reading, tokenizing
 # and writing overlap it; a run's summary prints the measured share as `device busy`)
@@ -136,7 +136,8 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
                          with_ids=True)
     texts = [text for _, text in sample]
     reused, reuse_s = sampled_rows_reused(config, sample) if config.reuse else (None, 0.0)
-    with TokenizerPool(loaded.tokenizer, config.tokenize_workers) as pool:
+    with TokenizerPool(loaded.tokenizer, tokenize_workers_for(config.tokenize_workers,
+                                                              loaded.choice.device.type)) as pool:
         encoded = pool.result(pool.submit(texts))
     valid = np.array([error is None for error in encoded.errors], dtype=bool)
     lengths = np.where(valid, encoded.lengths, 0)

@@ -24,7 +24,7 @@ from pipeline.core.device import is_out_of_memory, measure_peak_bytes, peak_rss_
 from pipeline.core.errors import UsageError
 from pipeline.core.findings import as_dicts
 from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, run_on_device
-from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, SweepConfig
+from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, SweepConfig, tokenize_workers_for
 from pipeline.core.tokenize import EncodedRows
 from pipeline.offline.source import Shard, read_blocks
 from pipeline.tuning.diagnosis import diagnose_sweep
@@ -189,7 +189,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
     texts = read_sample(shards, config.text_column, config.id_column, config.warmup_rows + config.rows, config.seed,
                         config.storage_options)
-    with TokenizerPool(spec, config.tokenize_workers) as pool:
+    with TokenizerPool(spec, tokenize_workers_for(config.tokenize_workers, device.type)) as pool:
         encoded = pool.result(pool.submit(texts))
     usable = np.flatnonzero([error is None for error in encoded.errors])
     if len(usable) < len(texts):

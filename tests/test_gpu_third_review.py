@@ -1,0 +1,120 @@
+"""The third review of the CUDA path (issue 32), what a CPU can check: the allocator check
+under cudaMallocAsync, the row clamp at CUDA's grid limit and the export's row bound. None of
+it has run on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipeline.core.batch_setting import resolve_batch_setting
+from pipeline.core.settings import MAX_BATCH_ROWS, RunConfig
+
+
+def test_the_allocator_check_does_not_ask_cuda_malloc_async_for_segments(monkeypatch):
+    """memory_snapshot() raises under the cudaMallocAsync backend (a setting users may choose):
+    every run would have failed at the plan key."""
+    from pipeline.core.cache import plan_cache_key
+    from pipeline.core.device import allocator_config
+
+    def snapshot_refused():
+        raise RuntimeError("cudaMallocAsync does not support memory_snapshot")  # as torch refuses it
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "backend:cudaMallocAsync",
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot_refused)
+    expected = "cudaMallocAsync; settings backend:cudaMallocAsync; expandable segments not used by cudaMallocAsync"
+    assert allocator_config() == expected
+    assert plan_cache_key(kind="test")[0]["allocator"] == expected
+
+
+@pytest.mark.parametrize("rows, expected", [(4096, 4096), (65535, 65535), (65536, 65535), (10**6, 65535)])
+def test_batch_rows_stop_at_cudas_grid_limit(rows, expected):
+    config, note = resolve_batch_setting(RunConfig(input=(), output="", max_batch_tokens=2**20, max_batch_rows=rows),
+                                         "cuda")
+    assert config.max_batch_rows == expected
+    assert ("rows capped at 65,535 (CUDA's grid limit" in note) == (rows > MAX_BATCH_ROWS)
+
+
+def test_a_saved_recommendation_above_the_grid_limit_is_capped_too():
+    saved = {"max-batch-rows": {"level": 100_000, "created": "2026-12-01", "path": "sweep.json"}}
+    config, note = resolve_batch_setting(RunConfig(input=(), output="", max_batch_tokens=2**20), "cuda", saved)
+    assert config.max_batch_rows == MAX_BATCH_ROWS and "recommended by the sweep" in note and "capped" in note
+
+
+def test_the_batcher_keeps_its_own_batch_size_field():
+    from pipeline.core.settings import BatcherConfig
+
+    config, _ = resolve_batch_setting(BatcherConfig(max_batch_size=100_000), "cuda", fields=("max_batch_tokens",))
+    assert config.max_batch_size == 100_000 and dataclasses.is_dataclass(config)
+
+
+def test_the_exported_forward_bounds_rows_at_the_grid_limit(tiny_encoder_path):
+    from jobs.embed import EmbedJob
+    from pipeline.core.compiled_forward import export_call
+    from pipeline.core.model import load_model
+
+    loaded = load_model(RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
+                                  compile="off", max_length=64))
+    assert isinstance(loaded.job, EmbedJob)
+    _, _, dynamic_shapes = export_call(loaded.job, loaded.model, torch.device("cpu"))
+    rows = {dims[0] for dims in dynamic_shapes.values() if dims and 0 in dims}
+    assert {(dim.__name__, dim.min, dim.max) for dim in rows} == {("rows", 1, MAX_BATCH_ROWS)}
+
+
+def test_cuda_fits_memory_on_batches_many_allocator_pages_large():
+    """2 and 8 rows of ≤ 2,048 tokens sat below the CUDA allocator's 2 MiB pages: the fit measured
+    page rounding. On CUDA the smaller fitting batch's hidden state now holds ≥ 32 MiB where the
+    token caps allow; on the CPU the grid stays 2 and 8 rows."""
+    from pipeline.core.memory import fit_rows
+
+    assert fit_rows("cpu", 64, 256, 384, 4, None) == (2, 8)
+    # MiniLM in bf16 at 256 tokens: 683 rows would put 32 MiB in the 64-token batch; 262,144 tokens cap it at 256
+    assert fit_rows("cuda", 64, 256, 384, 2, None) == (256, 1024)
+    assert 256 * 64 * 384 * 2 >= 6 * 2**21
+    assert fit_rows("cuda", 64, 256, 384, 2, 32768) == (32, 128)  # never past the run's token budget
+    assert fit_rows("cuda", 128, 512, 1024, 2, None) == (128, 512)  # BERT-large, fp16: exactly 32 MiB
+    assert fit_rows("cuda", 64, 256, 384, 2, 1000) == (2, 8)  # never fewer than the CPU's grid
+
+
+def test_a_cuda_compile_trial_runs_the_runs_own_batch_shapes():
+    from pipeline.core.compile import CPU_TRIAL_SHAPES, trial_shapes
+
+    assert trial_shapes("cpu", 2048, 512, 256) == CPU_TRIAL_SHAPES == ((64, 32), (16, 128))
+    # MiniLM's CUDA default, 262,144 tokens and 4,096 rows: the rows cap the short batch, the budget the long one
+    assert trial_shapes("cuda", 262144, 4096, 256) == ((4096, 32), (2048, 128))
+    assert trial_shapes("cuda", 32768, 4096, 64) == ((1024, 32), (512, 64))  # never past the max length
+
+
+def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_path, tiny_encoder_path, monkeypatch):
+    """5M tokens at 50k eager tokens/s save 50 s at the best 2x: worth a trial against the CPU's
+    30 s figure, not against the 1,000 s this device measured."""
+    import pipeline.core.model
+    from pipeline.core.cache import write_keyed
+    from pipeline.core.model import device_compile_seconds, load_model, settle_compile
+
+    trials = []
+
+    def trial(job, model, device, package, shapes):
+        trials.append(shapes)
+        raise RuntimeError("trial stopped here")
+
+    monkeypatch.setattr(pipeline.core.model, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
+    monkeypatch.setattr(pipeline.core.model, "compile_trial", trial)
+    config = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
+                       max_length=64, plan_cache=str(tmp_path))
+    loaded = load_model(config)
+    auto = dataclasses.replace(config, compile="auto")
+    assert device_compile_seconds(tmp_path, loaded.choice.device)[0] == 30.0  # none measured yet: the CPU's figure
+    _, choice = settle_compile(auto, loaded.choice, loaded.job, loaded.model, 5_000_000)
+    assert choice.reason == "eager: the compile trial failed (RuntimeError: trial stopped here)"
+    assert trials == [((64, 32), (16, 128))]
+    _, path, key = device_compile_seconds(tmp_path, loaded.choice.device)
+    write_keyed(path, key, {"compile_s": 1000.0})  # what this device measured for a cold compile
+    _, choice = settle_compile(auto, loaded.choice, loaded.job, loaded.model, 5_000_000)
+    assert choice.reason == "eager: 5,000,000 tokens are too few to try a compile (1000 s on this device)"
+    assert len(trials) == 1
