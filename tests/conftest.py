@@ -156,3 +156,28 @@ def moto_endpoint() -> str:
     server.start()
     yield f"http://127.0.0.1:{port}"
     server.stop()
+
+
+def run_one_huge_row(tmp_path: Path, model: str, text: str, *extra: str, cap_bytes: int = 6 << 30):
+    """A real `lengthwise run` (a subprocess capped at `cap_bytes` of address space) over three rows, the
+    middle one `text`; returns the finished process and the run's peak resident set in KiB."""
+    import resource
+    import subprocess
+    import sys
+
+    source = tmp_path / "in"
+    source.mkdir()
+    pq.write_table(pa.table({"id": [1, 2, 3], "text": ["first row", text, "last row"]}), source / "part-00000.parquet")
+    command = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(source), "--output", str(tmp_path / "out"),
+               "--model", model, "--tokenize-workers", "1", "--max-length", "128", "--device", "cpu",
+               "--dtype", "float32", "--compile", "off", "--no-progress", *extra]
+    peak = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+            "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
+
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
+
+    finished = subprocess.run([sys.executable, "-c", peak, *command], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, timeout=600, preexec_fn=limit_memory)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return finished, int(finished.stdout.split("peak_rss_kib")[-1])

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import resource
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -26,12 +22,12 @@ from pipeline.core.segments import (
     weighted_mean_per_group,
 )
 from pipeline.core.settings import RunConfig, long_text_mode, segment_length_of
+from tests.conftest import run_one_huge_row
 from pipeline.core.tokenize import encode_texts, load_tokenizer_spec
 from pipeline.offline.diagnosis import diagnose_run
 from pipeline.offline.summary import RunSummary
 from tests.conftest import write_shards
 
-REPO = Path(__file__).resolve().parents[1]
 BENIGN = "The committee met on Tuesday to review the budget for the coming year. "
 HIDDEN = "You are a worthless idiot and everyone here hates you."
 RUN_ON = ("and then the river kept on running past the old mill while the children counted the boats "
@@ -297,23 +293,7 @@ def test_a_5_mb_text_splits_under_a_memory_cap(tmp_path, tiny_encoder_path):
     time and stops at MAX_SEGMENTS_PER_ROW segments (truncated), the run's peak resident set
     under 1.5 GB."""
     words = ("lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 90_000)[:5_000_000]
-    source = tmp_path / "in"
-    source.mkdir()
-    pq.write_table(pa.table({"id": [1, 2, 3], "text": ["first row", words, "last row"]}), source / "part-00000.parquet")
-    command = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(source), "--output", str(tmp_path / "out"),
-               "--model", tiny_encoder_path, "--tokenize-workers", "1", "--max-length", "128", "--device", "cpu",
-               "--dtype", "float32", "--compile", "off", "--no-progress", "--long-text", "split"]
-    peak = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
-            "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
-    cap = 6 << 30
-
-    def limit_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-    finished = subprocess.run([sys.executable, "-c", peak, *command], cwd=REPO, capture_output=True, text=True,
-                              timeout=600, preexec_fn=limit_memory)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    peak_rss_kib = int(finished.stdout.split("peak_rss_kib")[-1])
+    finished, peak_rss_kib = run_one_huge_row(tmp_path, tiny_encoder_path, words, "--long-text", "split")
     assert peak_rss_kib < 1.5 * 2 ** 20, f"peak resident set {peak_rss_kib / 2 ** 20:.2f} GiB"
     output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     assert output["segments"].to_pylist() == [1, MAX_SEGMENTS_PER_ROW, 1]

@@ -4,20 +4,15 @@ with memory bounded by --max-length, not by the text."""
 from __future__ import annotations
 
 import random
-import resource
-import subprocess
-import sys
-from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from pipeline.core.textcut import TextCut, collapse_runs, encode_long_text, text_cut_for, text_prefix
+from tests.conftest import run_one_huge_row
 from pipeline.core.tokenize import encode_texts, load_tokenizer_spec, prepare_text
 
-REPO = Path(__file__).resolve().parents[1]
 CORPUS = ["the quick brown fox jumps over the lazy dog, don't it's 12345 naïve café 東京 🙂"] * 50
 PIECES = ["the", "quick", "supercalifragilistic", "naïve", "Ünïcödé", "東京", "🙂", ".", ",", "!!", "'s", " ", "  ",
           "\n\n", "\t", "\x00", "\u200b", "\u00ad", "\ufffd", "e\u0301", "don't", "12345", "x-y", "a" * 150,
@@ -122,23 +117,7 @@ def test_a_50_mb_text_runs_under_a_memory_cap(tmp_path, tiny_encoder_path):
     space: the tokenizer used to keep ~160 bytes per character of it (~8 GB more). Its row gets a
     result, truncated, and the run's peak resident set stays under 2 GB."""
     words = ("lorem ipsum dolor sit amet consectetur " * 1_300_000)[:50_000_000]
-    source = tmp_path / "in"
-    source.mkdir()
-    pq.write_table(pa.table({"id": [1, 2, 3], "text": ["first row", words, "last row"]}), source / "part-00000.parquet")
-    command = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(source), "--output", str(tmp_path / "out"),
-               "--model", tiny_encoder_path, "--tokenize-workers", "1", "--max-length", "128", "--device", "cpu",
-               "--dtype", "float32", "--compile", "off", "--no-progress"]
-    peak = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
-            "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
-    cap = 6 << 30
-
-    def limit_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-    finished = subprocess.run([sys.executable, "-c", peak, *command], cwd=REPO, capture_output=True, text=True,
-                              timeout=600, preexec_fn=limit_memory)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    peak_rss_kib = int(finished.stdout.split("peak_rss_kib")[-1])
+    finished, peak_rss_kib = run_one_huge_row(tmp_path, tiny_encoder_path, words)
     assert peak_rss_kib < 2 << 20, f"peak resident set {peak_rss_kib / 2 ** 20:.2f} GiB"
     output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     assert output["id"].to_pylist() == [1, 2, 3] and output["error"].to_pylist() == [None, None, None]
