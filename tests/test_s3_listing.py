@@ -45,10 +45,11 @@ def no_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    yield
     import s3fs
 
-    s3fs.S3FileSystem.clear_instance_cache()  # a filesystem made without credentials must not serve later tests
+    s3fs.S3FileSystem.clear_instance_cache()  # a filesystem an earlier test made with credentials is not reused
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()  # nor one made without them by later tests
 
 
 @pytest.fixture
