@@ -174,7 +174,11 @@ def pending_shards(shards: list[Shard], manifest: RunManifest, sink: ShardSink) 
     """The shards not yet done, in input order: failed ones are retried, and so is a shard whose
     done marker its output does not back (untrusted_done_markers)."""
     markers = manifest.shard_markers()
-    untrusted = untrusted_done_markers(shards, markers, sink)
+    return pending_of(shards, markers, untrusted_done_markers(shards, markers, sink))
+
+
+def pending_of(shards: list[Shard], markers: dict[str, dict], untrusted: dict[str, str]) -> list[Shard]:
+    """`shards` less those whose done marker is trusted, in input order."""
     done = {stem for stem, marker in markers.items() if marker["status"] == "done" and stem not in untrusted}
     todo_stems = set(pending([s.stem for s in shards], done))
     return [shard for shard in shards if shard.stem in todo_stems]
@@ -207,14 +211,15 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
     if (sink.remove_stale_temporaries(stems) + remove_stale_hash_temporaries(manifest, stems)
             + manifest.remove_stale_temporaries(stems)):
         log.info("removed temporary files of an interrupted run")
-    untrusted = untrusted_done_markers(shards, manifest.shard_markers(), sink)
+    markers = manifest.shard_markers()
+    untrusted = untrusted_done_markers(shards, markers, sink)
     for shard in shards:
         if shard.stem in untrusted:
             log.warning(f"{shard.url} is marked done but {untrusted[shard.stem]}; redoing it")
     manifest.clear_markers(list(untrusted))
     if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:
         manifest.write_run(fingerprint, recorded_config(config))  # once for N workers: they all check it
-    todo = pending_shards(shards, manifest, sink)
+    todo = pending_of(shards, markers, untrusted)  # one listing of the markers and the output, not two
     if not todo:
         log.info(f"nothing to do: {len(shards)} of {len(shards)} shards done")
     elif len(todo) < len(shards):
