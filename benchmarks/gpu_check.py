@@ -92,11 +92,11 @@ class Check:
         return self.step_ends - time.monotonic()
 
     def config(self, **overrides):
-        from pipeline.core.settings import RunConfig
+        from pipeline.offline.config import RunConfig
 
         base = dict(input=(), output="", model=self.args.model, device=str(self.device), dtype=self.dtype,
                     progress=False, compile="off")
-        return RunConfig(**{**base, **overrides})
+        return RunConfig.of(**{**base, **overrides})
 
 
 
@@ -114,7 +114,7 @@ def environment(check: Check) -> dict:
     import transformers
 
     from pipeline.core.device import allocator_config, dtype_name
-    from pipeline.core.model import load_model
+    from pipeline.runtime.model import load_model
 
     device = check.device
     check.loaded = load_model(check.config(dtype="auto"))

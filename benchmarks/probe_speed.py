@@ -67,12 +67,12 @@ def check_plan(plan: dict, dtype: str) -> None:
     each counted from before the first forward (one-off buffers included)."""
     import torch
 
-    from pipeline.core.settings import RunConfig
+    from pipeline.core.settings import BatchSettings, ModelSettings
     from pipeline.core.device import resident_bytes
-    from pipeline.core.model import load_model
+    from pipeline.runtime.model import load_model
     from pipeline.core.probe import forward_peak_bytes
 
-    loaded = load_model(RunConfig(input=(), output="", device="cpu", dtype=dtype))
+    loaded = load_model(ModelSettings(device="cpu", dtype=dtype), BatchSettings())
     device, since = torch.device("cpu"), resident_bytes()
     print(json.dumps([forward_peak_bytes(loaded.job, loaded.model, device, b["probed_rows"], b["length"], since)
                       for b in plan["buckets"]]))

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig
 
 from jobs.classify import ClassifyJob, uses_sigmoid
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import ModelSettings
 from pipeline.core.errors import UsageError
 
 
@@ -90,11 +90,11 @@ class Moderator(torch.nn.Module):
 class ModerateJob(ClassifyJob):
     name = "moderate"
 
-    def options(self, settings, model_path: str) -> dict:
+    def options(self, settings: ModelSettings, model_path: str) -> dict:
         """The resolved thresholds, checked against the model's labels before anything runs
         (they change the output, so they join its fingerprint). A sweep has none: it
         measures speed, and flags with the default threshold."""
-        if getattr(settings, "thresholds", None) is None:
+        if settings.thresholds is None:
             return {}
         try:
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=settings.trust_remote_code)
@@ -106,7 +106,7 @@ class ModerateJob(ClassifyJob):
     def load(self, model_path, device, dtype, prompt_tokens: int = 0, thresholds: dict | None = None, **loading):
         classifier = super().load(model_path, device, dtype, **loading)
         labels = model_labels(classifier.config)
-        return Moderator(classifier, thresholds or {name: RunConfig.default_threshold for name in labels}).eval()
+        return Moderator(classifier, thresholds or {name: ModelSettings.default_threshold for name in labels}).eval()
 
     def agreement(self, reference, candidate, strict: bool = False, model=None) -> tuple[bool, str]:
         """`classify`'s test, and with `model` (its labels and thresholds) no row's flags may

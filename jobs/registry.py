@@ -6,6 +6,7 @@ from jobs.classify import ClassifyJob
 from jobs.embed import EmbedJob
 from jobs.moderate import ModerateJob
 from pipeline.core.errors import UsageError
+from pipeline.core.settings import ModelSettings
 
 JOBS = {job.name: job for job in (EmbedJob(), ClassifyJob(), ModerateJob())}
 
@@ -17,14 +18,14 @@ def get_job(name: str):
         raise UsageError(f"unknown job {name!r}; set --job to one of: {', '.join(sorted(JOBS))}") from None
 
 
-def job_options(settings, model_path: str) -> dict:
+def job_options(settings: ModelSettings, model_path: str) -> dict:
     """The job's own settings that change its outputs (moderate: the thresholds), resolved and
     checked against the model before anything runs; {} for a job that has none. They go to
     the job's `load` and into the output fingerprint."""
     job = get_job(settings.job)
     resolve = getattr(job, "options", None)
     if resolve is None:
-        if getattr(settings, "thresholds", None) or getattr(settings, "flag_labels", None):
+        if settings.thresholds or settings.flag_labels:
             raise UsageError(f"--threshold and --flag-labels are for --job moderate, not --job {settings.job}")
         return {}
     return resolve(settings, model_path)

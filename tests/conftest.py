@@ -103,14 +103,14 @@ def rows_with_bad_ones(sample_table) -> pa.Table:
 def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, dict]:
     """Run the pipeline over `table` split into shards of `sizes`; the concatenated outputs and
     the summary. Checks one output per shard, row counts and that no temporary file is left."""
-    from pipeline.core.settings import RunConfig
+    from pipeline.offline.config import RunConfig
     from pipeline.engines.local import run_job
 
     write_shards(tmp_path / f"{name}-in", table, sizes)
     output = tmp_path / f"{name}-out"
     settings.setdefault("tokenize_workers", 0)
     settings.setdefault("dtype", "float32")  # the references these outputs are compared with are fp32
-    config = RunConfig(input=(str(tmp_path / f"{name}-in"),), output=str(output), progress=False, **settings)
+    config = RunConfig.of(input=(str(tmp_path / f"{name}-in"),), output=str(output), progress=False, **settings)
     summary = run_job(config)
     files = sorted(output.glob("*.parquet"))
     assert [f.stem for f in files] == [f"part-{i:05d}" for i in range(len(sizes))]

@@ -17,8 +17,9 @@ import jobs.registry
 from pipeline.online.rules import BatcherClosed, QueueFull, RequestTooLarge
 from pipeline.online.batcher import DynamicBatcher
 from pipeline.cli import cli
-from pipeline.core.settings import BatcherConfig
-from pipeline.core.model import load_model
+from pipeline.online.config import BatcherConfig
+from pipeline.core.settings import BatchSettings, ModelSettings
+from pipeline.runtime.model import load_model
 from pipeline.core.forward import BatchLimits
 from tests.conftest import read_outputs, write_shards
 from tests.test_backoff import OutOfMemoryAbove
@@ -28,13 +29,13 @@ JITTER_S = 0.5  # how late a busy 2-core machine may wake a task: CI and develop
 
 @pytest.fixture(scope="module")
 def minilm(minilm_path):
-    return load_model(BatcherConfig(model=minilm_path, dtype="float32"))
+    return load_model(ModelSettings(model=minilm_path, dtype="float32"), BatchSettings())
 
 
 @pytest.fixture(scope="module")
 def minilm_128(minilm_path):
     """MiniLM at 128 tokens a row: the long texts' batches take a while, but not too long."""
-    return load_model(BatcherConfig(model=minilm_path, dtype="float32", max_length=128))
+    return load_model(ModelSettings(model=minilm_path, dtype="float32", max_length=128), BatchSettings())
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def long_texts(sample_table) -> list[str]:
 def batcher_for(loaded, limits=None, **settings) -> DynamicBatcher:
     settings.setdefault("max_batch_tokens", 10**6)  # no token budget unless a test sets one
     settings.setdefault("request_timeout_ms", 2 * LONG_WINDOW_MS)  # the first forwards on a busy CPU are slow
-    return DynamicBatcher(loaded, BatcherConfig(**settings), limits or BatchLimits(None))
+    return DynamicBatcher(loaded, BatcherConfig.of(**settings), limits or BatchLimits(None))
 
 
 @pytest.mark.slow
@@ -88,7 +89,7 @@ def test_classify_answers_are_the_offline_jobs_labels_and_scores(tmp_path, tiny_
     texts = sample_table["text"].to_pylist()[:12]
     offline, _ = run_to_table(tmp_path, "cls", pa.table({"id": list(range(12)), "text": texts}), [12],
                               job="classify", model=tiny_classifier_path, probe=False)
-    loaded = load_model(BatcherConfig(job="classify", model=tiny_classifier_path, dtype="float32"))
+    loaded = load_model(ModelSettings(job="classify", model=tiny_classifier_path, dtype="float32"), BatchSettings())
 
     async def serve():
         async with batcher_for(loaded, max_batch_size=5, batch_timeout_ms=5) as batcher:
@@ -297,7 +298,7 @@ def test_bad_timeouts_and_oversized_requests_are_refused_at_once(minilm, long_te
 def test_out_of_memory_splits_the_batch_and_every_caller_gets_its_own_answer(monkeypatch, minilm_path, minilm):
     job = OutOfMemoryAbove(max_rows=2)
     monkeypatch.setitem(jobs.registry.JOBS, job.name, job)
-    failing = load_model(BatcherConfig(job=job.name, model=minilm_path, dtype="float32"))
+    failing = load_model(ModelSettings(job=job.name, model=minilm_path, dtype="float32"), BatchSettings())
     limits = BatchLimits(None)
     texts = [f"comment number {i} about nothing" for i in range(8)]
 
@@ -317,7 +318,7 @@ def test_out_of_memory_splits_the_batch_and_every_caller_gets_its_own_answer(mon
 def test_a_row_out_of_memory_even_alone_gets_an_error_record(monkeypatch, minilm_path, long_texts):
     job = OutOfMemoryAbove(max_rows=8, max_padded_length=32)
     monkeypatch.setitem(jobs.registry.JOBS, job.name, job)
-    loaded = load_model(BatcherConfig(job=job.name, model=minilm_path, dtype="float32", max_length=128))
+    loaded = load_model(ModelSettings(job=job.name, model=minilm_path, dtype="float32", max_length=128), BatchSettings())
 
     async def serve():
         async with batcher_for(loaded, max_batch_size=2, batch_timeout_ms=LONG_WINDOW_MS) as batcher:

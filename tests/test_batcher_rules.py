@@ -124,10 +124,18 @@ def test_a_request_timeout_must_exceed_the_batch_timeout():
         check_timeouts(20, 20)
 
 
-def test_no_token_budget_means_the_devices_default_as_in_run():
-    from pipeline.online.rules import with_token_budget
-    from pipeline.core.settings import BatcherConfig, device_batch_limit
+def test_the_batcher_settles_its_token_budget_as_run_does_without_a_sweep():
+    from pipeline.core.batch_setting import resolve_batch_setting
+    from pipeline.core.settings import cuda_batch_tokens, device_batch_limit
+    from pipeline.online.config import BatcherConfig
 
-    assert with_token_budget(BatcherConfig(), "cpu").max_batch_tokens == device_batch_limit("cpu", "max_batch_tokens")
-    assert with_token_budget(BatcherConfig(), "cuda").max_batch_tokens == device_batch_limit("cuda", "max_batch_tokens")
-    assert with_token_budget(BatcherConfig(max_batch_tokens=512), "cuda").max_batch_tokens == 512
+    class MiniLMShape:
+        hidden_size, num_hidden_layers = 384, 6
+
+    def tokens(config, device):
+        return resolve_batch_setting(config.batch, device, None, ("max_batch_tokens",), MiniLMShape())[0].max_batch_tokens
+
+    assert tokens(BatcherConfig.of(), "cpu") == device_batch_limit("cpu", "max_batch_tokens") == 2048
+    assert tokens(BatcherConfig.of(), "cuda") == cuda_batch_tokens(384, 6) == 262144  # the model's size, as run
+    assert tokens(BatcherConfig.of(max_batch_tokens=512), "cuda") == 512
+    assert BatcherConfig.of().max_batch_size == 32

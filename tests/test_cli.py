@@ -158,16 +158,15 @@ def test_no_command_defines_an_option_twice():
 def test_run_defaults_are_the_config_defaults():
     import dataclasses
 
-    from pipeline.core.settings import RunConfig
+    from pipeline.offline.config import RunConfig
 
-    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    required = {f.name for f in dataclasses.fields(RunConfig) if f.default is f.default_factory is dataclasses.MISSING}
     run = cli.commands["run"]
     compared = 0
     for option in _options(run):
-        field = fields.get(option.name)
-        if field is None or option.is_flag or field.default is field.default_factory is dataclasses.MISSING:
+        if option.name not in RunConfig.flat_names() or option.is_flag or option.name in required:
             continue
-        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        default = RunConfig.default(option.name)
         if option.name in ("max_batch_tokens", "max_batch_rows", "window_rows", "tokenize_workers"):  # a count or auto (None)
             default = "auto" if default is None else str(default)
         expected = default

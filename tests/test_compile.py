@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import jobs.registry
-import pipeline.core.model
+import pipeline.runtime.model
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from jobs.classify import ClassifyJob
 from pipeline.core.compile import CompileVerdict, job_pays_back, pick_compile, worth_a_trial
-from pipeline.core.model import choose_model, compiled_package_path
-from pipeline.core.settings import RunConfig
+from pipeline.runtime.model import choose_model, compiled_package_path
+from pipeline.offline.config import RunConfig
 from pipeline.engines.local import run_job
 from tests.conftest import read_outputs, write_shards
 
@@ -60,7 +60,7 @@ def shards(tmp_path, sample_table):
 def run(tmp_path, shards, model, output="out", **settings):
     settings = {"tokenize_workers": 0, "dtype": "float32", "max_length": 128, "max_batch_tokens": 512,
                 "plan_cache": str(tmp_path / "cache"), **settings}
-    summary = run_job(RunConfig(input=(str(shards),), output=str(tmp_path / output), model=model, progress=False,
+    summary = run_job(RunConfig.of(input=(str(shards),), output=str(tmp_path / output), model=model, progress=False,
                                 **settings))
     return read_outputs(tmp_path / output), json.loads(summary.to_json())
 
@@ -68,10 +68,10 @@ def run(tmp_path, shards, model, output="out", **settings):
 @pytest.mark.slow
 def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resume_keeps_the_recorded_choice(
         tmp_path, shards, tiny_encoder_path, monkeypatch):
-    monkeypatch.setattr(pipeline.core.model, "COLD_COMPILE_S", 0.0)  # this small job counts as large enough
+    monkeypatch.setattr(pipeline.runtime.model, "COLD_COMPILE_S", 0.0)  # this small job counts as large enough
     # a damaged package where the compile will go (cut short by a full disk, say): compiled anew, not a failure
-    settings = RunConfig(input=(str(shards),), output="", model=tiny_encoder_path, dtype="float32", max_length=128)
-    damaged = compiled_package_path(tmp_path / "cache", settings, choose_model(settings))
+    settings = RunConfig.of(input=(str(shards),), output="", model=tiny_encoder_path, dtype="float32", max_length=128)
+    damaged = compiled_package_path(tmp_path / "cache", settings, choose_model(settings.model, settings.batch.plan_cache))
     damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"PK\x03\x04 not a whole package")
     _, first = run(tmp_path, shards, tiny_encoder_path, "first")
@@ -89,7 +89,7 @@ def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resum
     def no_second_trial(*args):
         raise AssertionError("the cached verdict should have been used")
 
-    monkeypatch.setattr(pipeline.core.model, "compile_trial", no_second_trial)
+    monkeypatch.setattr(pipeline.runtime.model, "compile_trial", no_second_trial)
     compiled, second = run(tmp_path, shards, tiny_encoder_path, "second")
     eager, eager_summary = run(tmp_path, shards, tiny_encoder_path, "eager", compile="off")
     assert eager_summary["compile"] == "eager: --compile off"
@@ -137,7 +137,7 @@ def test_a_compiled_forward_that_disagrees_falls_back_to_eager(tmp_path, shards,
     """Also the classify job's way through the compile: its call exported, compiled and run (the trial
     compares its outputs; a compile that failed would say so instead)."""
     monkeypatch.setitem(jobs.registry.JOBS, "classify-drifts", DriftingClassifyJob())
-    monkeypatch.setattr(pipeline.core.model, "COLD_COMPILE_S", 0.0)
+    monkeypatch.setattr(pipeline.runtime.model, "COLD_COMPILE_S", 0.0)
     eager, _ = run(tmp_path, shards, tiny_classifier_path, "eager", job="classify", compile="off")
     ours, summary = run(tmp_path, shards, tiny_classifier_path, "auto", job="classify-drifts")
     assert summary["compile"].startswith("eager: the compiled forward disagrees with eager (same top label on")

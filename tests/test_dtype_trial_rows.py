@@ -10,10 +10,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import pipeline.core.model
+import pipeline.runtime.model
 from jobs.registry import get_job
-from pipeline.core.model import TRIAL_ROWS, choose_model, spread_over_lengths
-from pipeline.core.settings import RunConfig
+from pipeline.core.settings import ModelSettings
+from pipeline.runtime.model import TRIAL_ROWS, choose_model, spread_over_lengths
+from pipeline.offline.config import RunConfig
 from pipeline.core.tokenize import encode_texts, load_tokenizer_spec
 from tests.conftest import write_shards
 
@@ -29,14 +30,14 @@ def test_the_trial_rows_spread_over_the_lengths_shortest_to_longest():
 def trials(monkeypatch):
     """The trials that ran: (job, path, loading, trial batches, length) each; the real trial runs.
     A native bf16 feature is assumed so that the trial runs on any CPU (emulated bf16 is only slower)."""
-    monkeypatch.setattr(pipeline.core.model, "native_bf16_feature", lambda: "avx512_bf16")
-    ran, real_trial = [], pipeline.core.model.bf16_trial
+    monkeypatch.setattr(pipeline.runtime.model, "native_bf16_feature", lambda: "avx512_bf16")
+    ran, real_trial = [], pipeline.runtime.model.bf16_trial
 
     def recorded(*args):
         ran.append(args)
         return real_trial(*args)
 
-    monkeypatch.setattr(pipeline.core.model, "bf16_trial", recorded)
+    monkeypatch.setattr(pipeline.runtime.model, "bf16_trial", recorded)
     return ran
 
 
@@ -44,9 +45,9 @@ def trials(monkeypatch):
 def test_the_trial_runs_on_the_texts_it_is_given_tokenized_as_the_run_will(tmp_path, sample_table,
                                                                           tiny_classifier_path, trials):
     texts = sample_table["text"].to_pylist()[:300]
-    config = RunConfig(input=(), output="", model=tiny_classifier_path, job="classify", device="cpu",
+    config = RunConfig.of(input=(), output="", model=tiny_classifier_path, job="classify", device="cpu",
                        max_length=96, plan_cache=str(tmp_path))
-    choice = choose_model(config, trial_texts=lambda: texts)
+    choice = choose_model(config.model, config.batch.plan_cache, trial_texts=lambda: texts)
     (_, _, _, trial, _), = trials
     spec = load_tokenizer_spec(tiny_classifier_path, 96)
     encoded = encode_texts(texts, Tokenizer.from_str(spec.tokenizer_json), spec)
@@ -66,7 +67,7 @@ def test_a_run_trials_on_its_own_rows_and_the_summary_says_so(tmp_path, sample_t
     from pipeline.engines.local import run_job
 
     write_shards(tmp_path / "in", sample_table.slice(0, 80), [80])
-    summary = run_job(RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"),
+    summary = run_job(RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"),
                                 model=tiny_multilabel_path, job="moderate", max_length=64, tokenize_workers=0,
                                 progress=False, plan_cache=str(tmp_path / "cache"), max_batch_tokens=2048,
                                 probe=False))
@@ -90,6 +91,6 @@ def test_moderate_counts_flags_that_flip_even_within_the_score_bound(tiny_multil
 
 @pytest.mark.slow
 def test_without_texts_the_trial_runs_on_random_ids_and_says_so(tmp_path, tiny_encoder_path, trials):
-    empty = choose_model(RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", max_length=64,
-                                   plan_cache=str(tmp_path)), trial_texts=lambda: [None, "  "])
+    empty = choose_model(ModelSettings(model=tiny_encoder_path, device="cpu", max_length=64), str(tmp_path),
+                         trial_texts=lambda: [None, "  "])
     assert trials[0][3] is None and "vs float32 on 64 random-id rows" in empty.dtype_reason

@@ -12,7 +12,7 @@ import pytest
 
 from jobs.sentence_transformers_folder import (EmbeddingRecipe, TextSettings, read_embedding_recipe,
                                                read_text_settings, resolve_prompt)
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 from pipeline.core.errors import UsageError
 from tests.conftest import write_shards
 
@@ -123,7 +123,7 @@ def test_embed_equals_sentence_transformers_for_the_folder(tmp_path, sample_tabl
     folder = st_folder(tmp_path, "model", minilm_path, **spec)
     rows = sample_table.slice(0, 48)
     write_shards(tmp_path / "in", rows, [48])
-    run_job(RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=folder, progress=False, dtype="float32",
+    run_job(RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=folder, progress=False, dtype="float32",
                       tokenize_workers=0, max_batch_tokens=1024, **run_settings))
     output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     ours = np.array(output["embedding"].to_pylist(), dtype=np.float32)
@@ -142,6 +142,6 @@ def test_a_rerun_with_another_prompt_is_refused(tmp_path, sample_table, tiny_enc
     write_shards(tmp_path / "in", sample_table.slice(0, 20), [20])
     settings = dict(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
                     progress=False, tokenize_workers=0, probe=False)
-    run_job(RunConfig(prompt="query: ", **settings))
+    run_job(RunConfig.of(prompt="query: ", **settings))
     with pytest.raises(UsageError, match="prompt: 'query: ' → 'passage: '"):
-        run_job(RunConfig(prompt="passage: ", **settings))
+        run_job(RunConfig.of(prompt="passage: ", **settings))

@@ -85,14 +85,14 @@ def test_plan_estimate_with_reuse_predicts_the_computed_rows_and_caches_the_plan
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.core.settings import RunConfig
+    from pipeline.offline.config import RunConfig
     from pipeline.engines.local import run_job
     from tests.conftest import SAMPLE_DIR
 
     plan_cache = str(tmp_path / "plans")
     common = {"model": tiny_encoder_path, "dtype": "float32", "max_length": 128, "tokenize_workers": 0,
               "progress": False, "plan_cache": plan_cache, "torch_threads": 1}
-    run_job(RunConfig(input=(str(SAMPLE_DIR),), output=str(tmp_path / "out1"), **common, probe=False))
+    run_job(RunConfig.of(input=(str(SAMPLE_DIR),), output=str(tmp_path / "out1"), **common, probe=False))
     (tmp_path / "night2").mkdir()
     for path in sorted(SAMPLE_DIR.glob("*.parquet")):
         table = pq.read_table(path)
@@ -110,7 +110,7 @@ def test_plan_estimate_with_reuse_predicts_the_computed_rows_and_caches_the_plan
     estimate = json.loads(result.output[result.output.index("{"):])["estimate"]
     assert estimate["rows"] == 400 and estimate["computed_rows"] == 100  # all 400 sampled: exactly the edited
     assert estimate["reused_share"] == 0.75 and estimate["memory_plan"].startswith("probed in")
-    summary = run_job(RunConfig(input=(str(tmp_path / "night2"),), output=str(tmp_path / "out2"),
+    summary = run_job(RunConfig.of(input=(str(tmp_path / "night2"),), output=str(tmp_path / "out2"),
                                 reuse=str(tmp_path / "out1"), **common))
     assert summary.computed_rows == 100 and summary.batch_plan.startswith("from cache")
     bad = CliRunner().invoke(cli, ["plan", "--reuse", str(tmp_path / "out1")])

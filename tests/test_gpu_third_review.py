@@ -4,13 +4,13 @@ it has run on a GPU."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from pipeline.core.batch_setting import resolve_batch_setting
-from pipeline.core.settings import MAX_BATCH_ROWS, RunConfig
+from pipeline.core.settings import MAX_BATCH_ROWS, BatchSettings, ModelSettings
+from pipeline.offline.config import RunConfig
 
 
 def test_the_allocator_check_does_not_ask_cuda_malloc_async_for_segments(monkeypatch):
@@ -34,32 +34,32 @@ def test_the_allocator_check_does_not_ask_cuda_malloc_async_for_segments(monkeyp
 
 @pytest.mark.parametrize("rows, expected", [(4096, 4096), (65535, 65535), (65536, 65535), (10**6, 65535)])
 def test_batch_rows_stop_at_cudas_grid_limit(rows, expected):
-    config, note = resolve_batch_setting(RunConfig(input=(), output="", max_batch_tokens=2**20, max_batch_rows=rows),
-                                         "cuda")
-    assert config.max_batch_rows == expected
+    batch, note = resolve_batch_setting(BatchSettings(max_batch_tokens=2**20, max_batch_rows=rows), "cuda")
+    assert batch.max_batch_rows == expected
     assert ("rows capped at 65,535 (CUDA's grid limit" in note) == (rows > MAX_BATCH_ROWS)
 
 
 def test_a_saved_recommendation_above_the_grid_limit_is_capped_too():
     saved = {"max-batch-rows": {"level": 100_000, "created": "2026-12-01", "path": "sweep.json"}}
-    config, note = resolve_batch_setting(RunConfig(input=(), output="", max_batch_tokens=2**20), "cuda", saved)
-    assert config.max_batch_rows == MAX_BATCH_ROWS and "recommended by the sweep" in note and "capped" in note
+    batch, note = resolve_batch_setting(BatchSettings(max_batch_tokens=2**20), "cuda", saved)
+    assert batch.max_batch_rows == MAX_BATCH_ROWS and "recommended by the sweep" in note and "capped" in note
 
 
-def test_the_batcher_keeps_its_own_batch_size_field():
-    from pipeline.core.settings import BatcherConfig
+def test_the_batchers_batch_size_is_its_row_limit():
+    from pipeline.online.config import BatcherConfig
 
-    config, _ = resolve_batch_setting(BatcherConfig(max_batch_size=100_000), "cuda", fields=("max_batch_tokens",))
-    assert config.max_batch_size == 100_000 and dataclasses.is_dataclass(config)
+    config = BatcherConfig.of(max_batch_size=100_000)
+    batch, _ = resolve_batch_setting(config.batch, "cuda", fields=("max_batch_tokens",))
+    assert config.max_batch_size == batch.max_batch_rows == 100_000 and batch.max_batch_tokens is not None
 
 
 def test_the_exported_forward_bounds_rows_at_the_grid_limit(tiny_encoder_path):
     from jobs.embed import EmbedJob
     from pipeline.core.compiled_forward import export_call
-    from pipeline.core.model import load_model
+    from pipeline.runtime.model import load_model
 
-    loaded = load_model(RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
-                                  compile="off", max_length=64))
+    loaded = load_model(ModelSettings(model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
+                                      max_length=64), BatchSettings())
     assert isinstance(loaded.job, EmbedJob)
     _, _, dynamic_shapes = export_call(loaded.job, loaded.model, torch.device("cpu"))
     rows = {dims[0] for dims in dynamic_shapes.values() if dims and 0 in dims}
@@ -93,9 +93,9 @@ def test_a_cuda_compile_trial_runs_the_runs_own_batch_shapes():
 def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_path, tiny_encoder_path, monkeypatch):
     """5M tokens at 50k eager tokens/s save 50 s at the best 2x: worth a trial against the CPU's
     30 s figure, not against the 1,000 s this device measured."""
-    import pipeline.core.model
+    import pipeline.runtime.model
     from pipeline.core.cache import write_keyed
-    from pipeline.core.model import device_compile_seconds, load_model, settle_compile
+    from pipeline.runtime.model import device_compile_seconds, load_model, settle_compile
 
     trials = []
 
@@ -103,18 +103,18 @@ def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_pat
         trials.append(shapes)
         raise RuntimeError("trial stopped here")
 
-    monkeypatch.setattr(pipeline.core.model, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
-    monkeypatch.setattr(pipeline.core.model, "compile_trial", trial)
-    config = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
+    monkeypatch.setattr(pipeline.runtime.model, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
+    monkeypatch.setattr(pipeline.runtime.model, "compile_trial", trial)
+    config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
                        max_length=64, plan_cache=str(tmp_path))
-    loaded = load_model(config)
-    auto = dataclasses.replace(config, compile="auto")
+    loaded = load_model(config.model, config.batch)
+    auto = config.with_settings(compile="auto")
     assert device_compile_seconds(tmp_path, loaded.choice.device)[0] == 30.0  # none measured yet: the CPU's figure
-    _, choice = settle_compile(auto, loaded.choice, loaded.job, loaded.model, 5_000_000)
+    _, choice = settle_compile(auto.model, auto.batch, loaded.choice, loaded.job, loaded.model, 5_000_000)
     assert choice.reason == "eager: the compile trial failed (RuntimeError: trial stopped here)"
     assert trials == [((64, 32), (16, 128))]
     _, path, key = device_compile_seconds(tmp_path, loaded.choice.device)
     write_keyed(path, key, {"compile_s": 1000.0})  # what this device measured for a cold compile
-    _, choice = settle_compile(auto, loaded.choice, loaded.job, loaded.model, 5_000_000)
+    _, choice = settle_compile(auto.model, auto.batch, loaded.choice, loaded.job, loaded.model, 5_000_000)
     assert choice.reason == "eager: 5,000,000 tokens are too few to try a compile (1000 s on this device)"
     assert len(trials) == 1

@@ -7,14 +7,14 @@ import torch
 
 from jobs.registry import get_job
 from pipeline.core.errors import UsageError
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 from pipeline.engines.local import run_job
 from tests.conftest import write_shards
 
 
 def run_over(tmp_path, table, **settings) -> pa.Table:
     write_shards(tmp_path / "in", table, [table.num_rows])
-    config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), progress=False, dtype="float32",
+    config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), progress=False, dtype="float32",
                        tokenize_workers=0, **settings)
     run_job(config)
     import pyarrow.parquet as pq

@@ -11,10 +11,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Lower first. A module may import its own layer and those below it, never one above.
-LAYERS = {"pipeline": 0, "pipeline.core": 0, "jobs": 0, "pipeline.sample_data": 0,
-          "pipeline.offline": 1, "pipeline.online": 1, "pipeline.engines": 2, "pipeline.tuning": 3,
-          "pipeline.cli": 4, "pipeline.api": 5}
-SIDE_BY_SIDE = {("pipeline.offline", "pipeline.online"), ("pipeline.online", "pipeline.offline")}  # neither knows the other
+LAYERS = {"pipeline": 0, "pipeline.core": 0, "pipeline.sample_data": 0, "jobs": 1, "pipeline.runtime": 2,
+          "pipeline.offline": 3, "pipeline.online": 3, "pipeline.engines": 4, "pipeline.tuning": 5,
+          "pipeline.cli": 6, "pipeline.api": 6}
+SIDE_BY_SIDE = {("pipeline.offline", "pipeline.online"), ("pipeline.online", "pipeline.offline"),  # neither knows the other
+                ("pipeline.cli", "pipeline.api")}  # the API builds settings itself, never through click
 
 
 def layer_of(module: str) -> str:
@@ -57,7 +58,7 @@ def test_no_layer_imports_a_layer_above_it_or_beside_it():
 
 
 def test_the_layers_are_few_and_no_module_is_over_500_lines():
-    assert len(set(LAYERS.values())) <= 6
+    assert len(set(LAYERS.values())) <= 7
     long = {module_name(p): n for p in SOURCES if (n := len(p.read_text().splitlines())) > 500}
     assert not long
 

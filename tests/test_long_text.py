@@ -21,7 +21,8 @@ from pipeline.core.segments import (
     segment_groups,
     weighted_mean_per_group,
 )
-from pipeline.core.settings import RunConfig, long_text_mode, segment_length_of
+from pipeline.core.settings import long_text_mode, segment_length_of
+from pipeline.offline.config import RunConfig
 from tests.conftest import run_one_huge_row
 from pipeline.core.tokenize import encode_texts, load_tokenizer_spec
 from pipeline.offline.diagnosis import diagnose_run
@@ -131,22 +132,22 @@ def test_auto_splits_for_moderate_only_and_the_segment_length_fits_the_window():
     assert [long_text_mode("auto", job) for job in ("moderate", "classify", "embed")] == \
         ["split", "truncate", "truncate"]
     assert long_text_mode("truncate", "moderate") == "truncate" and long_text_mode("split", "embed") == "split"
-    config = RunConfig(input=("x",), output="y", segment_length=600)
+    config = RunConfig.of(input=("x",), output="y", segment_length=600)
     with pytest.raises(UsageError, match="--segment-length 600 is more than --max-length 512, .*--segment-length "
                                          "512 or less"):
-        segment_length_of(config, 512)
-    assert segment_length_of(dataclasses.replace(config, segment_length=None), 256) == 256
+        segment_length_of(config.segment_length, 512)
+    assert segment_length_of(None, 256) == 256
 
 
 def test_truncate_leaves_the_fingerprint_as_it_was():
     from pipeline.engines.claim import long_text_fingerprint
 
-    config = RunConfig(input=("x",), output="y", job="classify")
+    config = RunConfig.of(input=("x",), output="y", job="classify")
     assert long_text_fingerprint(config, 128) == {}
-    assert long_text_fingerprint(dataclasses.replace(config, long_text="truncate", job="moderate"), 128) == {}
-    assert long_text_fingerprint(dataclasses.replace(config, job="moderate"), 128) == \
+    assert long_text_fingerprint(config.with_settings(long_text="truncate", job="moderate"), 128) == {}
+    assert long_text_fingerprint(config.with_settings(job="moderate"), 128) == \
         {"long_text": "split", "segment_length": 128}
-    assert long_text_fingerprint(dataclasses.replace(config, long_text="split", segment_length=64), 128) == \
+    assert long_text_fingerprint(config.with_settings(long_text="split", segment_length=64), 128) == \
         {"long_text": "split", "segment_length": 64}
 
 
@@ -168,7 +169,7 @@ def run(tmp_path, name, texts, **settings):
 
     source = tmp_path / f"{name}-in"
     write_shards(source, pa.table({"id": list(range(len(texts))), "text": texts}), [len(texts)])
-    config = RunConfig(input=(str(source),), output=str(tmp_path / name), progress=False, dtype="float32",
+    config = RunConfig.of(input=(str(source),), output=str(tmp_path / name), progress=False, dtype="float32",
                        tokenize_workers=0, compile="off", max_length=32, **settings)
     summary = run_job(config)
     return pq.read_table(tmp_path / name / "part-00000.parquet"), summary
@@ -253,9 +254,9 @@ def test_an_output_made_before_long_text_resumes_truncated(tmp_path, tiny_multil
     from pipeline.engines.local import run_job
 
     write_shards(tmp_path / "in", pa.table({"id": list(range(6)), "text": [LONG, "short"] * 3}), [3, 3])
-    config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), job="moderate", progress=False,
+    config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), job="moderate", progress=False,
                        model=tiny_multilabel_path, dtype="float32", tokenize_workers=0, compile="off", max_length=32)
-    run_job(dataclasses.replace(config, long_text="truncate"))
+    run_job(config.with_settings(long_text="truncate"))
     recorded = json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())["fingerprint"]
     assert "long_text" not in recorded and "segment_length" not in recorded
     (tmp_path / "out" / "part-00001.parquet").unlink()  # a shard to redo
@@ -263,7 +264,7 @@ def test_an_output_made_before_long_text_resumes_truncated(tmp_path, tiny_multil
     assert summary.shards_done_before == 1 and summary.rows == 3 and summary.truncated_rows == 1
     assert "segments" not in pq.read_table(tmp_path / "out" / "part-00001.parquet").column_names
     with pytest.raises(UsageError, match="other settings"):
-        run_job(dataclasses.replace(config, long_text="split"))
+        run_job(config.with_settings(long_text="split"))
 
 
 @pytest.mark.slow

@@ -261,16 +261,17 @@ def test_a_plan_for_a_larger_budget_is_scaled_down_and_one_for_a_little_less_is_
 def test_free_memory_moving_by_a_gib_reuses_the_cached_plan(tmp_path, tiny_encoder_path):
     """The plan's key is what determines it, not the budget of the moment: a second budget
     reuses (or scales) the first plan instead of probing and caching another."""
-    from pipeline.core.model import load_model
+    from pipeline.runtime.model import load_model
     from pipeline.core.probe import memory_plan_for
-    from pipeline.core.settings import RunConfig
+    from pipeline.offline.config import RunConfig
 
     def plan_with(budget: int):
-        config = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
+        config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
                            max_length=64, memory_budget=budget, plan_cache=str(tmp_path), max_batch_rows=4096,
                            max_batch_tokens=2**20)
-        loaded = load_model(config)
-        return memory_plan_for(config, loaded.job, loaded.model, tiny_encoder_path, loaded.choice.device)
+        loaded = load_model(config.model, config.batch)
+        return memory_plan_for(config.batch, "embed", 64, loaded.job, loaded.model, tiny_encoder_path,
+                               loaded.choice.device)
 
     first = plan_with(64 * MIB)
     assert first.source.startswith("probed") and len(list(tmp_path.glob("*.json"))) == 1

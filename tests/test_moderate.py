@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from jobs.moderate import flag_hits, resolve_thresholds
 from pipeline.cli import cli
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 from pipeline.core.errors import UsageError
 from pipeline.engines.local import run_job
 from tests.conftest import write_shards
@@ -74,7 +74,7 @@ def moderate(tmp_path, table, name="out", **settings):
     settings.setdefault("long_text", "truncate")  # as the transformers pipeline compared with (tests/test_long_text.py)
     if not (tmp_path / "in").exists():
         write_shards(tmp_path / "in", table, [table.num_rows // 2, table.num_rows - table.num_rows // 2])
-    config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / name), progress=False, dtype="float32",
+    config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / name), progress=False, dtype="float32",
                        tokenize_workers=0, job="moderate", max_length=128, **settings)
     summary = run_job(config)
     output = pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / name).glob("*.parquet")))
@@ -204,7 +204,7 @@ def test_the_summary_of_a_resume_and_of_a_retry_describe_the_whole_output(tmp_pa
     assert resumed["flagged_rows"] == markers["part-00001.json"]["flagged_rows"]
     assert resumed["output_totals"] == whole
 
-    config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), progress=False, dtype="float32",
+    config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), progress=False, dtype="float32",
                        tokenize_workers=0, job="moderate", max_length=128, thresholds={"toxic": 0.5},
                        model=tiny_multilabel_path)
     retry = run_job(config)

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from pipeline.cli.options import Duration
 from pipeline.cli import cli
-from pipeline.core.settings import BatcherConfig, OnlineLoadtestConfig
+from pipeline.online.config import BatcherConfig
+from pipeline.tuning.config import OnlineLoadtestConfig
 from pipeline.core.errors import UsageError
 from pipeline.tuning.loadtest import ONLINE_MEASURES, OnlineLevelResult, level_configs, level_status, poisson_arrivals
 from pipeline.tuning.levels import compare_sweeps, read_sweep_csv, recommend, write_sweep_csv
@@ -134,11 +135,11 @@ def test_the_comparison_flags_lower_throughput_higher_p99_and_new_overload():
 
 
 def test_levels_whose_window_reaches_the_request_timeout_are_refused_up_front():
-    config = OnlineLoadtestConfig(input=("x",), vary="batch-timeout-ms", values=(10, 500), out="o.csv",
-                                  batcher=BatcherConfig(request_timeout_ms=500))
+    config = OnlineLoadtestConfig.of(input=("x",), vary="batch-timeout-ms", values=(10, 500), out="o.csv",
+                                  batcher=BatcherConfig.of(request_timeout_ms=500))
     with pytest.raises(UsageError, match="batch-timeout-ms 500: a request timeout of 500 ms is not more"):
         level_configs(config)
-    sizes = level_configs(OnlineLoadtestConfig(input=("x",), vary="max-batch-size", values=(8, 1, 8), out="o.csv"))
+    sizes = level_configs(OnlineLoadtestConfig.of(input=("x",), vary="max-batch-size", values=(8, 1, 8), out="o.csv"))
     assert [(value, c.max_batch_size) for value, c in sizes] == [(1, 1), (8, 8)]
 
 

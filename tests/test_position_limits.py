@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import cli
 from pipeline.core.errors import UsageError
-from pipeline.core.model import choose_model, load_model
+from pipeline.runtime.model import choose_model, load_model
 from pipeline.core.positions import (
     PositionLimit,
     check_max_length,
@@ -23,7 +23,7 @@ from pipeline.core.positions import (
     position_limit_of_config,
 )
 from pipeline.core.probe import memory_plan_for
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 from tests.conftest import TOKENIZER_FILES, read_outputs, write_shards
 
 FAMILIES = {  # model_type: (config class, the job's model class, job)
@@ -112,7 +112,7 @@ def test_a_row_longer_than_the_limit_runs_at_512_tokens(tmp_path, family_paths, 
 
     table = pa.table({"id": [1, 2], "text": [" ".join(["moderation"] * 600), "a short row"]})
     write_shards(tmp_path / "in", table, [2])
-    summary = run_job(RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"),
+    summary = run_job(RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"),
                                 model=family_paths[model_type], job=FAMILIES[model_type][2], max_length=512,
                                 dtype="float32", tokenize_workers=0, progress=False,
                                 plan_cache=str(tmp_path / "cache"), max_batch_tokens=1024, probe=False))
@@ -126,13 +126,13 @@ def test_a_row_longer_than_the_limit_runs_at_512_tokens(tmp_path, family_paths, 
 def test_a_probe_forward_that_fails_other_than_out_of_memory_is_one_usage_error(tmp_path, family_paths):
     """The check bypassed: the probe's 600-token forward indexes past RoBERTa's position table.
     Today's fallback (log it, run on --max-batch-tokens) would have died at the first long row."""
-    config = RunConfig(input=("unused",), output=str(tmp_path / "out"), model=family_paths["roberta"],
+    config = RunConfig.of(input=("unused",), output=str(tmp_path / "out"), model=family_paths["roberta"],
                        job="classify", max_length=512, dtype="float32", plan_cache=str(tmp_path / "cache"),
                        memory_budget=2**30, max_batch_tokens=4096)
-    loaded = load_model(config, choose_model(config))
-    too_long = RunConfig(**{**config.__dict__, "max_length": 600})
+    loaded = load_model(config.model, config.batch, choose_model(config.model, config.batch.plan_cache))
     with pytest.raises(UsageError) as stopped:
-        memory_plan_for(too_long, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
+        memory_plan_for(config.batch, "classify", 600, loaded.job, loaded.model, loaded.choice.path,
+                        loaded.choice.device)
     assert str(stopped.value) == ("the memory probe's forward of 2 rows × 600 tokens failed with RuntimeError: "
                                   "index 514 is out of bounds for dimension 1 with size 514; every batch this "
                                   "long would fail the same way: check --max-length, --dtype and --model")

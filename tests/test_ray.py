@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 from pipeline.core.errors import UsageError
 from pipeline.engines.ray import RAY_AUTH_LOGGER, actor_device_and_dtype, actor_layout
 from tests.conftest import assert_equal_outputs, read_outputs, write_shards
@@ -56,34 +56,34 @@ def local_reference(tmp_path: Path, table: pa.Table, sizes: list[int], model: st
 
 
 def test_actors_follow_the_cluster():
-    config = RunConfig(input=(), output="", tokenize_workers=64)
+    config = RunConfig.of(input=(), output="", tokenize_workers=64)
     four_gpu_nodes = [{"GPU": 2.0, "CPU": 32.0}, {"GPU": 2.0, "CPU": 24.0}, {"CPU": 8.0}]  # and a CPU-only head
     # one actor per GPU, each with the smallest node's share of CPUs; its tokenizer pool is that share less one
     assert actor_layout(config, four_gpu_nodes, 100) == (4, {"num_gpus": 1, "num_cpus": 12}, 1, 11, "")
     assert actor_layout(config, four_gpu_nodes, 3).count == 3  # never more actors than shards
-    assert actor_layout(RunConfig(input=(), output="", tokenize_workers=2), four_gpu_nodes, 100).tokenize_workers == 2
+    assert actor_layout(RunConfig.of(input=(), output="", tokenize_workers=2), four_gpu_nodes, 100).tokenize_workers == 2
     assert actor_layout(config, [{"CPU": 8.0}], 100) == (8, {"num_cpus": 1}, 1, 0, "")
-    four_threads = RunConfig(input=(), output="", threads_per_worker=4, tokenize_workers=64)
+    four_threads = RunConfig.of(input=(), output="", threads_per_worker=4, tokenize_workers=64)
     assert actor_layout(four_threads, [{"CPU": 8.0}], 100) == (2, {"num_cpus": 4}, 4, 3, "")
     assert actor_layout(four_threads, [{"CPU": 6.0}, {"CPU": 6.0}], 100).count == 2  # 4 CPUs fit once per node
-    assert actor_layout(RunConfig(input=(), output="", workers=3), [{"CPU": 8.0}], 100).count == 3
-    cpu_only = RunConfig(input=(), output="", device="cpu")
+    assert actor_layout(RunConfig.of(input=(), output="", workers=3), [{"CPU": 8.0}], 100).count == 3
+    cpu_only = RunConfig.of(input=(), output="", device="cpu")
     assert actor_layout(cpu_only, [{"GPU": 2.0, "CPU": 8.0}], 100)[:3] == (8, {"num_cpus": 1}, 1)
 
 
 def test_auto_tokenizer_pools_leave_a_gpu_actor_cores_for_its_cuda_threads():
-    auto = RunConfig(input=(), output="")
+    auto = RunConfig.of(input=(), output="")
     # a share of 12 CPUs: 3 for the device loop, prefetch and writer threads; a CPU actor keeps one for its loop
     assert actor_layout(auto, [{"GPU": 2.0, "CPU": 24.0}], 100).tokenize_workers == 9
-    assert actor_layout(RunConfig(input=(), output="", threads_per_worker=4), [{"CPU": 8.0}], 100).tokenize_workers == 3
+    assert actor_layout(RunConfig.of(input=(), output="", threads_per_worker=4), [{"CPU": 8.0}], 100).tokenize_workers == 3
     assert actor_layout(auto, [{"CPU": 8.0}], 100).tokenize_workers == 0
     assert actor_layout(auto, [{"GPU": 1.0, "CPU": 2.0}], 100).tokenize_workers == 0
 
 
 def test_more_workers_than_the_cluster_places_are_capped_with_a_warning_not_left_waiting():
-    layout = actor_layout(RunConfig(input=(), output="", workers=8), [{"GPU": 2.0, "CPU": 16.0}], 100)
+    layout = actor_layout(RunConfig.of(input=(), output="", workers=8), [{"GPU": 2.0, "CPU": 16.0}], 100)
     assert layout.count == 2 and layout.note == "--workers 8 is more than the cluster's 2 GPU(s); running 2 actor(s)"
-    layout = actor_layout(RunConfig(input=(), output="", workers=5, threads_per_worker=2), [{"CPU": 8.0}], 100)
+    layout = actor_layout(RunConfig.of(input=(), output="", workers=5, threads_per_worker=2), [{"CPU": 8.0}], 100)
     assert layout.count == 4 and "cluster's 4 slot(s) of 2 CPU(s)" in layout.note
 
 
@@ -107,7 +107,7 @@ def test_a_cpu_only_driver_records_the_gpu_actors_dtype_in_the_fingerprint(tiny_
     from pipeline.engines.claim import output_fingerprint
     from pipeline.engines.ray import choose_on_cluster
 
-    config = RunConfig(input=("x",), output="y", model=tiny_encoder_path, device="cuda")  # refused locally here
+    config = RunConfig.of(input=("x",), output="y", model=tiny_encoder_path, device="cuda")  # refused locally here
     choice = choose_on_cluster({"CPU": 16.0, "GPU": 2.0, "accelerator_type:A100": 2.0}, config)
     assert (choice.device.type, str(choice.dtype)) == ("cuda", "torch.bfloat16")
     assert output_fingerprint(config, choice)["dtype"] == "bfloat16"
@@ -374,7 +374,7 @@ def test_a_ray_actor_starts_its_tokenizer_pool_once_for_all_its_shards(tmp_path,
     from pipeline.offline.source import list_shards
 
     write_shards(tmp_path / "in", sample_table.slice(0, 60), [20, 20, 20])
-    config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
+    config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
                        max_length=64, device="cpu", dtype="float32", probe=False, progress=False,
                        tokenize_workers=1)
     ray.init(address=ray_cluster, logging_level=logging.WARNING)
@@ -383,7 +383,7 @@ def test_a_ray_actor_starts_its_tokenizer_pool_once_for_all_its_shards(tmp_path,
         where = ray.get(actor.where.remote())
         assert where["start_error"] is None
         pools = []
-        for number, shard in enumerate(list_shards(config.input, "id", "text")):
+        for number, shard in enumerate(list_shards(config.source.input, "id", "text")):
             result = ray.get(actor.run_shard.remote(shard, f"test.{number}"))
             assert result["summary"]["rows"] == 20
             pools.append(spawned_children(where["pid"]))

@@ -77,10 +77,10 @@ def test_log_lines_are_redacted(capsys):
 
 
 def test_the_recorded_config_holds_no_credential(tmp_path):
-    from pipeline.core.settings import RunConfig
+    from pipeline.offline.config import RunConfig
     from pipeline.offline.manifest import recorded_config
 
-    config = RunConfig(input=("s3://AKIDSECRET:hunter2@bucket/in/",), output=str(tmp_path / "out"),
+    config = RunConfig.of(input=("s3://AKIDSECRET:hunter2@bucket/in/",), output=str(tmp_path / "out"),
                        reuse="s3://AKIDSECRET:hunter2@bucket/yesterday/",
                        storage_options={"client_kwargs": {"aws_secret_access_key": "s3cr3t-value",
                                                           "endpoint_url": "http://127.0.0.1:9000"}})

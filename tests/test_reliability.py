@@ -1,6 +1,5 @@
 """Nightly-run reliability: resume, fingerprints, bad rows, bad shards, locks, status."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 from pipeline.core.errors import UsageError
 from pipeline.engines.local import run_job
 from pipeline.offline.manifest import fingerprint_differences, pending
@@ -27,7 +26,7 @@ def three_shards(tmp_path, sample_table):
 
 def config_for(tmp_path, model, **settings) -> RunConfig:
     settings.setdefault("input", (str(tmp_path / "in"),))
-    return RunConfig(output=str(tmp_path / "out"), model=model, max_length=64, progress=False, tokenize_workers=0,
+    return RunConfig.of(output=str(tmp_path / "out"), model=model, max_length=64, progress=False, tokenize_workers=0,
                      **settings)
 
 
@@ -63,10 +62,10 @@ def test_rerun_skips_done_shards_and_redoes_a_missing_one(tmp_path, three_shards
 @pytest.mark.slow
 def test_rerun_under_other_settings_is_refused_unless_overwrite(tmp_path, three_shards, tiny_encoder_path):
     run_job(config_for(tmp_path, tiny_encoder_path))
-    shorter = dataclasses.replace(config_for(tmp_path, tiny_encoder_path), max_length=32)
+    shorter = config_for(tmp_path, tiny_encoder_path).with_settings(max_length=32)
     with pytest.raises(UsageError, match=r"other settings \(max_length: 64 → 32\).*--overwrite"):
         run_job(shorter)
-    redone = run_job(dataclasses.replace(shorter, overwrite=True))
+    redone = run_job(shorter.with_settings(overwrite=True))
     assert redone.shards_done_before == 0 and redone.rows == 90
     run_json = json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())
     assert run_json["fingerprint"]["max_length"] == 32

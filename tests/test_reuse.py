@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 from pipeline.engines.local import run_job
 from pipeline.offline.reuse import RowHashes, ReusedRows, merge_reused, text_hash
 from pipeline.offline.verify import verify_output
@@ -98,7 +98,7 @@ def write_night(root, parts: dict[str, pa.Table]) -> str:
 
 def run(input_dir, output, model, **settings) -> dict:
     settings = {"max_batch_rows": 1, **settings}
-    config = RunConfig(input=(input_dir,), output=str(output), model=model, max_length=128, dtype="float32",
+    config = RunConfig.of(input=(input_dir,), output=str(output), model=model, max_length=128, dtype="float32",
                        tokenize_workers=0, progress=False, **settings)
     return json.loads(run_job(config).to_json())
 

@@ -108,7 +108,7 @@ def test_a_tokenizer_pool_started_ahead_is_stopped_when_the_claim_fails(tmp_path
     import psutil
 
     from pipeline.core.errors import UsageError
-    from pipeline.core.settings import RunConfig
+    from pipeline.offline.config import RunConfig
     from pipeline.engines.local import run_job
     from pipeline.offline.manifest import RunManifest
     from tests.conftest import write_shards
@@ -120,7 +120,7 @@ def test_a_tokenizer_pool_started_ahead_is_stopped_when_the_claim_fails(tmp_path
     write_shards(tmp_path / "in", rows_with_bad_ones, [200])
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(UsageError, match="another run holds"):
-        run_job(RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
+        run_job(RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
                           progress=False, tokenize_workers=2, max_length=128, probe=False))
     left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
             if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

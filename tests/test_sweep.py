@@ -201,11 +201,11 @@ def test_a_level_that_runs_out_of_memory_is_recorded_not_raised(tiny_encoder_pat
 @pytest.mark.slow
 def test_the_first_level_out_of_memory_ends_the_sweep_upward(tmp_path, tiny_encoder_path, monkeypatch):
     import jobs.registry
-    from pipeline.core.settings import SweepConfig
+    from pipeline.tuning.config import SweepConfig
     from pipeline.tuning.sweep import run_sweep
 
     monkeypatch.setitem(jobs.registry.JOBS, "embed-oom", OutOfMemoryAbove(max_rows=4))
-    report = run_sweep(SweepConfig(input=(str(SAMPLE_DIR),), vary="max-batch-rows", values=(16, 2, 8, 4),
+    report = run_sweep(SweepConfig.of(input=(str(SAMPLE_DIR),), vary="max-batch-rows", values=(16, 2, 8, 4),
                                    out=str(tmp_path / "s.csv"), job="embed-oom", model=tiny_encoder_path,
                                    max_length=64, rows=24, warmup_rows=4, tokenize_workers=0,
                                    plan_cache=str(tmp_path / "cache")))

@@ -16,8 +16,8 @@ import pipeline.core.cache
 from pipeline.core.cache import hash_files, model_content_files, model_content_hash, model_memory_fingerprint
 from pipeline.core.compile import CompileVerdict
 from pipeline.core.device import native_bf16_feature
-from pipeline.core.model import choose_model, compile_verdict_key, dtype_verdict_key, settle_compile
-from pipeline.core.settings import RunConfig
+from pipeline.runtime.model import choose_model, compile_verdict_key, dtype_verdict_key, settle_compile
+from pipeline.offline.config import RunConfig
 from pipeline.engines.claim import output_fingerprint
 from tests.conftest import TOKENIZER_FILES
 
@@ -60,13 +60,22 @@ def poolings(tmp_path_factory, tiny_encoder_path) -> tuple[str, str]:
 
 
 def settings(tmp_path, model, job="classify", **extra) -> RunConfig:
-    return RunConfig(input=("unused",), output=str(tmp_path / "out"), model=model, job=job, max_length=128,
+    return RunConfig.of(input=("unused",), output=str(tmp_path / "out"), model=model, job=job, max_length=128,
                      plan_cache=str(tmp_path / "cache"), **extra)
 
 
 def verdict_name(run: RunConfig) -> str:
     """The file name of the dtype verdict a run on its input's rows looks for."""
-    return dtype_verdict_key(run, run.model, run.max_length, {}, "", True)[1]
+    return dtype_verdict_key(run.model, run.batch.plan_cache, run.model.model, run.model.max_length, {}, "", True)[1]
+
+
+def verdict_of(run: RunConfig, choice) -> str:
+    """The file name of the compile verdict a run looks for."""
+    return compile_verdict_key(run.model, run.batch.plan_cache, choice)[1]
+
+
+def choose_here(run: RunConfig):
+    return choose_model(run.model, run.batch.plan_cache)
 
 
 def test_a_retrained_checkpoint_of_equal_config_and_sizes_gets_its_own_verdict_keys(tmp_path, retrained):
@@ -78,8 +87,8 @@ def test_a_retrained_checkpoint_of_equal_config_and_sizes_gets_its_own_verdict_k
     assert model_memory_fingerprint(str(first)) == model_memory_fingerprint(str(second))
     runs = [settings(tmp_path, str(model), dtype="float32") for model in (first, second)]
     assert verdict_name(runs[0]) != verdict_name(runs[1])
-    choices = [choose_model(run) for run in runs]
-    assert compile_verdict_key(runs[0], choices[0])[1] != compile_verdict_key(runs[1], choices[1])[1]
+    choices = [choose_model(run.model, run.batch.plan_cache) for run in runs]
+    assert verdict_of(runs[0], choices[0]) != verdict_of(runs[1], choices[1])
     assert output_fingerprint(runs[0], choices[0])["model"] != output_fingerprint(runs[1], choices[1])["model"]
 
 
@@ -88,8 +97,8 @@ def test_a_cls_and_a_mean_pooling_embedder_of_the_same_weights_get_their_own_ver
     assert Path(cls, "model.safetensors").read_bytes() == Path(mean, "model.safetensors").read_bytes()
     runs = [settings(tmp_path, model, job="embed", dtype="float32") for model in poolings]
     assert verdict_name(runs[0]) != verdict_name(runs[1])
-    choices = [choose_model(run) for run in runs]
-    assert compile_verdict_key(runs[0], choices[0])[1] != compile_verdict_key(runs[1], choices[1])[1]
+    choices = [choose_model(run.model, run.batch.plan_cache) for run in runs]
+    assert verdict_of(runs[0], choices[0]) != verdict_of(runs[1], choices[1])
 
 
 def test_a_compile_verdict_is_read_for_its_own_model_only(tmp_path, retrained):
@@ -97,24 +106,24 @@ def test_a_compile_verdict_is_read_for_its_own_model_only(tmp_path, retrained):
     from pipeline.core.cache import write_keyed
 
     runs = [settings(tmp_path, model, dtype="float32", compile="auto") for model in retrained]
-    choices = [choose_model(run) for run in runs]
-    key, name = compile_verdict_key(runs[0], choices[0])
+    choices = [choose_model(run.model, run.batch.plan_cache) for run in runs]
+    key, name = compile_verdict_key(runs[0].model, runs[0].batch.plan_cache, choices[0])
     write_keyed(tmp_path / "cache" / f"compile-{name}.json", key,
                 {**CompileVerdict(1.05, True, "min cosine 1.00000", 1e4, 20.0).__dict__})
     job = object()  # settle_compile reaches neither the job nor the model on these two eager paths
-    assert settle_compile(runs[0], choices[0], job, None, None)[1].reason == \
+    assert settle_compile(runs[0].model, runs[0].batch, choices[0], job, None, None)[1].reason == \
         "eager: compiled only 1.05x as fast (needs 1.1x)"
-    assert settle_compile(runs[1], choices[1], job, None, None)[1].reason == \
+    assert settle_compile(runs[1].model, runs[1].batch, choices[1], job, None, None)[1].reason == \
         "eager: no compile trial for this model, device and dtype"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(native_bf16_feature() is None, reason="the CPU dtype trial runs only where bf16 is native")
 def test_the_second_checkpoint_runs_its_own_dtype_trial(tmp_path, retrained):
-    first, second = (choose_model(settings(tmp_path, model, dtype="auto")) for model in retrained)
+    first, second = (choose_here(settings(tmp_path, model, dtype="auto")) for model in retrained)
     assert not first.dtype_reason.endswith("(cached)") and not second.dtype_reason.endswith("(cached)")
     assert len(list((tmp_path / "cache").glob("dtype-*.json"))) == 2
-    again = choose_model(settings(tmp_path, retrained[1], dtype="auto"))
+    again = choose_here(settings(tmp_path, retrained[1], dtype="auto"))
     assert again.dtype_reason == second.dtype_reason + " (cached)"
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
@@ -34,7 +33,8 @@ from pipeline.cli.options import (
     with_options,
 )
 from pipeline.core.errors import StorageError, UsageError
-from pipeline.core.settings import LONG_TEXT_MODES, RunConfig
+from pipeline.core.settings import LONG_TEXT_MODES
+from pipeline.offline.config import RunConfig
 from pipeline.engines.execute import execute_run
 from pipeline.sample_data import SAMPLE_DIR
 
@@ -153,10 +153,10 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
         raise UsageError("no output directory; set --output (or `output` in the --config file)")
     if settings.get("lock_lease_s", 1) <= 0:
         raise UsageError("--lock-lease must be more than 0s (e.g. 5m)")
-    return RunConfig(input=tuple(inputs), output=output, model=model_or_default(model),
-                     storage_options=parse_storage_options(storage_option), thresholds=parse_thresholds(threshold),
-                     keep_columns=keep_columns, use_plan_cache=not no_plan_cache,
-                     progress=show_progress(progress, sys.stderr), **settings)
+    return RunConfig.of(input=tuple(inputs), output=output, model=model_or_default(model),
+                        storage_options=parse_storage_options(storage_option), thresholds=parse_thresholds(threshold),
+                        keep_columns=keep_columns, use_plan_cache=not no_plan_cache,
+                        progress=show_progress(progress, sys.stderr), **settings)
 
 
 def show_progress(asked: bool | None, stream) -> bool:
@@ -213,20 +213,12 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
         click.echo(json.dumps({"available_bytes": available, "per_sample_bytes": per_sample,
                                "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
         return
-    from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations
-    from pipeline.core.model import load_model
-    from pipeline.core.probe import memory_plan_for
+    from pipeline.runtime import open_runtime
 
     try:
-        config = RunConfig(input=(), output="", model=model_or_default(model), use_plan_cache=not no_plan_cache,
-                           **settings)
-        loaded = load_model(config)
-        config = dataclasses.replace(config, max_length=loaded.choice.max_length)
-        saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
-        config, setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
-                                                        model_config=loaded.model.config)
-        logging.getLogger(__name__).info(f"batch setting: {setting}")
-        memory_plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
+        config = RunConfig.of(output="", model=model_or_default(model), use_plan_cache=not no_plan_cache,
+                              **{**settings, "probe": True})  # the plan is what `plan` shows
+        memory_plan = open_runtime(config.model, config.batch).plan
     except UsageError as error:
         fail(str(error))
     if memory_plan is None:
@@ -240,9 +232,9 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
     if not inputs:
         fail("--estimate needs --input: the shards the run will read")
     try:
-        config = RunConfig(input=tuple(inputs), output="", model=model_or_default(model), progress=False,
-                           storage_options=parse_storage_options(storage_option), use_plan_cache=not no_plan_cache,
-                           **settings)
+        config = RunConfig.of(input=tuple(inputs), output="", model=model_or_default(model), progress=False,
+                              storage_options=parse_storage_options(storage_option),
+                              use_plan_cache=not no_plan_cache, **settings)
         found = estimate_run(config, sample_rows, window_s)
     except UsageError as error:
         fail(str(error))

@@ -3,7 +3,6 @@ vars, parameter types, the option lists, logging, and the usage-error exit (2)."
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -15,7 +14,10 @@ from click.core import ParameterSource
 
 from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.redact import redact_text
-from pipeline.core.settings import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig, device_batch_limit
+from pipeline.core.settings import device_batch_limit
+from pipeline.offline.config import RunConfig
+from pipeline.online.config import BatcherConfig
+from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -169,8 +171,7 @@ def env_option(*names, env: str, **kwargs):
 
 def default_of(name: str, config=RunConfig):
     """An option's default, from the config dataclass that defines it."""
-    field = config.__dataclass_fields__[name]
-    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+    return config.default(name)
 
 
 class _CurrentStderr(logging.StreamHandler):

@@ -32,14 +32,9 @@ from pipeline.cli.options import (
     with_options,
 )
 from pipeline.core.errors import UsageError
-from pipeline.core.settings import (
-    LOADTEST_VARIES,
-    SWEEP_VARIES,
-    BatcherConfig,
-    OnlineLoadtestConfig,
-    SweepConfig,
-    device_batch_limit,
-)
+from pipeline.core.settings import LOADTEST_VARIES, SWEEP_VARIES, device_batch_limit
+from pipeline.online.config import BatcherConfig
+from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 
 
 @click.command()
@@ -89,7 +84,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
         previous = analysis.read_sweep_csv(compare_with) if compare_with else None
         if plot:
             analysis.check_plot_available()
-        config = SweepConfig(input=tuple(inputs), vary=vary, values=values, out=out,
+        config = SweepConfig.of(input=tuple(inputs), vary=vary, values=values, out=out,
                              model=model_or_default(model), max_batch_tokens=max_batch_tokens,
                              max_batch_rows=max_batch_rows,
                              storage_options=parse_storage_options(storage_option), save_recommendation=not no_save,
@@ -196,8 +191,8 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
         previous = analysis.read_sweep_csv(compare_with, online.OnlineLevelResult) if compare_with else None
         if plot:
             analysis.check_plot_available()
-        batcher = BatcherConfig(model=model_or_default(model), use_plan_cache=not no_plan_cache, **batcher_settings)
-        config = OnlineLoadtestConfig(input=tuple(inputs), vary=vary, values=values, out=out, batcher=batcher,
+        batcher = BatcherConfig.of(model=model_or_default(model), use_plan_cache=not no_plan_cache, **batcher_settings)
+        config = OnlineLoadtestConfig.of(input=tuple(inputs), vary=vary, values=values, out=out, batcher=batcher,
                                       qps=qps, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
                                       sample_rows=sample_rows, seed=seed, max_p99_ms=max_p99_ms,
                                       memory_headroom=memory_headroom, id_column=id_column, text_column=text_column,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pipeline.core.settings import SWEEP_VARIES
+from pipeline.core.settings import SWEEP_VARIES, BatchSettings
 
 
 def recommendation_key(model_fingerprint: str, job: str, device: str, dtype: str, max_length: int,
@@ -36,19 +36,18 @@ def load_recommendation(plan_cache: str | None, name: str, key: dict) -> dict | 
     return {**saved, "path": str(path)}
 
 
-def resolve_batch_setting(config, device_type: str, saved_for: dict[str, dict | None] | None = None,
+def resolve_batch_setting(batch: BatchSettings, device_type: str, saved_for: dict[str, dict | None] | None = None,
                           fields: tuple[str, ...] = ("max_batch_tokens", "max_batch_rows"),
-                          model_config=None) -> tuple:
-    """The one `auto` resolver: replace each of `fields` that is None (`auto`) in `config` (a run's,
-    sweep's or batcher's) by the saved sweep recommendation for this model, device, dtype and
+                          model_config=None) -> tuple[BatchSettings, str]:
+    """The one `auto` resolver: replace each of `fields` that is None (`auto`) in `batch` by the saved sweep recommendation for this model, device, dtype and
     max length (`saved_for`: `saved_recommendations`), else by the device's default
     (`device_batch_limit`: on CUDA the token budget follows `model_config`'s size). Returns the
-    config and where each limit came from. Rows above MAX_BATCH_ROWS become that many, said so."""
+    settings and where each limit came from. Rows above MAX_BATCH_ROWS become that many, said so."""
     from pipeline.core.settings import MAX_BATCH_ROWS, device_batch_limit
 
     changes, notes = {}, []
     for name in fields:
-        vary, value = name.replace("_", "-"), getattr(config, name)
+        vary, value = name.replace("_", "-"), getattr(batch, name)
         if value is not None:
             notes.append(f"--{vary} {value}")
             continue
@@ -60,15 +59,16 @@ def resolve_batch_setting(config, device_type: str, saved_for: dict[str, dict | 
             changes[name] = device_batch_limit(device_type, name, model_config)
             notes.append(f"--{vary} {changes[name]} (auto: no sweep recommendation for this model, device and dtype; "
                          f"the {device_type} default)")
-    rows = changes.get("max_batch_rows", getattr(config, "max_batch_rows", None)) if "max_batch_rows" in fields else None
+    rows = changes.get("max_batch_rows", batch.max_batch_rows) if "max_batch_rows" in fields else None
     if rows is not None and rows > MAX_BATCH_ROWS:
         changes["max_batch_rows"] = MAX_BATCH_ROWS
         notes.append(f"rows capped at {MAX_BATCH_ROWS:,} (CUDA's grid limit, which the attention kernels' batch "
                      f"dimension meets)")
-    return dataclasses.replace(config, **changes), "; ".join(notes)
+    return dataclasses.replace(batch, **changes), "; ".join(notes)
 
 
-def saved_recommendations(config, model_path: str, device, model) -> dict[str, dict | None]:
+def saved_recommendations(plan_cache: str | None, job: str, max_length: int, model_path: str, device,
+                          model) -> dict[str, dict | None]:
     """The saved recommendation (or None) per varied setting, for this model, job, device,
     dtype and max length."""
     from pipeline.core.cache import model_memory_fingerprint
@@ -78,9 +78,8 @@ def saved_recommendations(config, model_path: str, device, model) -> dict[str, d
     fingerprint = model_memory_fingerprint(model_path)
     saved = {}
     for vary in SWEEP_VARIES:
-        key, file_name = recommendation_key(fingerprint, config.job, device_name(device), dtype, config.max_length,
-                                            vary)
-        saved[vary] = load_recommendation(config.plan_cache, file_name, key)
+        key, file_name = recommendation_key(fingerprint, job, device_name(device), dtype, max_length, vary)
+        saved[vary] = load_recommendation(plan_cache, file_name, key)
     return saved
 
 

@@ -46,7 +46,7 @@ def gpu_auto_dtype(compute_capability: tuple[int, int]) -> str:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto` is bfloat16 on a GPU from Ampere on (float16 before), else float32 (on the CPU
-    the model setup may then measure its way to bfloat16: see `pipeline.core.model.choose_cpu_dtype`)."""
+    the model setup may then measure its way to bfloat16: see `pipeline.runtime.model.choose_cpu_dtype`)."""
     if name == "auto":
         if device.type == "cuda":
             return DTYPES[gpu_auto_dtype(torch.cuda.get_device_capability(device))]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
 from pipeline.core.errors import UsageError
+from pipeline.core.settings import BatchSettings
 from pipeline.core.units import format_bytes
 from pipeline.core.memory import (
     FIT_LENGTH_FRACTIONS,
@@ -195,36 +196,37 @@ def load_cached_plan(path: Path, key: dict) -> MemoryPlan | None:
     return plan
 
 
-def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan | None:
-    """The memory plan for these settings: from the plan cache (made for this budget or scaled to
-    it), else probed on the device and cached. Logs which."""
+def memory_plan_for(batch: BatchSettings, job_name: str, max_length: int, job, model, model_path: str,
+                    device) -> MemoryPlan | None:
+    """The memory plan for `batch` (its limits resolved) at `max_length`: from the plan cache (made
+    for this budget or scaled to it), else probed on the device and cached. Logs which."""
     from pipeline.core.device import available_memory_bytes, device_name, dtype_name
 
-    available = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
+    available = available_memory_bytes(device, batch.memory_budget, batch.memory_reserve)
     if available <= 0:
         raise UsageError(f"no memory left for batches on {device} ({available} bytes); "
                          "lower --memory-reserve or set --memory-budget")
     dtype = dtype_name(next(model.parameters()).dtype)
     # not the budget: a plan made for a larger one is scaled down, one for a little less is reused (plan_for_budget)
-    key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
-                               device=device_name(device), dtype=dtype, max_length=config.max_length,
-                               safety=config.safety, attention=getattr(model.config, "_attn_implementation", None),
-                               max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
-    path = cache_dir(config.plan_cache) / f"{name}.json"
-    cached = load_cached_plan(path, key) if config.use_plan_cache else None
+    key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=job_name,
+                               device=device_name(device), dtype=dtype, max_length=max_length,
+                               safety=batch.safety, attention=getattr(model.config, "_attn_implementation", None),
+                               max_batch_tokens=batch.max_batch_tokens, max_batch_rows=batch.max_batch_rows)
+    path = cache_dir(batch.plan_cache) / f"{name}.json"
+    cached = load_cached_plan(path, key) if batch.use_plan_cache else None
     plan = plan_for_budget(cached, available) if cached else None
     if plan is None:
         try:
-            plan = probe_memory_plan(job, model, device, available, config.safety, config.max_length,
-                                     config.max_batch_rows, config.max_batch_tokens)
+            plan = probe_memory_plan(job, model, device, available, batch.safety, max_length,
+                                     batch.max_batch_rows, batch.max_batch_tokens)
         except (ValueError, RuntimeError) as error:
-            if config.max_batch_tokens is None:
+            if batch.max_batch_tokens is None:
                 raise UsageError(f"the memory probe failed ({error}); give --max-batch-tokens a number") from error
             log.warning(f"batch plan: the memory probe failed ({error}); using --max-batch-tokens and "
                         "--max-batch-rows only")
             return None
         plan.key = key
-        if config.use_plan_cache:
+        if batch.use_plan_cache:
             plan.source = f"probed in {plan.probe_s:.1f}s, cached at {write_keyed(path, key, asdict(plan))}"
         else:
             plan.source = f"probed in {plan.probe_s:.1f}s (plan cache off)"

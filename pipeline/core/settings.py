@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from pipeline.core.errors import UsageError
 
@@ -107,165 +109,134 @@ def long_text_mode(long_text: str, job: str) -> str:
     return "split" if long_text == "split" or (long_text == "auto" and job == "moderate") else "truncate"
 
 
-def segment_length_of(config, max_length: int) -> int:
+def segment_length_of(segment_length: int | None, max_length: int) -> int:
     """--segment-length, which a model's window must hold: at most --max-length (its default)."""
-    if config.segment_length is not None and config.segment_length > max_length:
-        raise UsageError(f"--segment-length {config.segment_length} is more than --max-length {max_length}, the "
+    if segment_length is not None and segment_length > max_length:
+        raise UsageError(f"--segment-length {segment_length} is more than --max-length {max_length}, the "
                          f"tokens the model takes per row; set --segment-length {max_length} or less")
-    return config.segment_length or max_length
+    return segment_length or max_length
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    input: tuple[str, ...]  # directories, globs or files; local paths or fsspec URLs
-    output: str  # directory (local or URL) that receives one Parquet file per input shard
+class ModelSettings:
+    """Which model runs, where and how: the one model setup's input (`pipeline.runtime.open_runtime`),
+    the same for a run, a sweep, the batcher and a load test."""
+
     job: str = "embed"  # what to compute: embed | classify | moderate
     model: str | None = None  # Hugging Face model folder; None = packaged all-MiniLM-L6-v2
     max_length: int | None = None  # tokens per row, longer texts truncated (and flagged); None = the model
     # folder's sentence-transformers max_seq_length, else 256
     prompt: str | None = None  # text put before every row (sentence-transformers prompts)
     prompt_name: str | None = None  # a prompt of the model folder by name; default: its default_prompt_name
-    long_text: str = "auto"  # rows longer than max_length: truncate | split (into segments, each scored, folded
-    # back: pipeline/core/segments.py) | auto = split for moderate, truncate otherwise; a resume keeps the output's
-    segment_length: int | None = None  # split: tokens per segment at most; None = max_length
-    id_column: str = "id"
-    text_column: str = "text"
-    keep_columns: tuple[str, ...] = ()  # input columns copied to the output unchanged, after `id`
-    split: str | None = None  # the split of a `datasets` DatasetDict folder given as --input
-    thresholds: dict = field(default_factory=dict)  # moderate: label → score at or above which it flags
+    thresholds: dict | None = None  # moderate: label → score at or above which it flags, checked against the
+    # model's labels; None: not checked, every label flags at the default (a sweep, the batcher: they measure speed)
     default_threshold: float = 0.5  # moderate: the threshold of flag labels not in `thresholds`
     flag_labels: tuple[str, ...] | None = None  # moderate: labels that can flag; None = all (sigmoid models)
-    max_batch_tokens: int | None = None  # padded tokens per batch (rows × padded length); None = auto: the
-    # sweep's recommendation, else the device's default (DEVICE_BATCH_LIMITS)
-    max_batch_rows: int | None = None  # rows per batch, whatever their length; None = auto, as tokens
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
+    torch_threads: int | None = None  # intra-op threads of the forward in this process; None = torch's default
+    # (the cores): two jobs on one machine each set it to their share
+    allow_pickle: bool = False  # accept pickle (.bin) checkpoints; they can run code when loaded
+    trust_remote_code: bool = False  # let a model folder run its own Python code
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How batches are sized: the limits (None = auto: the sweep's recommendation, else the device's
+    default) and the memory plan that caps them."""
+
+    max_batch_tokens: int | None = None  # padded tokens per batch (rows × padded length)
+    max_batch_rows: int | None = None  # rows per batch, whatever their length
     probe: bool = True  # size batches by the memory plan (cached, else probed on the device)
     memory_budget: int | None = None  # bytes batches may use; None = device default
     memory_reserve: float = 0.10  # share of GPU memory kept free when there is no budget
     safety: float = 1.5  # headroom factor of the memory formula, 1.0–4.0
-    plan_cache: str | None = None  # directory of cached plans; None = ~/.cache/lengthwise/plans
+    plan_cache: str | None = None  # directory of cached plans and verdicts; None = ~/.cache/lengthwise/plans
     use_plan_cache: bool = True  # reuse a cached plan instead of probing
-    window_rows: int | None = None  # rows sorted and packed together; bounds memory in flight; None = auto:
-    # 16 batches of the row limit, 8,192–65,536 (`auto_window_rows`)
-    tokenize_workers: int | None = None  # tokenizer processes, 0 = in-process; None = auto: the usable cores,
-    # on CUDA less CUDA_HOST_THREADS (`tokenize_workers_for`)
-    torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
-    prefetch_batches: int = 4  # collated batches waiting ahead of the device
+
+
+@dataclass(frozen=True)
+class InputSettings:
+    """Where the rows come from."""
+
+    input: tuple[str, ...] = ()  # directories, globs or files; local paths or fsspec URLs
+    id_column: str = "id"
+    text_column: str = "text"
+    split: str | None = None  # the split of a `datasets` DatasetDict folder given as --input
     storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
-    overwrite: bool = False  # redo every shard, even under a different fingerprint
-    reuse: str | None = None  # a previous output of the same settings: rows with unchanged id and text copy its result
-    dedupe: bool = True  # rows with the same text in a window run once and copy the result (bit-identical)
-    engine: str = "local"  # local (this process, or worker I of N) | ray (actors on a Ray cluster)
-    ray_address: str | None = None  # engine ray: auto, ray://host:10001; None = RAY_ADDRESS or a local cluster
-    workers: int | None = None  # engine ray: actors; None = one per GPU, else CPUs // threads_per_worker
-    threads_per_worker: int | None = None  # engine ray: torch threads per actor (CPU actors: 1 when None)
-    torch_threads: int | None = None  # intra-op threads of the forward in this process; None = torch's default
-    # (the cores): two jobs on one machine each set it to their share
-    num_shards: int = 1  # this process is one of N workers over the same input and output
-    shard_index: int | None = None  # which of them (0…N-1); None = JOB_COMPLETION_INDEX / SLURM_ARRAY_TASK_ID
-    fail_fast: bool = False  # stop at the first failed shard
-    lock_lease_s: float = 300.0  # the output lock's lease: renewed every fifth of it; a lock not renewed for
-    # longer is taken over from any host (a run OOM-killed or lost with its node)
-    allow_pickle: bool = False  # accept pickle (.bin) checkpoints; they can run code when loaded
-    trust_remote_code: bool = False  # let a model folder run its own Python code
-    progress: bool = True  # tqdm bar on stderr
-    summary_json: str | None = None  # also write the run summary here
+
+
+SETTINGS_GROUPS = {"model": ModelSettings, "batch": BatchSettings, "source": InputSettings}
+
+
+class SettingsTree:
+    """A product's config (run, sweep, batcher, load test): its own fields plus settings groups
+    (`SETTINGS_GROUPS`), built once from flat names, as flags, TOML keys, LENGTHWISE_* variables and
+    API keywords give them. `ALIASES`: a flat name the product calls a group's field by."""
+
+    ALIASES: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def flat_names(cls) -> dict[str, tuple[str, ...]]:
+        """Every flat name → its path in the tree (("batch", "max_batch_tokens"), ("output",))."""
+        names = {}
+        for item in dataclasses.fields(cls):
+            group = SETTINGS_GROUPS.get(item.name)
+            if group is not None and item.type in (group.__name__, group):
+                names.update({inner.name: (item.name, inner.name) for inner in dataclasses.fields(group)})
+            elif item.name not in SETTINGS_GROUPS:
+                names[item.name] = (item.name,)
+        names.update({alias: names[target] for alias, target in cls.ALIASES.items()})
+        return names
+
+    @classmethod
+    def of(cls, **values):
+        """The config of flat `values`; an unknown name is a UsageError that lists the known ones."""
+        names = cls.flat_names()
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise UsageError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        top, groups = {}, {}
+        for name, value in values.items():
+            path = names[name]
+            if len(path) == 1:
+                top[path[0]] = value
+            else:
+                groups.setdefault(path[0], {})[path[1]] = value
+        defaults = {item.name: item for item in dataclasses.fields(cls)}
+        return cls(**top, **{group: dataclasses.replace(defaults[group].default_factory(), **fields)
+                             for group, fields in groups.items()})
+
+    @classmethod
+    def default(cls, name: str):
+        """The default of one flat-named setting: its group's default, or the config's own."""
+        path = cls.flat_names()[name]
+        item = {f.name: f for f in dataclasses.fields(cls)}[path[0]]
+        value = item.default_factory() if item.default is dataclasses.MISSING else item.default
+        return getattr(value, path[1]) if len(path) > 1 else value
+
+    def setting(self, name: str):
+        """The value of one flat-named setting."""
+        value = self
+        for part in self.flat_names()[name]:
+            value = getattr(value, part)
+        return value
+
+    def with_settings(self, **values):
+        """This config with flat-named settings changed: a sweep's or load test's level, a run that keeps
+        what its output was made with."""
+        names = self.flat_names()
+        top, groups = {}, {}
+        for name, value in values.items():
+            path = names[name]
+            if len(path) == 1:
+                top[path[0]] = value
+            else:
+                groups.setdefault(path[0], {})[path[1]] = value
+        return dataclasses.replace(self, **top, **{group: dataclasses.replace(getattr(self, group), **fields)
+                                                   for group, fields in groups.items()})
 
     def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class SweepConfig:
-    """One batch-setting sweep: a single variable stepped over `values` on sampled real rows."""
-
-    input: tuple[str, ...]
-    vary: str  # max-batch-tokens | max-batch-rows
-    values: tuple[int, ...]  # the levels, run in ascending order
-    out: str  # the CSV; the settings and the recommendation go beside it as <out>.json
-    job: str = "embed"
-    model: str | None = None
-    max_length: int | None = None
-    prompt: str | None = None
-    prompt_name: str | None = None
-    id_column: str = "id"
-    text_column: str = "text"
-    max_batch_tokens: int | None = None  # held fixed when varying rows; None = no token budget
-    max_batch_rows: int | None = None  # held fixed when varying tokens; None = the device's default, as in run
-    rows: int = 2000  # measured rows per level
-    warmup_rows: int = 200  # run before each level, not counted
-    seed: int = 0  # which rows the sample takes
-    max_p99_ms: float | None = None  # recommendation: p99 row latency limit
-    memory_headroom: float = 0.10  # recommendation: share of the memory budget left free
-    memory_budget: int | None = None
-    memory_reserve: float = 0.10
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
-    tokenize_workers: int | None = None  # as RunConfig's
-    torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
-    prefetch_batches: int = 4
-    storage_options: dict = field(default_factory=dict)
-    plan_cache: str | None = None  # where the recommendation is saved for `run … auto`
-    save_recommendation: bool = True
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
-
-
-@dataclass(frozen=True)
-class BatcherConfig:
-    """The online batcher: requests that arrive one by one, gathered into batches under a deadline."""
-
-    job: str = "embed"
-    model: str | None = None
-    max_length: int | None = None
-    prompt: str | None = None
-    prompt_name: str | None = None
-    max_batch_size: int = 32  # requests per batch; a batch runs as soon as this many are queued
-    max_batch_tokens: int | None = None  # padded tokens per batch (also a trigger); None = the device's default
-    # (DEVICE_BATCH_LIMITS, as `run` without a sweep recommendation)
-    batch_timeout_ms: float = 20.0  # the oldest queued request waits at most this long for company
-    request_timeout_ms: float = 1000.0  # a request's deadline unless submit gives one; > batch_timeout_ms
-    max_queue: int = 2000  # requests waiting (tokenizing or queued); one more fails at once with QueueFull
-    max_queue_tokens: int = 2**18  # padded tokens waiting; the same
-    probe: bool = True  # cap batches by the memory plan (cached, else probed on the device)
-    memory_budget: int | None = None
-    memory_reserve: float = 0.10
-    safety: float = 1.5
-    plan_cache: str | None = None
-    use_plan_cache: bool = True
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
-    torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
-    allow_pickle: bool = False
-    trust_remote_code: bool = False
-
-    @property
-    def max_batch_rows(self) -> int:
-        """What the memory plan calls the batch size (its cache key and row cap)."""
-        return self.max_batch_size
-
-
-@dataclass(frozen=True)
-class OnlineLoadtestConfig:
-    """The online load test: real texts sent at a Poisson rate; one batcher setting stepped over `values`."""
-
-    input: tuple[str, ...]
-    vary: str  # max-batch-size | batch-timeout-ms | max-batch-tokens
-    values: tuple[int, ...]
-    out: str  # the CSV; the settings and the recommendation go beside it as <out>.json
-    batcher: BatcherConfig = field(default_factory=BatcherConfig)  # the fixed settings
-    qps: float = 40.0  # mean arrival rate (Poisson)
-    concurrency: int = 64  # requests in flight at most; a later arrival waits for a slot (its wait counts)
-    duration_s: float = 30.0  # measured seconds of arrivals per level
-    warmup_s: float = 3.0  # arrivals before the measured ones, not counted
-    sample_rows: int = 5000  # texts sampled from the input, sent in random order
-    seed: int = 0
-    max_p99_ms: float | None = None  # recommendation: p99 latency limit
-    memory_headroom: float = 0.10
-    id_column: str = "id"
-    text_column: str = "text"
-    storage_options: dict = field(default_factory=dict)
+        """Flat: each setting under its flat name, as run.json and the summaries record them."""
+        return {name: self.setting(name) for name in self.flat_names() if name not in self.ALIASES}

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pipeline.core.clock import SetupClock
 from pipeline.core.device import DTYPES, dtype_name
 from pipeline.core.errors import UsageError
-from pipeline.core.model import ModelChoice, choose_model, model_content_hash
-from pipeline.core.settings import RunConfig, long_text_mode, segment_length_of
+from pipeline.runtime.model import ModelChoice, choose_model, model_content_hash
+from pipeline.offline.config import RunConfig
 from pipeline.offline.locations import check_locations
 from pipeline.offline.manifest import (
     RunManifest,
@@ -43,7 +43,7 @@ PrepareEngine = Callable[[RunConfig, ModelChoice, list[Shard], SetupClock], tupl
 
 
 def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngine,
-                choose: Callable[..., ModelChoice] = choose_model) -> RunSummary:
+                choose: Callable[..., ModelChoice] | None = None) -> RunSummary:
     """What every engine shares: list this slot's shards, settle the model (`choose`: the Ray
     engine settles it for its actors) and check the output's recorded settings, let
     `prepare_engine(config, choice, todo)` load and check what it runs, and only then create the
@@ -51,30 +51,24 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     engine prepared and record this worker's summary.
     Every usage error comes before the first write, so it leaves the output untouched."""
     started, clock = time.perf_counter(), SetupClock()
-    check_locations(config.input, config.output, config.storage_options, config.reuse)
+    check_locations(config.source.input, config.output, config.source.storage_options, config.reuse)
     with clock.step("shards"):
-        shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options, slot,
-                             config.keep_columns, config.split)
+        shards = list_shards(config.source.input, config.source.id_column, config.source.text_column, config.source.storage_options, slot,
+                             config.keep_columns, config.source.split)
     if slot.count > 1:
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
-    sink = ShardSink(config.output, config.storage_options)
+    sink = ShardSink(config.output, config.source.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
     config, dtype_source = keep_recorded_choices(config, manifest)
-    if config.reuse and config.dtype == "auto":
-        config = keep_reused_dtype(config)
-        dtype_source = None if config.dtype == "auto" else f"what {config.reuse} was made with (--dtype auto, --reuse)"
-    if config.reuse and config.long_text == "auto":
-        config = dataclasses.replace(config, long_text=recorded_long_text(config.reuse, config.storage_options)
-                                     or "auto")
     # the bf16 trial of --dtype auto runs on the job's own rows
-    trial_texts = functools.partial(sample_texts, shards, config.id_column, config.text_column, config.storage_options)
+    trial_texts = functools.partial(sample_texts, shards, config.source.id_column, config.source.text_column, config.source.storage_options)
     with clock.step("model code and dtype"):  # importing the architecture's code is most of it
-        choice = choose(config, dtype_source, trial_texts)
+        choice = (choose or choose_here)(config, dtype_source, trial_texts)
     with clock.step("output check"):
         fingerprint = output_fingerprint(config, choice)
         refuse_other_settings(config, manifest.read_run(), fingerprint)
         if config.reuse:
-            check_reusable(config.reuse, config.output, config.storage_options, fingerprint)
+            check_reusable(config.reuse, config.output, config.source.storage_options, fingerprint)
         todo = shards if config.overwrite else pending_shards(shards, manifest, sink)
     if not todo and nothing_to_clean_or_wait_for(shards, sink, manifest):
         return nothing_to_do(shards, config, manifest, started)
@@ -101,6 +95,11 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         summary.output_totals = output_totals(manifest.shard_markers().values())
         manifest.write_worker_summary(slot, dataclasses.asdict(summary))
         return summary
+
+
+def choose_here(config: RunConfig, dtype_source: str | None, trial_texts) -> ModelChoice:
+    """The run's model settled in this process (a local run; the Ray engine settles it for its actors)."""
+    return choose_model(config.model, config.batch.plan_cache, dtype_source, trial_texts)
 
 
 def nothing_to_clean_or_wait_for(shards: list[Shard], sink: ShardSink, manifest: RunManifest) -> bool:
@@ -134,32 +133,29 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
     """`--dtype auto`, `--compile auto` and `--long-text auto` on an output that already holds
     results keep what they were made with: a rerun on another node, or a trial landing on the other side of its
     threshold, must not turn a resume into a refusal, split one output across two dtypes, or
-    compile a resume of a few rows (or not compile a long one). Returns the config and where
-    its dtype came from (None: from the user's settings)."""
-    recorded = manifest.read_run()
-    if not recorded or config.overwrite:
-        return config, None
-    dtype_source = None
-    dtype = recorded["fingerprint"].get("dtype")
-    if config.dtype == "auto" and dtype in DTYPES:
-        config = dataclasses.replace(config, dtype=dtype)
-        dtype_source = f"what {config.output} was made with (--dtype auto)"
-    if config.long_text == "auto":  # an output made before --long-text existed was truncated
-        config = dataclasses.replace(config, long_text=recorded["fingerprint"].get("long_text", "truncate"))
-    compiled = recorded.get("config", {}).get("compile")
-    if config.compile == "auto" and compiled in ("on", "off"):
-        log.info(f"compile {compiled}: what {config.output} was made with (--compile auto)")
-        config = dataclasses.replace(config, compile=compiled)
-    return config, dtype_source
-
-
-def keep_reused_dtype(config: RunConfig) -> RunConfig:
-    """`--dtype auto` with --reuse takes the dtype the previous output was made with, so that
-    the two fingerprints agree (an explicit --dtype that differs is refused by check_reusable)."""
-    if not config.reuse or config.dtype != "auto":
-        return config
-    dtype = recorded_dtype(config.reuse, config.storage_options)
-    return dataclasses.replace(config, dtype=dtype) if dtype in DTYPES else config
+    compile a resume of a few rows (or not compile a long one). With --reuse, `auto` dtype and long text
+    take what the previous output was made with, so that the two fingerprints agree (an explicit setting
+    that differs is refused by check_reusable). Returns the config, changed once, and where its dtype came
+    from (None: from the user's settings)."""
+    changes, dtype_source = {}, None
+    recorded = manifest.read_run() if not config.overwrite else None
+    if recorded:
+        dtype = recorded["fingerprint"].get("dtype")
+        if config.model.dtype == "auto" and dtype in DTYPES:
+            changes["dtype"], dtype_source = dtype, f"what {config.output} was made with (--dtype auto)"
+        if config.long_text == "auto":  # an output made before --long-text existed was truncated
+            changes["long_text"] = recorded["fingerprint"].get("long_text", "truncate")
+        compiled = recorded.get("config", {}).get("compile")
+        if config.model.compile == "auto" and compiled in ("on", "off"):
+            log.info(f"compile {compiled}: what {config.output} was made with (--compile auto)")
+            changes["compile"] = compiled
+    if config.reuse and changes.get("dtype", config.model.dtype) == "auto":
+        dtype = recorded_dtype(config.reuse, config.source.storage_options)
+        if dtype in DTYPES:
+            changes["dtype"], dtype_source = dtype, f"what {config.reuse} was made with (--dtype auto, --reuse)"
+    if config.reuse and changes.get("long_text", config.long_text) == "auto":
+        changes["long_text"] = recorded_long_text(config.reuse, config.source.storage_options) or "auto"
+    return config.with_settings(**changes), dtype_source
 
 
 def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint: dict) -> None:
@@ -230,10 +226,10 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
 def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     """Everything that changes the output values. Batch sizes, workers and memory settings
     are left out on purpose: they must not change results."""
-    return {"job": config.job, "model": model_content_hash(choice.path, config.plan_cache),
+    return {"job": config.model.job, "model": model_content_hash(choice.path, config.batch.plan_cache),
             "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
-            "id_column": config.id_column, "text_column": config.text_column, **choice.job_options,
+            "id_column": config.source.id_column, "text_column": config.source.text_column, **choice.job_options,
             **({"keep_columns": list(config.keep_columns)} if config.keep_columns else {}),
             **long_text_fingerprint(config, choice.max_length)}
 
@@ -241,7 +237,6 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
 def long_text_fingerprint(config: RunConfig, max_length: int) -> dict:
     """Nothing for truncate (so outputs made before --long-text existed still match); split and
     its segment length for split."""
-    if long_text_mode(config.long_text, config.job) == "truncate":
-        return {}
-    return {"long_text": "split", "segment_length": segment_length_of(config, max_length)}
+    segment_length = config.split_length(max_length)
+    return {} if segment_length is None else {"long_text": "split", "segment_length": segment_length}
 

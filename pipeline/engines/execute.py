@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.core.errors import UsageError, as_storage_error
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 
 
 def execute_run(config: RunConfig):

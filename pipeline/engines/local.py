@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import sys
 from collections.abc import Mapping
 
 from pipeline.core.clock import SetupClock
-from pipeline.core.model import ModelChoice, load_model, tokenizer_for
-from pipeline.core.settings import RunConfig, set_torch_threads, tokenize_workers_for
+from pipeline.runtime import open_runtime
+from pipeline.runtime.model import ModelChoice, tokenizer_for
+from pipeline.core.settings import tokenize_workers_for
+from pipeline.offline.config import RunConfig
 from pipeline.engines.claim import ShardsRunner, run_claimed
 from pipeline.offline.runner import ShardRunner
 from pipeline.core.tokenize import TokenizerPool, TokenizerSpec
@@ -52,20 +53,20 @@ def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],
     """The local engine: the tokenizer pool started first, so that its processes come up while
     the model loads; the model loaded once in this process (compiled if that pays back over
     `todo`); one shard runner for all shards; the config with --compile settled."""
-    set_torch_threads(config.torch_threads)
-    config = dataclasses.replace(config, tokenize_workers=tokenize_workers_for(config.tokenize_workers,
-                                                                               choice.device.type))
+    source = config.source
 
     def workload(spec: TokenizerSpec) -> float:
-        return estimate_tokens(todo, config.id_column, config.text_column, spec, config.storage_options)
+        return estimate_tokens(todo, source.id_column, source.text_column, spec, source.storage_options)
 
+    segment_length = config.split_length(choice.max_length)
     with clock.step("tokenizer"):
-        tokenizer = tokenizer_for(config, choice)
-        pool = TokenizerPool(tokenizer, config.tokenize_workers, wait=False)
+        tokenizer = tokenizer_for(config.model, choice, segment_length)
+        pool = TokenizerPool(tokenizer, tokenize_workers_for(config.tokenize_workers, choice.device.type), wait=False)
     try:
-        loaded = load_model(config, choice, workload, tokenizer, clock)
-        settled = dataclasses.replace(config, compile="on" if loaded.compile.compiled else "off")
-        return ShardRunner(settled, loaded, pool, clock), settled
+        runtime = open_runtime(config.model, config.batch, choice=choice, workload=workload, tokenizer=tokenizer,
+                               segment_length=segment_length, clock=clock)
+        settled = config.with_settings(compile="on" if runtime.loaded.compile.compiled else "off")
+        return ShardRunner(settled, runtime, pool, clock), settled
     except BaseException:
         pool.close()
         raise

@@ -33,8 +33,10 @@ from tqdm import tqdm
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
 from pipeline.core.errors import StorageError, UsageError
-from pipeline.core.model import ModelChoice, choose_model, load_model
-from pipeline.core.settings import CUDA_HOST_THREADS, RunConfig
+from pipeline.runtime import open_runtime
+from pipeline.runtime.model import ModelChoice, choose_model
+from pipeline.core.settings import CUDA_HOST_THREADS
+from pipeline.offline.config import RunConfig
 from pipeline.engines.claim import run_claimed
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import remove_stale_hash_temporaries
@@ -63,18 +65,18 @@ class ShardWorker:
     exception while loading the model is kept and reported by `where`, so that the driver can
     tell it (the same in every actor: a usage error) from an actor killed while it loads."""
 
-    def __init__(self, config: RunConfig, threads: int | None):
-        import torch
-
-        if threads:
-            torch.set_num_threads(threads)
+    def __init__(self, config: RunConfig):
+        """`config`: the driver's, with the actor's torch threads and tokenizer processes."""
         started = time.perf_counter()
         self.config = config
         self.start_error, self.device, self.dtype = None, None, None
         try:
-            loaded = load_model(config)  # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
-            self.device, self.dtype = str(loaded.choice.device), dtype_name(loaded.choice.dtype)
-            self.runner = ShardRunner(config, loaded, keep_pool=True)  # one tokenizer pool for the actor's life
+            # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
+            choice = choose_model(config.model, config.batch.plan_cache)
+            runtime = open_runtime(config.model, config.batch, choice=choice,
+                                   segment_length=config.split_length(choice.max_length))
+            self.device, self.dtype = str(choice.device), dtype_name(choice.dtype)
+            self.runner = ShardRunner(config, runtime, keep_pool=True)  # one tokenizer pool for the actor's life
         except Exception as error:
             self.start_error = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {error}"
         self.setup_s = time.perf_counter() - started
@@ -87,7 +89,7 @@ class ShardWorker:
         """Run one shard to its committed output (or its failure marker) as attempt `attempt`;
         its summary as a dict and its rows' id hashes."""
         started = time.perf_counter()
-        sink = ShardSink(self.config.output, self.config.storage_options, attempt)
+        sink = ShardSink(self.config.output, self.config.source.storage_options, attempt)
         manifest = RunManifest(sink.fs, sink.output_dir)
         summary = RunSummary(shards=1, output=self.config.output)
         ids = IdTracker()
@@ -159,12 +161,14 @@ def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None
     """The run's model choice with the device and dtype its actors will run in (see
     `actor_device_and_dtype`); everything else is settled on the driver as for a local run
     (on CPUs the bf16 trial runs on `trial_texts()`)."""
-    device, dtype, reason = actor_device_and_dtype(config.device, config.dtype, cluster)
+    device, dtype, reason = actor_device_and_dtype(config.model.device, config.model.dtype, cluster)
     if device == "cpu":
-        return choose_model(dataclasses.replace(config, device="cpu"), dtype_source, trial_texts)
+        return choose_model(dataclasses.replace(config.model, device="cpu"), config.batch.plan_cache, dtype_source,
+                            trial_texts)
     import torch
 
-    choice = choose_model(dataclasses.replace(config, device="cpu", dtype="float32"))  # the driver needs no GPU
+    # the driver needs no GPU
+    choice = choose_model(dataclasses.replace(config.model, device="cpu", dtype="float32"), config.batch.plan_cache)
     log.info(f"actors: dtype {reason}")
     return dataclasses.replace(choice, device=torch.device("cuda"), dtype=DTYPES[dtype], dtype_reason=reason)
 
@@ -182,7 +186,7 @@ def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sin
     """The Ray engine: hand `todo` to actors, then remove what attempts whose actor died left behind."""
     ray = import_ray()
     # every actor runs on the device type and in the dtype the fingerprint says, whatever its node would pick
-    config = dataclasses.replace(config, device=choice.device.type, dtype=dtype_name(choice.dtype))
+    config = config.with_settings(device=choice.device.type, dtype=dtype_name(choice.dtype))
     ActorPool(ray, config, len(todo)).run(todo, sink, manifest, summary, config.progress)
     sink.remove_stale_temporaries([shard.stem for shard in todo])
     remove_stale_hash_temporaries(manifest, [shard.stem for shard in todo])
@@ -208,7 +212,7 @@ def actor_layout(config: RunConfig, nodes: list[dict], shards: int) -> ActorLayo
     than the nodes can place at once: Ray would hold the others back until one ends, and an
     actor never ends. `nodes`: each live node's resources."""
     gpu_nodes = [node for node in nodes if int(node.get("GPU", 0))]
-    on_gpu = bool(gpu_nodes) and config.device != "cpu"
+    on_gpu = bool(gpu_nodes) and config.model.device != "cpu"
     if on_gpu:
         share = min(int(node.get("CPU", 0)) // int(node["GPU"]) for node in gpu_nodes)
         fits, unit = sum(int(node["GPU"]) for node in gpu_nodes), "GPU(s)"
@@ -244,7 +248,8 @@ class ActorPool:
             log.warning(layout.note)
         self.count, self.options, self.threads = layout.count, layout.options, layout.threads
         # one bar, the driver's; a tokenizer pool from the actor's share of its node's CPUs
-        self.config = dataclasses.replace(config, progress=False, tokenize_workers=layout.tokenize_workers)
+        self.config = config.with_settings(progress=False, tokenize_workers=layout.tokenize_workers,
+                                           torch_threads=layout.threads)
         self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **self.options)
         self.replacements_left = self.count * MAX_SHARD_ATTEMPTS
         self.actors: dict = {}  # actor slot → its current actor
@@ -257,7 +262,7 @@ class ActorPool:
         self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0, "forward_s": 0.0})
 
     def _launch(self, slot: int) -> None:
-        self.actors[slot] = self.actor_class.remote(self.config, self.threads)
+        self.actors[slot] = self.actor_class.remote(self.config)
         self.starting[self.actors[slot].where.remote()] = slot
 
     def _replace(self, slot: int, why: str) -> None:
@@ -289,11 +294,11 @@ class ActorPool:
             log.warning(f"actor {slot} could not load the model ({load_error}); trying another actor")
             self._replace(slot, f"could not load the model: {load_error}")
             return None
-        if (where["device"].split(":")[0], where["dtype"]) != (self.config.device, self.config.dtype):
+        if (where["device"].split(":")[0], where["dtype"]) != (self.config.model.device, self.config.model.dtype):
             for actor in self.actors.values():
                 self.ray.kill(actor)
             raise UsageError(f"Ray actor {slot} on {where['host']} runs on {where['device']} in {where['dtype']}, "
-                             f"not {self.config.device} in {self.config.dtype} as the output records; "
+                             f"not {self.config.model.device} in {self.config.model.dtype} as the output records; "
                              "set --device and --dtype")
         self.where[slot] = where
         log.info(f"actor {slot}: pid {where['pid']} on {where['host']}, model loaded in {where['setup_s']}s")

@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.core.errors import RERUN, StorageError, UsageError, as_credentials_error, as_storage_error
 from pipeline.core.redact import recordable_options, redact_url, usable_recorded_options
 from pipeline.core.retry import retry_transient
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
 from pipeline.offline.locations import LEGACY_MANIFEST_DIR, MANIFEST_DIR
 from pipeline.offline.lock import (DEFAULT_LEASE_S, LOCK_NAME, LeaseKeeper, LockStore, encode, lease_of,
                                    new_record, refusal, takeover_reason)
@@ -361,8 +361,8 @@ def recorded_config(config: RunConfig) -> dict:
     task runs in a temporary one)."""
     data = config.to_dict()
     data.pop("shard_index", None)
-    data["storage_options"] = recordable_options(config.storage_options)
-    data["input"] = [redact_url(absolute_url(url)) for url in config.input]
+    data["storage_options"] = recordable_options(config.source.storage_options)
+    data["input"] = [redact_url(absolute_url(url)) for url in config.source.input]
     for key in ("output", "reuse"):
         data[key] = data[key] and redact_url(absolute_url(data[key]))
     return data

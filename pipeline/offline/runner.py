@@ -29,13 +29,11 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.clock import SetupClock
 from pipeline.core.device import dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.core.forward import (
-    BatchLimits,
     DeviceFeeder,
     ReadyBatch,
     StageTimes,
@@ -44,10 +42,11 @@ from pipeline.core.forward import (
     run_on_device,
     timed,
 )
-from pipeline.core.model import LoadedModel
-from pipeline.core.probe import describe_plan, memory_plan_for
-from pipeline.core.settings import RunConfig, auto_window_rows, tokenize_workers_for, usable_cores
+from pipeline.core.probe import describe_plan
+from pipeline.core.settings import auto_window_rows, tokenize_workers_for, usable_cores
 from pipeline.core.tokenize import TokenizerPool
+from pipeline.runtime import Runtime
+from pipeline.offline.config import RunConfig
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import PreviousOutput, mark_reused
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
@@ -69,31 +68,22 @@ class ShardRunner:
     """One loaded model on one device, with its batch setting and memory plan settled once;
     `run` may be called for several lists of shards (a Ray actor gets them one by one)."""
 
-    def __init__(self, config: RunConfig, loaded: LoadedModel, pool: TokenizerPool | None = None,
+    def __init__(self, config: RunConfig, runtime: Runtime, pool: TokenizerPool | None = None,
                  clock: SetupClock | None = None, keep_pool: bool = False):
-        """`pool`: a tokenizer pool already started for the first `run` (it closes it); `clock`:
-        the setup steps so far, for the first run's summary. `keep_pool`: one pool for every
-        `run` until `close` (a Ray actor's, which runs shard after shard), started now."""
-        self.loaded, self._started_pool, self.clock, self.keep_pool = loaded, pool, clock or SetupClock(), keep_pool
-        config = dataclasses.replace(config, max_length=loaded.choice.max_length,
-                                     tokenize_workers=tokenize_workers_for(config.tokenize_workers,
-                                                                           loaded.choice.device.type))
-        with self.clock.step("batch plan"):
-            saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
-            self.config, self.batch_setting = resolve_batch_setting(config, loaded.choice.device.type, saved_for,
-                                                                       model_config=loaded.model.config)
-            if self.config.window_rows is None:
-                self.config = dataclasses.replace(self.config, window_rows=auto_window_rows(self.config.max_batch_rows))
-            log.info(f"batch setting: {self.batch_setting}")
-            self.sweep_reference = sweep_reference(saved_for)
-            self.plan = memory_plan_for(self.config, loaded.job, loaded.model, loaded.choice.path,
-                                        loaded.choice.device) if self.config.probe else None
-        self.limits = BatchLimits(self.plan)
+        """`runtime`: the model and batch limits (`open_runtime`); `pool`: a tokenizer pool already
+        started for the first `run` (it closes it); `clock`: the setup steps so far, for the first
+        run's summary. `keep_pool`: one pool for every `run` until `close` (a Ray actor's, which
+        runs shard after shard), started now."""
+        self.config, self.runtime, self.loaded = config, runtime, runtime.loaded
+        self._started_pool, self.clock, self.keep_pool = pool, clock or SetupClock(), keep_pool
+        self.window_rows = config.window_rows or auto_window_rows(runtime.batch.max_batch_rows)
+        self.tokenize_workers = tokenize_workers_for(config.tokenize_workers, self.loaded.choice.device.type)
+        self.limits = runtime.limits
         self._previous: PreviousOutput | None = None
-        check_kept_columns(self.config.keep_columns, loaded.job.output_schema(loaded.model).names,
+        check_kept_columns(config.keep_columns, self.loaded.job.output_schema(self.loaded.model).names,
                            [f.name for f in self._split_fields()])
         if keep_pool and self._started_pool is None:
-            self._started_pool = TokenizerPool(loaded.tokenizer, self.config.tokenize_workers, wait=False)
+            self._started_pool = TokenizerPool(self.loaded.tokenizer, self.tokenize_workers, wait=False)
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             started: float, ids: IdTracker | None = None) -> None:
@@ -106,15 +96,16 @@ class ShardRunner:
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.long_text = "split" if loaded.tokenizer.segment_length else "truncate"
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
-        summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
-        summary.settings, summary.sweep_reference = diagnosis_settings(config, loaded), self.sweep_reference
+        summary.batch_setting, summary.batch_plan = self.runtime.batch_setting, describe_plan(self.runtime.plan)
+        summary.settings = diagnosis_settings(self.runtime, self.window_rows, self.tokenize_workers)
+        summary.sweep_reference = self.runtime.sweep_reference
         count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
         writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids,
                               functools.partial(job.fold_segments, model))
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
-        pool = self._started_pool or TokenizerPool(loaded.tokenizer, config.tokenize_workers, wait=False)
+        pool = self._started_pool or TokenizerPool(loaded.tokenizer, self.tokenize_workers, wait=False)
         self._started_pool = pool if self.keep_pool else None
         try:
             with contextlib.nullcontext(pool) if self.keep_pool else pool:
@@ -123,16 +114,17 @@ class ShardRunner:
                 times.setup = time.perf_counter() - started
                 summary.setup_steps = self.clock.breakdown(times.setup)
                 self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
-                blocks = timed(read_blocks(shards, config.id_column, config.text_column, config.window_rows,
-                                           config.storage_options, config.keep_columns), times, "read")
-                grouped = group_into_windows(blocks, config.window_rows)
+                blocks = timed(read_blocks(shards, config.source.id_column, config.source.text_column, self.window_rows,
+                                           config.source.storage_options, config.keep_columns), times, "read")
+                grouped = group_into_windows(blocks, self.window_rows)
                 if config.reuse:
                     grouped = mark_reused(grouped, self._previous_output())
                 windows = tokenize_windows(pool, grouped, times)
                 if config.dedupe:
                     windows = dedupe_windows(windows)
                 feeder = DeviceFeeder(device)
-                work = batches_of(windows, config, self.limits, loaded.tokenizer.pad_token_id, feeder, times)
+                work = batches_of(windows, self.window_rows, self.runtime, loaded.tokenizer.pad_token_id, feeder,
+                                  times)
                 for item, result in run_on_device(work, job, model, device, feeder, self.limits,
                                                   config.prefetch_batches, times):
                     if isinstance(item, WindowPart):
@@ -191,7 +183,7 @@ class ShardRunner:
         actor's shards share it); removed when the runner goes."""
         if self._previous is None:
             started = time.perf_counter()
-            self._previous = PreviousOutput(self.config.reuse, self.config.storage_options, self.config.keep_columns)
+            self._previous = PreviousOutput(self.config.reuse, self.config.source.storage_options, self.config.keep_columns)
             weakref.finalize(self, self._previous.close)
             log.info(f"--reuse: indexed {self._previous.index.rows:,} rows of {len(self._previous.stems)} shard(s) "
                      f"of {self.config.reuse} in {time.perf_counter() - started:.2f}s")
@@ -220,15 +212,15 @@ class ShardRunner:
         return [pa.field("segments", pa.int32()), *(job.split_schema(model) if hasattr(job, "split_schema") else [])]
 
 
-def diagnosis_settings(config: RunConfig, loaded: LoadedModel) -> dict:
+def diagnosis_settings(runtime: Runtime, window_rows: int, tokenize_workers: int) -> dict:
     """The settings the diagnosis reads and names in its actions (max_positions: the tokens the
     model takes, fewer than its position table in the RoBERTa family)."""
-    limit = loaded.position_limit
-    return {"max_length": config.max_length, "max_positions": limit.tokens if limit else None,
-            "window_rows": config.window_rows, "tokenize_workers": config.tokenize_workers, "cores": usable_cores(),
+    limit = runtime.loaded.position_limit
+    return {"max_length": runtime.max_length, "max_positions": limit.tokens if limit else None,
+            "window_rows": window_rows, "tokenize_workers": tokenize_workers, "cores": usable_cores(),
             "torch_threads": torch.get_num_threads(),
-            "safety": config.safety, "max_batch_tokens": config.max_batch_tokens,
-            "max_batch_rows": config.max_batch_rows}
+            "safety": runtime.batch.safety, "max_batch_tokens": runtime.batch.max_batch_tokens,
+            "max_batch_rows": runtime.batch.max_batch_rows}
 
 
 def check_kept_columns(keep_columns, job_columns: list[str], split_columns: list[str] = ()) -> None:
@@ -243,13 +235,14 @@ def check_kept_columns(keep_columns, job_columns: list[str], split_columns: list
 PART_OF_WINDOW = 8  # a window spanning shards is cut at shard ends into parts of at least 1/8 of its rows
 
 
-def batches_of(windows: Iterable[Window], config: RunConfig, limits: BatchLimits, pad_token_id: int,
+def batches_of(windows: Iterable[Window], window_rows: int, runtime: Runtime, pad_token_id: int,
                feeder: DeviceFeeder, times: StageTimes) -> Iterator[ReadyBatch | WindowPart]:
     """Each window part's valid rows as collated batches, then the part itself: its rows are
     done, so it can be written and the shard it ends committed."""
     for window in windows:
-        for part in window_parts(window, max(1, config.window_rows // PART_OF_WINDOW)):
+        for part in window_parts(window, max(1, window_rows // PART_OF_WINDOW)):
             rows = window.rows_to_score(part.start_row, part.end_row)
-            yield from collate_batches(window.scored, rows, config.max_batch_tokens, config.max_batch_rows,
-                                       config.max_length, limits, pad_token_id, feeder, times, window)
+            yield from collate_batches(window.scored, rows, runtime.batch.max_batch_tokens,
+                                       runtime.batch.max_batch_rows, runtime.max_length, runtime.limits, pad_token_id,
+                                       feeder, times, window)
             yield part

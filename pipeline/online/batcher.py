@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from pipeline.core.settings import BatcherConfig, set_torch_threads
+from pipeline.online.config import BatcherConfig
 from pipeline.online.rules import (
     BatcherClosed,
     BatcherStats,
@@ -35,7 +35,6 @@ from pipeline.online.rules import (
     batch_padded_length,
     check_timeouts,
     retry_after_s,
-    with_token_budget,
 )
 
 log = logging.getLogger(__name__)
@@ -50,7 +49,7 @@ class DynamicBatcher:
     """
 
     def __init__(self, loaded, config: BatcherConfig, limits=None):
-        """`loaded`: a pipeline.core.model.LoadedModel; `limits`: the memory plan's
+        """`loaded`: a pipeline.runtime.model.LoadedModel; `limits`: the memory plan's
         pipeline.offline.runner.BatchLimits, lowered after an out-of-memory split (None: no plan)."""
         from tokenizers import Tokenizer
 
@@ -59,16 +58,17 @@ class DynamicBatcher:
         from pipeline.core.forward import DeviceFeeder
 
         check_timeouts(config.batch_timeout_ms, config.request_timeout_ms)
-        config = with_token_budget(config, loaded.choice.device.type)
-        if config.max_batch_size < 1 or config.max_queue < 1 or config.max_queue_tokens < 1 or (
-                config.max_batch_tokens is not None and config.max_batch_tokens < 1):
+        if config.batch.max_batch_tokens is None:
+            raise ValueError("max_batch_tokens must be settled (`open_runtime`, as `from_config` does)")
+        if config.max_batch_size < 1 or config.max_queue < 1 or config.max_queue_tokens < 1 or \
+                config.batch.max_batch_tokens < 1:
             raise ValueError("max_batch_size, max_batch_tokens, max_queue and max_queue_tokens must be positive")
-        if config.max_length is not None and config.max_length != loaded.choice.max_length:
-            raise ValueError(f"max_length {config.max_length} differs from the loaded model's "
+        if config.model.max_length is not None and config.model.max_length != loaded.choice.max_length:
+            raise ValueError(f"max_length {config.model.max_length} differs from the loaded model's "
                              f"{loaded.choice.max_length}; load the model with the same settings")
         self.loaded, self.config, self.limits = loaded, config, limits
         device = loaded.choice.device
-        self.rules = BatchRules(config.max_batch_size, config.max_batch_tokens, config.batch_timeout_ms / 1000,
+        self.rules = BatchRules(config.max_batch_size, config.batch.max_batch_tokens, config.batch_timeout_ms / 1000,
                                 limits.rows_for if limits is not None else None)
         self.bounds = bucket_bounds(loaded.choice.max_length, padding_multiple(device))
         self.stats = BatcherStats()
@@ -87,20 +87,14 @@ class DynamicBatcher:
 
     @classmethod
     def from_config(cls, config: BatcherConfig) -> DynamicBatcher:
-        """Load the model as `lengthwise run` does and settle its memory plan."""
+        """Load the model as `lengthwise run` does and settle its token budget (None: the device's
+        default for this model) and memory plan."""
         import dataclasses
 
-        from pipeline.core.forward import BatchLimits
-        from pipeline.core.model import load_model
-        from pipeline.core.probe import memory_plan_for
+        from pipeline.runtime import open_runtime
 
-        set_torch_threads(config.torch_threads)
-        loaded = load_model(config)
-        config = with_token_budget(dataclasses.replace(config, max_length=loaded.choice.max_length),
-                                   loaded.choice.device.type)
-        plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path,
-                               loaded.choice.device) if config.probe else None
-        return cls(loaded, config, BatchLimits(plan))
+        runtime = open_runtime(config.model, config.batch, resolved=("max_batch_tokens",), recommended=False)
+        return cls(runtime.loaded, dataclasses.replace(config, batch=runtime.batch), runtime.limits)
 
     # ── the caller's side ──
 

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.core.buckets import batch_capacity
-from pipeline.core.settings import BatcherConfig
-from pipeline.core.batch_setting import resolve_batch_setting
 
 STATS_WINDOW = 100_000  # recent batches and requests the stats keep
 
@@ -217,11 +215,6 @@ class BatcherStats:
         seconds = sum(itertools.islice(reversed(self.compute_s), 50))
         rows = sum(itertools.islice(reversed(self.batch_sizes), 50))
         return rows / seconds if seconds > 0 else None
-
-
-def with_token_budget(config: BatcherConfig, device_type: str) -> BatcherConfig:
-    """`max_batch_tokens` None (`auto`) becomes the device's default, as `run` does without a sweep."""
-    return resolve_batch_setting(config, device_type, fields=("max_batch_tokens",))[0]
 
 
 def check_timeouts(batch_timeout_ms: float, request_timeout_ms: float) -> None:

@@ -7,7 +7,6 @@ sample with the real model) give the device seconds, the wall seconds, and how m
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -15,7 +14,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from pipeline.core.errors import UsageError
-from pipeline.core.settings import RunConfig, tokenize_workers_for
+from pipeline.core.settings import tokenize_workers_for
+from pipeline.offline.config import RunConfig
 
 EXPECTED_DEVICE_BUSY = 0.9  # share of a run's wall after setup that the device computes (reading, tokenizing
 # and writing overlap it; a run's summary prints the measured share as `device busy`)
@@ -116,23 +116,21 @@ def summarize_estimate(rows: int, shards: int, lengths: np.ndarray, tokens_per_s
 def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) -> Estimate:
     """Read the footers, tokenize a sample, find the throughput (saved sweep, else measured
     here on the sample), and predict."""
-    from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
-    from pipeline.core.model import load_model
-    from pipeline.core.probe import memory_plan_for
-    from pipeline.core.settings import set_torch_threads
+    from pipeline.core.clock import SetupClock
     from pipeline.core.tokenize import TokenizerPool
+    from pipeline.runtime import open_runtime
     from pipeline.offline.source import list_shards
     from pipeline.tuning.sweep import LevelSettings, measure_level, read_sample
 
-    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options,
-                         split=config.split)
+    shards = list_shards(config.source.input, config.source.id_column, config.source.text_column, config.source.storage_options,
+                         split=config.source.split)
     rows = sum(shard.num_rows for shard in shards if not shard.problem)
-    set_torch_threads(config.torch_threads)  # as the run will: the throughput and the plan's key depend on it
-    started = time.perf_counter()
-    loaded = load_model(config)
-    setup_s = time.perf_counter() - started
-    config = dataclasses.replace(config, max_length=loaded.choice.max_length)
-    sample = read_sample(shards, config.text_column, config.id_column, sample_rows, 0, config.storage_options,
+    # the batch setting and memory plan the run will take: probed here once and cached, so the run does not probe
+    started, clock = time.perf_counter(), SetupClock()
+    runtime = open_runtime(config.model, config.batch, clock=clock)
+    loaded, plan = runtime.loaded, runtime.plan
+    setup_s = time.perf_counter() - started - clock.steps.get("batch plan", 0.0)  # a cached plan costs the run nothing
+    sample = read_sample(shards, config.source.text_column, config.source.id_column, sample_rows, 0, config.source.storage_options,
                          with_ids=True)
     texts = [text for _, text in sample]
     reused, reuse_s = sampled_rows_reused(config, sample) if config.reuse else (None, 0.0)
@@ -141,12 +139,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
         encoded = pool.result(pool.submit(texts))
     valid = np.array([error is None for error in encoded.errors], dtype=bool)
     lengths = np.where(valid, encoded.lengths, 0)
-    saved_for = saved_recommendations(config, loaded.choice.path, loaded.choice.device, loaded.model)
-    reference = sweep_reference(saved_for)
-    # the batch setting and memory plan the run will take: probed here once and cached, so the run does not probe
-    config = resolve_batch_setting(config, loaded.choice.device.type, saved_for, model_config=loaded.model.config)[0]
-    plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device) \
-        if config.probe else None
+    reference = runtime.sweep_reference
     if reference:
         tokens_per_s = reference["tokens_per_s"]
         basis = (f"the saved sweep of {reference['created']}: --{reference['vary']} {reference['level']} "
@@ -157,13 +150,13 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
             raise UsageError("the sample has no usable text to measure the throughput on; check --text-column")
         warmup = usable[:min(WARMUP_ROWS, len(usable) // 2)]
         measured = usable[len(warmup):len(warmup) + MEASURED_ROWS]
-        level = LevelSettings(config.max_batch_tokens, config.max_batch_rows, config.max_length,
-                              config.prefetch_batches)
+        batch = runtime.batch
+        level = LevelSettings(batch.max_batch_tokens, batch.max_batch_rows, runtime.max_length, config.prefetch_batches)
         result = measure_level(loaded.job, loaded.model, loaded.choice.device, encoded, warmup, measured, level, 0,
                                loaded.tokenizer.pad_token_id)
         tokens_per_s = result.tokens_per_s
-        basis = (f"measured here on {len(measured)} sampled rows at --max-batch-tokens {config.max_batch_tokens}, "
-                 f"--max-batch-rows {config.max_batch_rows}; `lengthwise sweep` saves a figure")
+        basis = (f"measured here on {len(measured)} sampled rows at --max-batch-tokens {batch.max_batch_tokens}, "
+                 f"--max-batch-rows {batch.max_batch_rows}; `lengthwise sweep` saves a figure")
     device = f"{loaded.choice.device}, {loaded.choice.dtype}".replace("torch.", "")
     estimate = summarize_estimate(rows, len(shards), lengths, tokens_per_s, f"{basis}; {device}", setup_s + reuse_s,
                                   window_s, reused)
@@ -179,7 +172,7 @@ def sampled_rows_reused(config: RunConfig, sample: list) -> tuple[np.ndarray, fl
     from pipeline.offline.reuse import PreviousOutput, hash_rows
 
     started = time.perf_counter()
-    previous = PreviousOutput(config.reuse, config.storage_options, config.keep_columns)
+    previous = PreviousOutput(config.reuse, config.source.storage_options, config.keep_columns)
     try:
         build_s = time.perf_counter() - started
         hashes = hash_rows(pa.array([i for i, _ in sample]), pa.array([t for _, t in sample]))

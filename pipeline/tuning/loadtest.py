@@ -25,9 +25,10 @@ import numpy as np
 
 from pipeline.core.errors import UsageError
 from pipeline.core.findings import as_dicts
-from pipeline.core.settings import LOADTEST_VARIES, VARIED_SETTINGS, OnlineLoadtestConfig, set_torch_threads
+from pipeline.core.settings import LOADTEST_VARIES, VARIED_SETTINGS
+from pipeline.tuning.config import OnlineLoadtestConfig
 from pipeline.online.batcher import DynamicBatcher
-from pipeline.online.rules import QueueFull, check_timeouts, with_token_budget
+from pipeline.online.rules import QueueFull, check_timeouts
 from pipeline.tuning.diagnosis import diagnose_loadtest, falls_behind
 from pipeline.tuning.levels import Measures, Recommendation, percentiles_ms, recommend
 
@@ -221,7 +222,7 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
     return OnlineLevelResult(
         level=level, status=level_status(rejected, outcome.timed_out, stats.oom_splits, qps_achieved, qps_offered),
         max_batch_size=batcher_config.max_batch_size, batch_timeout_ms=batcher_config.batch_timeout_ms,
-        max_batch_tokens=batcher_config.max_batch_tokens, qps_target=config.qps,
+        max_batch_tokens=batcher_config.batch.max_batch_tokens, qps_target=config.qps,
         concurrency=config.concurrency, requests=len(measured), qps_offered=qps_offered,
         total_s=round(outcome.total_s, 3),
         latency_ms_avg=round(latency["avg"], 2), latency_ms_p50=round(latency["p50"], 2),
@@ -254,7 +255,7 @@ def level_configs(config: OnlineLoadtestConfig) -> list:
         raise UsageError("--values must be positive integers, e.g. 1,2,4,8,16,32,64")
     settings = []
     for value in sorted(set(config.values)):
-        level = dataclasses.replace(config.batcher, **{VARIED_SETTINGS[config.vary]: value})
+        level = config.batcher.with_settings(**{VARIED_SETTINGS[config.vary]: value})
         try:
             check_timeouts(level.batch_timeout_ms, level.request_timeout_ms)
         except ValueError as error:
@@ -269,49 +270,43 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
 
     from pipeline.core.device import available_memory_bytes, device_name, dtype_name
     from pipeline.core.forward import BatchLimits
-    from pipeline.core.model import load_model
-    from pipeline.core.probe import memory_plan_for
     from pipeline.core.tokenize import TokenizerPool
+    from pipeline.runtime import open_runtime
     from pipeline.offline.source import list_shards
     from pipeline.tuning.levels import length_distribution
     from pipeline.tuning.sweep import read_sample
 
-    levels_to_run = level_configs(config)
-    set_torch_threads(config.batcher.torch_threads)
-    loaded = load_model(config.batcher)
-    device_type = loaded.choice.device.type
-    fixed = with_token_budget(dataclasses.replace(config.batcher, max_length=loaded.choice.max_length), device_type)
-    levels_to_run = [(value, with_token_budget(dataclasses.replace(level, max_length=fixed.max_length), device_type))
-                     for value, level in levels_to_run]
-    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
-    texts = [t for t in read_sample(shards, config.text_column, config.id_column, config.sample_rows, config.seed,
-                                    config.storage_options) if isinstance(t, str) and t.strip()]
+    fixed = config.batcher
+    # one plan for every level: made for the largest batches they may form
+    runtime = open_runtime(fixed.model, fixed.batch, resolved=("max_batch_tokens",), recommended=False,
+                           levels=[level.batch for _, level in level_configs(config)])
+    loaded, plan = runtime.loaded, runtime.plan
+    levels_to_run = [(value, dataclasses.replace(level, batch=runtime.resolve(level.batch)[0]))
+                     for value, level in level_configs(config)]
+    shards = list_shards(config.source.input, config.source.id_column, config.source.text_column, config.source.storage_options)
+    texts = [t for t in read_sample(shards, config.source.text_column, config.source.id_column, config.sample_rows, config.seed,
+                                    config.source.storage_options) if isinstance(t, str) and t.strip()]
     if len(texts) < 2:
         raise UsageError(f"only {len(texts)} usable texts in the input; the load test needs more")
     with TokenizerPool(loaded.tokenizer, 0) as pool:
         encoded = pool.result(pool.submit(texts))
     lengths = length_distribution(encoded.lengths[encoded.lengths > 0])
-    plan = None
-    if fixed.probe:  # one plan for every level: made for the largest batches they may form
-        largest = dataclasses.replace(fixed, max_batch_size=max(level.max_batch_size for _, level in levels_to_run),
-                                      max_batch_tokens=max(level.max_batch_tokens for _, level in levels_to_run))
-        plan = memory_plan_for(largest, loaded.job, loaded.model, loaded.choice.path, loaded.choice.device)
     device = loaded.choice.device
-    budget = available_memory_bytes(device, fixed.memory_budget, fixed.memory_reserve)
+    budget = available_memory_bytes(device, fixed.batch.memory_budget, fixed.batch.memory_reserve)
     settings = {
-        "vary": config.vary, "values": [value for value, _ in levels_to_run], "job": fixed.job,
+        "vary": config.vary, "values": [value for value, _ in levels_to_run], "job": fixed.model.job,
         "model": loaded.choice.path, "device": device_name(device), "dtype": dtype_name(loaded.choice.dtype),
         "compile": loaded.compile.reason,
-        "max_length": fixed.max_length, "qps": config.qps, "concurrency": config.concurrency,
+        "max_length": runtime.max_length, "qps": config.qps, "concurrency": config.concurrency,
         "duration_s": config.duration_s, "warmup_s": config.warmup_s,
         "max_batch_size": None if config.vary == "max-batch-size" else fixed.max_batch_size,
         "batch_timeout_ms": None if config.vary == "batch-timeout-ms" else fixed.batch_timeout_ms,
-        "max_batch_tokens": None if config.vary == "max-batch-tokens" else fixed.max_batch_tokens,
+        "max_batch_tokens": None if config.vary == "max-batch-tokens" else runtime.batch.max_batch_tokens,
         "request_timeout_ms": fixed.request_timeout_ms, "max_queue": fixed.max_queue,
         "max_queue_tokens": fixed.max_queue_tokens, "memory_plan": plan is not None,
         "torch_threads": torch.get_num_threads(), "memory_budget_bytes": budget,
         "memory_headroom": config.memory_headroom, "max_p99_ms": config.max_p99_ms, "seed": config.seed,
-        "input": list(config.input), "sample_texts": len(texts), "sample_token_lengths": lengths,
+        "input": list(config.source.input), "sample_texts": len(texts), "sample_token_lengths": lengths,
     }
     log.info(f"sample: {len(texts):,} texts, token length median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
              f"p99 {lengths['p99']:.0f}, max {lengths['max']}")

@@ -18,13 +18,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.core.batch_setting import recommendation_key, resolve_batch_setting
+from pipeline.core.batch_setting import recommendation_key
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import is_out_of_memory, measure_peak_bytes, peak_rss_bytes, reset_peak_rss
 from pipeline.core.errors import UsageError
 from pipeline.core.findings import as_dicts
 from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, run_on_device
-from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, SweepConfig, tokenize_workers_for
+from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, tokenize_workers_for
+from pipeline.tuning.config import SweepConfig
 from pipeline.core.tokenize import EncodedRows
 from pipeline.offline.source import Shard, read_blocks
 from pipeline.tuning.diagnosis import diagnose_sweep
@@ -172,8 +173,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
 
     from pipeline.core.cache import model_memory_fingerprint
     from pipeline.core.device import available_memory_bytes, device_name, dtype_name
-    from pipeline.core.model import load_model
-    from pipeline.core.settings import set_torch_threads
+    from pipeline.runtime import open_runtime
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.offline.source import list_shards
 
@@ -181,14 +181,16 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(SWEEP_VARIES)}")
     if not config.values or min(config.values) < 1:
         raise UsageError("--values must be positive integers, e.g. 1024,2048,4096")
-    set_torch_threads(config.torch_threads)
-    loaded = load_model(config)  # the tokenizer, the model and the host memory setting, as `run` has them
+    # the tokenizer, the model and the host memory setting, as `run` has them; rows: the device's default unless
+    # given (a token budget of None is none: the sweep's levels set it); no memory plan: each level is measured
+    runtime = open_runtime(config.model, config.batch, resolved=("max_batch_rows",), recommended=False)
+    loaded = runtime.loaded
     job, model, spec = loaded.job, loaded.model, loaded.tokenizer
     model_path, device, dtype, max_length = (loaded.choice.path, loaded.choice.device, loaded.choice.dtype,
                                              loaded.choice.max_length)
-    shards = list_shards(config.input, config.id_column, config.text_column, config.storage_options)
-    texts = read_sample(shards, config.text_column, config.id_column, config.warmup_rows + config.rows, config.seed,
-                        config.storage_options)
+    shards = list_shards(config.source.input, config.source.id_column, config.source.text_column, config.source.storage_options)
+    texts = read_sample(shards, config.source.text_column, config.source.id_column, config.warmup_rows + config.rows, config.seed,
+                        config.source.storage_options)
     with TokenizerPool(spec, tokenize_workers_for(config.tokenize_workers, device.type)) as pool:
         encoded = pool.result(pool.submit(texts))
     usable = np.flatnonzero([error is None for error in encoded.errors])
@@ -207,19 +209,19 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     log.info(f"sample: {lengths['rows']:,} rows from {sum(not s.problem for s in shards)} shard(s), token length median "
         f"{lengths['median']:.0f}, p90 {lengths['p90']:.0f}, p99 {lengths['p99']:.0f}, max {lengths['max']} "
         f"({truncated:.1%} truncated at {max_length})")
-    budget = available_memory_bytes(device, config.memory_budget, config.memory_reserve)
-    config = resolve_batch_setting(config, device.type, fields=("max_batch_rows",))[0]  # tokens: None is no budget
-    fixed = LevelSettings(config.max_batch_tokens, config.max_batch_rows, max_length, config.prefetch_batches)
+    budget = available_memory_bytes(device, config.batch.memory_budget, config.batch.memory_reserve)
+    batch = runtime.batch
+    fixed = LevelSettings(batch.max_batch_tokens, batch.max_batch_rows, max_length, config.prefetch_batches)
     settings = {
-        "vary": config.vary, "values": sorted(config.values), "job": config.job, "model": model_path,
+        "vary": config.vary, "values": sorted(config.values), "job": config.model.job, "model": model_path,
         "device": device_name(device), "dtype": dtype_name(dtype), "compile": loaded.compile.reason,
         "max_length": max_length,
-        "max_batch_tokens": None if config.vary == "max-batch-tokens" else config.max_batch_tokens,
-        "max_batch_rows": None if config.vary == "max-batch-rows" else config.max_batch_rows,
+        "max_batch_tokens": None if config.vary == "max-batch-tokens" else batch.max_batch_tokens,
+        "max_batch_rows": None if config.vary == "max-batch-rows" else batch.max_batch_rows,
         "prefetch_batches": config.prefetch_batches, "torch_threads": torch.get_num_threads(),
         "memory_budget_bytes": budget, "memory_headroom": config.memory_headroom, "max_p99_ms": config.max_p99_ms,
         "rows": len(measured_rows), "warmup_rows": warmup_count, "seed": config.seed,
-        "input": list(config.input), "sample_token_lengths": lengths, "sample_truncated_share": round(truncated, 4),
+        "input": list(config.source.input), "sample_token_lengths": lengths, "sample_truncated_share": round(truncated, 4),
     }
     levels: list[LevelResult] = []
     for value in sorted(set(config.values)):
@@ -237,10 +239,10 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     settings["diagnosis"] = as_dicts(diagnose_sweep(levels, recommendation, settings))
     saved_to, not_saved = None, why_not_saved(settings["diagnosis"], config.vary)
     if config.save_recommendation and recommendation.level is not None and not_saved is None:
-        key, name = recommendation_key(model_memory_fingerprint(model_path), config.job, device_name(device),
+        key, name = recommendation_key(model_memory_fingerprint(model_path), config.model.job, device_name(device),
                                        dtype_name(dtype), max_length, config.vary)
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        saved_to = save_recommendation(config.plan_cache, name, key, recommendation,
+        saved_to = save_recommendation(config.batch.plan_cache, name, key, recommendation,
                                        config.out, created)
     return SweepReport(levels, recommendation, settings, saved_to, not_saved)
 

@@ -1,4 +1,4 @@
-"""The one model setup that `run`, `plan`, `sweep`, `loadtest`, the batcher and Ray actors share.
+"""The model half of the one setup (`pipeline.runtime.open_runtime`) that every product shares.
 
 `choose_model` settles everything about the model a run needs before loading it (the
 folder, the device and dtype, the max length and prompt from the folder's
@@ -38,7 +38,7 @@ from pipeline.core.compile import CompileChoice, CompileVerdict, pick_compile, u
 from pipeline.core.compiled_forward import compile_model, compile_trial, eager_tokens_per_s
 from pipeline.core.errors import UsageError
 from pipeline.core.positions import PositionLimit, check_folder_max_length, check_max_length, position_limit
-from pipeline.core.settings import long_text_mode, segment_length_of
+from pipeline.core.settings import BatchSettings, ModelSettings
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,9 @@ class ModelChoice:
     job_options: dict = field(default_factory=dict)  # the job's own output-changing settings (thresholds)
 
 
-def choose_model(settings, dtype_source: str | None = None,
+def choose_model(settings: ModelSettings, plan_cache: str | None = None, dtype_source: str | None = None,
                  trial_texts: Callable[[], list[str]] | None = None) -> ModelChoice:
-    """`settings`: a RunConfig or SweepConfig (model, device, dtype, max_length, prompt, prompt_name).
+    """`plan_cache`: where the dtype verdict is cached.
     `dtype_source` says where a dtype the caller set came from (e.g. the output's record on a
     resume); without it a dtype other than auto came from --dtype. `trial_texts()`: a sample of
     the job's own texts for the bf16 trial (read only if a trial runs); without it (a sweep, a
@@ -98,7 +98,7 @@ def choose_model(settings, dtype_source: str | None = None,
         spec = functools.partial(load_tokenizer_spec, path, max_length, settings.trust_remote_code, prompt,
                                  text.lowercase)
         rows = functools.partial(input_trial_batches, trial_texts, spec) if trial_texts else None
-        dtype, reason = choose_cpu_dtype(settings, path, max_length, attention, options, prompt, rows)
+        dtype, reason = choose_cpu_dtype(settings, plan_cache, path, max_length, attention, options, prompt, rows)
     elif device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_feature() is None:
         log.warning(f"--dtype bfloat16 on a CPU without native bf16 ({torch.backends.cpu.get_cpu_capability()}) "
                     "is emulated and runs several times slower than float32; --dtype auto picks float32 here")
@@ -135,7 +135,7 @@ class TrialBatches:
     prompt_tokens: int = 0  # leading prompt tokens in every row (pooling may leave them out)
 
 
-def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None, options: dict, prompt: str,
+def choose_cpu_dtype(settings: ModelSettings, plan_cache: str | None, path: str, max_length: int, attention: str | None, options: dict, prompt: str,
                      input_rows: Callable[[], TrialBatches | None] | None) -> tuple[torch.dtype, str]:
     """`--dtype auto` on the CPU: bfloat16 when the CPU runs it natively and the trial is at
     least BF16_MIN_SPEEDUP times faster in it and agrees with float32 (the job's test, flag
@@ -145,8 +145,8 @@ def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None
     feature = native_bf16_feature()
     if feature is None:
         return torch.float32, pick_cpu_dtype(None, torch.backends.cpu.get_cpu_capability(), None, None, "")[1]
-    key, name = dtype_verdict_key(settings, path, max_length, options, prompt, input_rows is not None)
-    cached = read_keyed(cache_dir(settings.plan_cache) / f"dtype-{name}.json", key)
+    key, name = dtype_verdict_key(settings, plan_cache, path, max_length, options, prompt, input_rows is not None)
+    cached = read_keyed(cache_dir(plan_cache) / f"dtype-{name}.json", key)
     if cached and cached.get("dtype") in DTYPES:
         return DTYPES[cached["dtype"]], cached["reason"] + " (cached)"
     job = get_job(settings.job)
@@ -155,21 +155,21 @@ def choose_cpu_dtype(settings, path: str, max_length: int, attention: str | None
     try:
         trial = input_rows() if input_rows else None
         if trial is None:  # no rows (a sweep, a service, an input with no readable text): random ids
-            key, name = dtype_verdict_key(settings, path, max_length, options, prompt, False)
+            key, name = dtype_verdict_key(settings, plan_cache, path, max_length, options, prompt, False)
         speedup, agrees, agreement = bf16_trial(job, path, loading, trial, min(TRIAL_LENGTH, max_length))
     except Exception as error:  # noqa: BLE001 - out of memory, an op bf16 lacks: float32 is always safe
         return torch.float32, f"float32: the bfloat16 trial failed ({type(error).__name__}: {error})"
     chosen, reason = pick_cpu_dtype(feature, torch.backends.cpu.get_cpu_capability(), speedup, agrees, agreement)
-    write_keyed(cache_dir(settings.plan_cache) / f"dtype-{name}.json", key, {"dtype": chosen, "reason": reason})
+    write_keyed(cache_dir(plan_cache) / f"dtype-{name}.json", key, {"dtype": chosen, "reason": reason})
     return DTYPES[chosen], reason
 
 
-def dtype_verdict_key(settings, path: str, max_length: int, options: dict, prompt: str,
+def dtype_verdict_key(settings: ModelSettings, plan_cache: str | None, path: str, max_length: int, options: dict, prompt: str,
                       on_input_rows: bool) -> tuple[dict, str]:
     """What a CPU dtype verdict holds for: the model's content (weights, pooling, normalisation,
     prompts: a retrained checkpoint of the same shape gets its own trial), the job and its
     options (thresholds decide flag flips), the prompt, which rows it ran on, CPU, torch."""
-    return plan_cache_key(kind="cpu-dtype", model=model_content_hash(path, settings.plan_cache), job=settings.job,
+    return plan_cache_key(kind="cpu-dtype", model=model_content_hash(path, plan_cache), job=settings.job,
                           options=options, prompt=prompt, trial="input rows" if on_input_rows else "random ids",
                           device=device_name(torch.device("cpu")), torch=torch.__version__,
                           length=max_length if on_input_rows else min(TRIAL_LENGTH, max_length))
@@ -260,22 +260,23 @@ class LoadedModel:
     position_limit: PositionLimit | None = None  # the longest row the model takes
 
 
-def load_model(settings, choice: ModelChoice | None = None,
+def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice | None = None,
                workload: Callable[[TokenizerSpec], float] | None = None, tokenizer: TokenizerSpec | None = None,
-               clock: SetupClock | None = None) -> LoadedModel:
+               clock: SetupClock | None = None, segment_length: int | None = None) -> LoadedModel:
     """Tokenizer (unless given: `tokenizer_for`) and model loaded once, the max length checked
     against the model, the host allocator set up for the device (see
     `keep_freed_host_memory`), and the forward compiled where `settings.compile` and a
     measurement say so. `workload(tokenizer)` estimates the job's tokens (None: unknown, a
-    sweep or a service, counted as large). `clock` records the steps' seconds."""
+    sweep or a service, counted as large). `clock` records the steps' seconds. `segment_length`:
+    the tokens per segment of a run that splits long rows (`split_length`); None truncates."""
     clock = clock or SetupClock()
-    choice = choice or choose_model(settings)
+    choice = choice or choose_model(settings, batch.plan_cache)
     if choice.device.type == "cuda":
         torch.cuda.set_device(choice.device)  # cuda:N current for the main thread (kernels, caches, streams)
     job = get_job(settings.job)
     if tokenizer is None:
         with clock.step("tokenizer"):
-            tokenizer = tokenizer_for(settings, choice)
+            tokenizer = tokenizer_for(settings, choice, segment_length)
     with clock.step("model load"):
         model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
                          **choice.job_options, allow_pickle=settings.allow_pickle,
@@ -284,20 +285,20 @@ def load_model(settings, choice: ModelChoice | None = None,
     check_max_length(limit, choice.max_length, model.config.model_type)
     keep_freed_host_memory(choice.device)
     with clock.step("compile decision"):
-        model, compile_choice = settle_compile(settings, choice, job, model,
+        model, compile_choice = settle_compile(settings, batch, choice, job, model,
                                                workload(tokenizer) if workload else None)
     log.info(compile_choice.reason + (f" ({compile_choice.compile_s:.1f} s to compile)" if compile_choice.compiled
                                       else ""))
     return LoadedModel(choice, job, model, tokenizer, compile_choice, limit)
 
 
-def tokenizer_for(settings, choice: ModelChoice) -> TokenizerSpec:
+def tokenizer_for(settings: ModelSettings, choice: ModelChoice, segment_length: int | None = None) -> TokenizerSpec:
     """The run's tokenizer: the model's, truncating at the chosen max length, with its prompt;
-    for a run with --long-text split, cutting longer rows into segments."""
+    with a `segment_length`, cutting longer rows into segments of that many tokens."""
     spec = load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
                                choice.lowercase)
-    if long_text_mode(getattr(settings, "long_text", "truncate"), settings.job) == "split":
-        spec = dataclasses.replace(spec, segment_length=segment_length_of(settings, choice.max_length))
+    if segment_length is not None:
+        spec = dataclasses.replace(spec, segment_length=segment_length)
     return spec
 
 
@@ -317,38 +318,38 @@ def device_compile_seconds(cache: Path, device) -> tuple[float, Path, dict]:
     return (record["compile_s"] if record else COLD_COMPILE_S), path, key
 
 
-def compile_trial_shapes(settings, device, model_config, max_length: int) -> tuple:
+def compile_trial_shapes(batch: BatchSettings, device, model_config, max_length: int) -> tuple:
     """The trial's shapes from the run's batch limits as set, else the device's defaults (a
     sweep's recommendation and the memory plan are settled after the model loads)."""
     from pipeline.core.compile import trial_shapes
     from pipeline.core.settings import MAX_BATCH_ROWS, device_batch_limit
 
-    tokens = getattr(settings, "max_batch_tokens", None) or device_batch_limit(device.type, "max_batch_tokens",
+    tokens = batch.max_batch_tokens or device_batch_limit(device.type, "max_batch_tokens",
                                                                                model_config)
-    rows = getattr(settings, "max_batch_rows", None) or device_batch_limit(device.type, "max_batch_rows")
+    rows = batch.max_batch_rows or device_batch_limit(device.type, "max_batch_rows")
     return trial_shapes(device.type, tokens, min(rows, MAX_BATCH_ROWS), max_length)
 
 
-def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float | None):
+def settle_compile(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice, job, model, job_tokens: float | None):
     """(the model that runs, why): eager or compiled, by `settings.compile` and, for `auto`, the
     cached verdict of a compile trial on this model, job, device and dtype (a trial runs when
     there is none and the job is large enough to pay a compile back)."""
-    setting = getattr(settings, "compile", "off")
-    cache = cache_dir(settings.plan_cache)
-    key, name = compile_verdict_key(settings, choice)
+    setting = settings.compile
+    cache = cache_dir(batch.plan_cache)
+    key, name = compile_verdict_key(settings, batch.plan_cache, choice)
     path = cache / f"compile-{name}.json"
     record = read_keyed(path, key) if setting != "off" else None
     verdict = CompileVerdict(**{f: record[f] for f in CompileVerdict.__dataclass_fields__}) if record else None
     if setting == "off":
         return model, CompileChoice(False, "eager: --compile off")
     use_inductor_cache(cache)
-    package = compiled_package_path(cache, settings, choice)
+    package = compiled_package_path(cache, settings, batch.plan_cache, choice)
     if setting == "auto" and verdict is None and job_tokens is not None:
         compile_s, seconds_path, seconds_key = device_compile_seconds(cache, choice.device)
         too_few = f"eager: {job_tokens:,.0f} tokens are too few to try a compile ({compile_s:.0f} s on this device)"
         if not worth_a_trial(job_tokens, FASTEST_EAGER_TOKENS_PER_S, compile_s):
             return model, CompileChoice(False, too_few)  # not even worth timing the eager forward
-        shapes = compile_trial_shapes(settings, choice.device, model.config, choice.max_length)
+        shapes = compile_trial_shapes(batch, choice.device, model.config, choice.max_length)
         try:
             if not worth_a_trial(job_tokens, eager_tokens_per_s(job, model, choice.device, shapes), compile_s):
                 return model, CompileChoice(False, too_few)
@@ -380,10 +381,10 @@ def settle_compile(settings, choice: ModelChoice, job, model, job_tokens: float 
     return compiled, CompileChoice(True, reason, compile_s)
 
 
-def compile_verdict_key(settings, choice: ModelChoice) -> tuple[dict, str]:
+def compile_verdict_key(settings: ModelSettings, plan_cache: str | None, choice: ModelChoice) -> tuple[dict, str]:
     """What a compile verdict holds for: its agreement test ran on this model's content, job,
     device, dtype and attention."""
-    return plan_cache_key(kind="compile", model=model_content_hash(choice.path, settings.plan_cache),
+    return plan_cache_key(kind="compile", model=model_content_hash(choice.path, plan_cache),
                           job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
                           attention=choice.attention)
 
@@ -391,10 +392,10 @@ def compile_verdict_key(settings, choice: ModelChoice) -> tuple[dict, str]:
 PACKAGE_LOAD_S = 1.0  # loading a compiled package (MiniLM: 0.1-0.6 s)
 
 
-def compiled_package_path(cache: Path, settings, choice: ModelChoice) -> Path:
+def compiled_package_path(cache: Path, settings: ModelSettings, plan_cache: str | None, choice: ModelChoice) -> Path:
     """Where the compiled package of this model, job, device and dtype lives: keyed by the
     weights' content (they are folded into it) and what the job builds around them."""
-    key, name = plan_cache_key(kind="package", model=model_content_hash(choice.path, settings.plan_cache),
+    key, name = plan_cache_key(kind="package", model=model_content_hash(choice.path, plan_cache),
                                job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
                                attention=choice.attention, prompt=choice.prompt, **choice.job_options)
     return cache / "compiled" / f"{name}.pt2"

@@ -1,0 +1,52 @@
+"""A run's settings: the settings groups (model, batch, source) and what only a run has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.core.settings import (
+    BatchSettings,
+    InputSettings,
+    ModelSettings,
+    SettingsTree,
+    long_text_mode,
+    segment_length_of,
+)
+
+
+@dataclass(frozen=True)
+class RunConfig(SettingsTree):
+    output: str  # directory (local or URL) that receives one Parquet file per input shard
+    source: InputSettings = field(default_factory=InputSettings)
+    model: ModelSettings = field(default_factory=lambda: ModelSettings(thresholds={}))  # a run checks its thresholds
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    long_text: str = "auto"  # rows longer than max_length: truncate | split (into segments, each scored, folded
+    # back: pipeline/core/segments.py) | auto = split for moderate, truncate otherwise; a resume keeps the output's
+    segment_length: int | None = None  # split: tokens per segment at most; None = max_length
+    keep_columns: tuple[str, ...] = ()  # input columns copied to the output unchanged, after `id`
+    window_rows: int | None = None  # rows sorted and packed together; bounds memory in flight; None = auto:
+    # 16 batches of the row limit, 8,192–65,536 (`auto_window_rows`)
+    tokenize_workers: int | None = None  # tokenizer processes, 0 = in-process; None = auto: the usable cores,
+    # on CUDA less CUDA_HOST_THREADS (`tokenize_workers_for`)
+    prefetch_batches: int = 4  # collated batches waiting ahead of the device
+    overwrite: bool = False  # redo every shard, even under a different fingerprint
+    reuse: str | None = None  # a previous output of the same settings: rows with unchanged id and text copy its result
+    dedupe: bool = True  # rows with the same text in a window run once and copy the result (bit-identical)
+    engine: str = "local"  # local (this process, or worker I of N) | ray (actors on a Ray cluster)
+    ray_address: str | None = None  # engine ray: auto, ray://host:10001; None = RAY_ADDRESS or a local cluster
+    workers: int | None = None  # engine ray: actors; None = one per GPU, else CPUs // threads_per_worker
+    threads_per_worker: int | None = None  # engine ray: torch threads per actor (CPU actors: 1 when None)
+    num_shards: int = 1  # this process is one of N workers over the same input and output
+    shard_index: int | None = None  # which of them (0…N-1); None = JOB_COMPLETION_INDEX / SLURM_ARRAY_TASK_ID
+    fail_fast: bool = False  # stop at the first failed shard
+    lock_lease_s: float = 300.0  # the output lock's lease: renewed every fifth of it; a lock not renewed for
+    # longer is taken over from any host (a run OOM-killed or lost with its node)
+    progress: bool = True  # tqdm bar on stderr
+    summary_json: str | None = None  # also write the run summary here
+
+    def split_length(self, max_length: int) -> int | None:
+        """Tokens per segment when this run splits rows longer than `max_length` (--long-text), else None:
+        they are truncated."""
+        if long_text_mode(self.long_text, self.model.job) == "truncate":
+            return None
+        return segment_length_of(self.segment_length, max_length)

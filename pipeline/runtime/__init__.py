@@ -1,0 +1,92 @@
+"""The one model-and-batch setup every product calls once: `open_runtime` → `Runtime`.
+
+It sits above `core/` (the pieces: device, memory plan, batch setting) and `jobs/` (what a model
+computes), and below the products (`offline/` runs, `online/` batcher, `tuning/` sweep, load test and
+estimate), so that a run, `plan`, `plan --estimate`, the batcher and the load test settle the same
+model, max length, batch limits and memory plan the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
+from pipeline.core.clock import SetupClock
+from pipeline.core.forward import BatchLimits
+from pipeline.core.memory import MemoryPlan
+from pipeline.core.probe import memory_plan_for
+from pipeline.core.settings import BatchSettings, ModelSettings, set_torch_threads
+from pipeline.core.tokenize import TokenizerSpec
+from pipeline.runtime.model import LoadedModel, ModelChoice, load_model
+
+log = logging.getLogger(__name__)
+
+BATCH_LIMITS = ("max_batch_tokens", "max_batch_rows")
+
+
+@dataclass
+class Runtime:
+    """A loaded model with its batch limits settled: what a product runs batches with."""
+
+    loaded: LoadedModel
+    batch: BatchSettings  # the limits named in `resolved` are numbers: given, recommended or the device's default
+    batch_setting: str  # where each limit came from, in words
+    plan: MemoryPlan | None  # the memory plan of `plan_batch` (None: --no-probe)
+    limits: BatchLimits  # the plan's rows per length, lowered after an out-of-memory split
+    saved_for: dict[str, dict | None]  # the sweep's saved recommendations for this model, device and dtype
+    resolved: tuple[str, ...] = BATCH_LIMITS
+
+    @property
+    def max_length(self) -> int:
+        return self.loaded.choice.max_length
+
+    @property
+    def sweep_reference(self) -> dict:
+        return sweep_reference(self.saved_for)
+
+    def resolve(self, batch: BatchSettings) -> tuple[BatchSettings, str]:
+        """Other limits (a load test's level) settled as this runtime's were."""
+        loaded = self.loaded
+        return resolve_batch_setting(batch, loaded.choice.device.type, self.saved_for, self.resolved,
+                                     model_config=loaded.model.config)
+
+
+def open_runtime(model: ModelSettings, batch: BatchSettings, *, choice: ModelChoice | None = None,
+                 resolved: tuple[str, ...] = BATCH_LIMITS, recommended: bool = True,
+                 levels: Sequence[BatchSettings] = (), workload: Callable[[TokenizerSpec], float] | None = None,
+                 tokenizer: TokenizerSpec | None = None, segment_length: int | None = None,
+                 clock: SetupClock | None = None) -> Runtime:
+    """Load the model (`choice`: already settled, as a run settles it before checking its output;
+    `workload`, `tokenizer`, `segment_length`, `clock`: as `load_model`), then settle the limits
+    named in `resolved` (None = auto: the sweep's saved recommendation for this model, device, dtype
+    and max length unless not `recommended` (the online batcher: a sweep measures offline batches),
+    else the device's default for this model's size) and make the memory plan for the settled
+    limits, or for the largest of them and `levels` (a load test's: each settled the same way)."""
+    clock = clock or SetupClock()
+    set_torch_threads(model.torch_threads)  # before the model loads: the dtype and compile trials time with it
+    loaded = load_model(model, batch, choice, workload, tokenizer, clock, segment_length)
+    choice = loaded.choice
+    with clock.step("batch plan"):
+        saved_for = saved_recommendations(batch.plan_cache, model.job, choice.max_length, choice.path,
+                                          choice.device, loaded.model) if recommended else {}
+        settled, setting = resolve_batch_setting(batch, choice.device.type, saved_for, resolved,
+                                                 model_config=loaded.model.config)
+        log.info(f"batch setting: {setting}")
+        runtime = Runtime(loaded, settled, setting, None, BatchLimits(None), saved_for, resolved)
+        if batch.probe:
+            runtime.plan = memory_plan_for(largest_of([runtime.resolve(level)[0] for level in levels] or [settled]),
+                                           model.job, choice.max_length, loaded.job, loaded.model, choice.path,
+                                           choice.device)
+            runtime.limits = BatchLimits(runtime.plan)
+    return runtime
+
+
+def largest_of(batches: list[BatchSettings]) -> BatchSettings:
+    """The first of `batches` with the most rows and tokens any of them allows (None: no limit)."""
+    def most(name: str) -> int | None:
+        values = [getattr(batch, name) for batch in batches]
+        return None if None in values else max(values)
+
+    return replace(batches[0], max_batch_rows=most("max_batch_rows"), max_batch_tokens=most("max_batch_tokens"))

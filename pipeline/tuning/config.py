@@ -1,0 +1,50 @@
+"""The settings of the two load tests: the offline batch-setting sweep and the online batcher's load test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.core.settings import BatchSettings, InputSettings, ModelSettings, SettingsTree
+from pipeline.online.config import BatcherConfig
+
+
+@dataclass(frozen=True)
+class SweepConfig(SettingsTree):
+    """One batch-setting sweep: a single variable stepped over `values` on sampled real rows.
+    `batch.max_batch_tokens` is held fixed when varying rows (None: no token budget);
+    `batch.max_batch_rows` when varying tokens (None: the device's default, as in run)."""
+
+    vary: str  # max-batch-tokens | max-batch-rows
+    values: tuple[int, ...]  # the levels, run in ascending order
+    out: str  # the CSV; the settings and the recommendation go beside it as <out>.json
+    source: InputSettings = field(default_factory=InputSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    batch: BatchSettings = field(default_factory=lambda: BatchSettings(probe=False))  # no memory plan: each level
+    # is measured; plan_cache: where the recommendation is saved
+    rows: int = 2000  # measured rows per level
+    warmup_rows: int = 200  # run before each level, not counted
+    seed: int = 0  # which rows the sample takes
+    max_p99_ms: float | None = None  # recommendation: p99 row latency limit
+    memory_headroom: float = 0.10  # recommendation: share of the memory budget left free
+    tokenize_workers: int | None = None  # as RunConfig's
+    prefetch_batches: int = 4
+    save_recommendation: bool = True
+
+
+@dataclass(frozen=True)
+class OnlineLoadtestConfig(SettingsTree):
+    """The online load test: real texts sent at a Poisson rate; one batcher setting stepped over `values`."""
+
+    vary: str  # max-batch-size | batch-timeout-ms | max-batch-tokens
+    values: tuple[int, ...]
+    out: str  # the CSV; the settings and the recommendation go beside it as <out>.json
+    source: InputSettings = field(default_factory=InputSettings)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)  # the fixed settings
+    qps: float = 40.0  # mean arrival rate (Poisson)
+    concurrency: int = 64  # requests in flight at most; a later arrival waits for a slot (its wait counts)
+    duration_s: float = 30.0  # measured seconds of arrivals per level
+    warmup_s: float = 3.0  # arrivals before the measured ones, not counted
+    sample_rows: int = 5000  # texts sampled from the input, sent in random order
+    seed: int = 0
+    max_p99_ms: float | None = None  # recommendation: p99 latency limit
+    memory_headroom: float = 0.10
