@@ -9,6 +9,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from pipeline.core.clock import SetupClock
 from pipeline.core.device import DTYPES, dtype_name
@@ -32,14 +33,24 @@ from pipeline.offline.workload import sample_texts
 log = logging.getLogger(__name__)
 
 
-# Runs a list of shards into the sink: (todo, sink, manifest, summary, started) → None. One with a close()
-# holds something started ahead (the local engine's tokenizer pool): run_claimed closes it when the run is over,
-# or when it never comes (the claim failed, or another worker did every shard meanwhile)
-ShardsRunner = Callable[[list[Shard], ShardSink, RunManifest, RunSummary, float], None]
-# An engine: loads and checks what it runs for (config, model choice, the shards to do; its setup steps timed on
-# the clock) before the output is touched; returns its shards runner and the config as it settled it (e.g.
-# --compile auto → on or off)
-PrepareEngine = Callable[[RunConfig, ModelChoice, list[Shard], SetupClock], tuple[ShardsRunner, RunConfig]]
+class ShardsRunner(Protocol):
+    """What an engine runs a list of shards with, once the output is claimed. One with a `close()`
+    holds something started ahead (the local engine's tokenizer pool): run_claimed closes it when the
+    run is over, or when it never comes (the claim failed, or another worker did every shard meanwhile)."""
+
+    def __call__(self, todo: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
+                 started: float) -> None:
+        """Run `todo` into `sink`, marking each shard in `manifest` and adding to `summary`; time
+        since `started` counts as setup."""
+
+
+class PrepareEngine(Protocol):
+    """An engine's setup: load and check what it runs before the output is touched."""
+
+    def __call__(self, config: RunConfig, choice: ModelChoice, todo: list[Shard],
+                 clock: SetupClock) -> tuple[ShardsRunner, RunConfig]:
+        """The shards runner for `todo` (its setup steps timed on `clock`) and the config as the
+        engine settled it (e.g. --compile auto → on or off), as run.json records it."""
 
 
 def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngine,
