@@ -115,3 +115,33 @@ def test_plan_estimate_with_reuse_predicts_the_computed_rows_and_caches_the_plan
     assert summary.computed_rows == 100 and summary.batch_plan.startswith("from cache")
     bad = CliRunner().invoke(cli, ["plan", "--reuse", str(tmp_path / "out1")])
     assert bad.exit_code == 2 and "--reuse goes with --estimate" in bad.output
+
+
+@pytest.mark.slow
+def test_plan_estimate_and_run_settle_the_same_cuda_budget_through_the_one_setup(tmp_path, tiny_encoder_path,
+                                                                                  monkeypatch):
+    """Each product settles its batch limits in `open_runtime`, with the loaded model's size: what a CUDA
+    device would get is recorded from the run's and the estimate's own calls (the drift this replaced: the
+    estimate resolved without the model's config, and predicted a run at 32,768 tokens the run never used)."""
+    import pipeline.runtime
+    from pipeline.core.settings import cuda_batch_tokens
+    from pipeline.sample_data import SAMPLE_DIR
+
+    real, on_cuda = pipeline.runtime.resolve_batch_setting, []
+
+    def resolve(batch, device_type, saved_for, fields, model_config=None):
+        on_cuda.append(real(batch, "cuda", saved_for, fields, model_config=model_config)[0].max_batch_tokens)
+        return real(batch, device_type, saved_for, fields, model_config=model_config)
+
+    monkeypatch.setattr(pipeline.runtime, "resolve_batch_setting", resolve)
+    common = ["--input", str(SAMPLE_DIR), "--model", tiny_encoder_path, "--dtype", "float32", "--compile", "off",
+              "--tokenize-workers", "0", "--plan-cache", str(tmp_path / "cache"), "--max-length", "64"]
+    estimated = CliRunner().invoke(cli, ["plan", "--estimate", "--sample-rows", "100", *common])
+    assert estimated.exit_code == 0, estimated.output
+    ran = CliRunner().invoke(cli, ["run", "--output", str(tmp_path / "out"), *common])
+    assert ran.exit_code == 0, ran.output
+    assert json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())["config"]["max_length"] == 64
+    from transformers import AutoConfig
+
+    shape = AutoConfig.from_pretrained(tiny_encoder_path)
+    assert on_cuda == [cuda_batch_tokens(shape.hidden_size, shape.num_hidden_layers)] * 2
