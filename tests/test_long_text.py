@@ -140,7 +140,7 @@ def test_auto_splits_for_moderate_only_and_the_segment_length_fits_the_window():
 
 
 def test_truncate_leaves_the_fingerprint_as_it_was():
-    from pipeline.engines.claim import long_text_fingerprint
+    from pipeline.offline.claim import long_text_fingerprint
 
     config = RunConfig.of(input=("x",), output="y", job="classify")
     assert long_text_fingerprint(config, 128) == {}

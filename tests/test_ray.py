@@ -104,7 +104,7 @@ def test_actors_settle_device_and_dtype_from_the_cluster_not_the_driver():
 
 
 def test_a_cpu_only_driver_records_the_gpu_actors_dtype_in_the_fingerprint(tiny_encoder_path):
-    from pipeline.engines.claim import output_fingerprint
+    from pipeline.offline.claim import output_fingerprint
     from pipeline.engines.ray import choose_on_cluster
 
     config = RunConfig.of(input=("x",), output="y", model=tiny_encoder_path, device="cuda")  # refused locally here

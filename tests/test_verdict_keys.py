@@ -18,7 +18,7 @@ from pipeline.core.compile import CompileVerdict
 from pipeline.core.device import native_bf16_feature
 from pipeline.runtime.model import choose_model, compile_verdict_key, dtype_verdict_key, settle_compile
 from pipeline.offline.config import RunConfig
-from pipeline.engines.claim import output_fingerprint
+from pipeline.offline.claim import output_fingerprint
 from tests.conftest import TOKENIZER_FILES
 
 
