@@ -71,7 +71,8 @@ def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resum
     monkeypatch.setattr(pipeline.runtime.model, "COLD_COMPILE_S", 0.0)  # this small job counts as large enough
     # a damaged package where the compile will go (cut short by a full disk, say): compiled anew, not a failure
     settings = RunConfig.of(input=(str(shards),), output="", model=tiny_encoder_path, dtype="float32", max_length=128)
-    damaged = compiled_package_path(tmp_path / "cache", settings, choose_model(settings.model, settings.batch.plan_cache))
+    damaged = compiled_package_path(tmp_path / "cache", settings.model, str(tmp_path / "cache"),
+                                    choose_model(settings.model, str(tmp_path / "cache")))
     damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"PK\x03\x04 not a whole package")
     _, first = run(tmp_path, shards, tiny_encoder_path, "first")
