@@ -117,7 +117,8 @@ def environment(check: Check) -> dict:
     from pipeline.runtime.model import load_model
 
     device = check.device
-    check.loaded = load_model(check.config(dtype="auto"))
+    settings = check.config(dtype="auto")
+    check.loaded = load_model(settings.model, settings.batch)
     check.dtype = dtype_name(check.loaded.choice.dtype)
     config = check.loaded.model.config
     check.dims = {name: getattr(config, name, None) for name in ("hidden_size", "intermediate_size",
@@ -210,11 +211,11 @@ def memory_plan(check: Check) -> dict:
     from pipeline.core.probe import memory_plan_for
 
     config = check.config(max_batch_tokens=None, max_batch_rows=16384, memory_budget=check.args.memory_budget,
-                          use_plan_cache=False, plan_cache=str(check.scratch / "plans"),
-                          max_length=check.loaded.choice.max_length)
+                          use_plan_cache=False, plan_cache=str(check.scratch / "plans"))
     loaded = check.loaded
     started = time.perf_counter()
-    plan = memory_plan_for(config, loaded.job, loaded.model, loaded.choice.path, check.device)
+    plan = memory_plan_for(config.batch, config.model.job, loaded.choice.max_length, loaded.job, loaded.model,
+                           loaded.choice.path, check.device)
     result = {"probe_s": round(time.perf_counter() - started, 2), "plan": json.loads(plan.to_json()) if plan else None}
     buckets = result["plan"]["buckets"] if plan else []
     measured = [bucket["measured_peak_bytes"] for bucket in buckets if bucket["measured_peak_bytes"]]
