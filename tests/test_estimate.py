@@ -12,6 +12,7 @@ from pipeline.cli import cli
 from pipeline.tuning.estimate import (
     device_seconds,
     mean_tokens_per_row,
+    scored_tokens_per_row,
     summarize_estimate,
     wall_seconds,
     workers_for_window,
@@ -145,3 +146,34 @@ def test_plan_estimate_and_run_settle_the_same_cuda_budget_through_the_one_setup
 
     shape = AutoConfig.from_pretrained(tiny_encoder_path)
     assert on_cuda == [cuda_batch_tokens(shape.hidden_size, shape.num_hidden_layers)] * 2
+
+
+def test_a_split_row_costs_its_segments_tokens_and_a_row_that_fits_its_own():
+    lengths = np.array([10, 32, 0, 32])  # row 1 and 3 were cut into segments of 32, 32, 20 and 32, 5
+    assert scored_tokens_per_row(lengths).tolist() == [10, 32, 0, 32]
+    assert scored_tokens_per_row(lengths, np.array([1, 1, 1, 3, 3]), np.array([32, 32, 20, 32, 5])).tolist() == \
+        [10, 84, 0, 37]
+
+
+@pytest.mark.slow
+def test_plan_estimate_counts_the_segments_of_long_text_split(tmp_path, tiny_multilabel_path):
+    """A moderate run splits (`--long-text auto`): the estimate predicts the segments' tokens, not the
+    truncated rows' (what a classify run of the same model computes)."""
+    import pyarrow as pa
+
+    from tests.conftest import write_shards
+
+    long_text = "The committee met on Tuesday to review the budget for the coming year. " * 12
+    write_shards(tmp_path / "in", pa.table({"id": list(range(20)), "text": [long_text, "short"] * 10}), [20])
+
+    def tokens(job: str) -> int:
+        result = CliRunner().invoke(cli, ["plan", "--estimate", "--json", "--input", str(tmp_path / "in"), "--job",
+                                          job, "--model", tiny_multilabel_path, "--dtype", "float32",
+                                          "--max-length", "32", "--tokenize-workers", "0",
+                                          "--plan-cache", str(tmp_path / "cache")])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output[result.output.index("{"):])["estimate"]["tokens"]
+
+    truncated, split = tokens("classify"), tokens("moderate")
+    assert truncated == 10 * 32 + 10 * 3  # [CLS] short [SEP]
+    assert split > 4 * truncated

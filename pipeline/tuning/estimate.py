@@ -43,6 +43,17 @@ def workers_for_window(device_s: float, setup_s: float, window_s: float,
     return max(1, math.ceil(device_s / busy / (window_s - setup_s)))
 
 
+def scored_tokens_per_row(lengths: np.ndarray, segment_rows: np.ndarray | None = None,
+                          segment_lengths: np.ndarray | None = None) -> np.ndarray:
+    """The tokens each row sends to the device: its own, or for a row --long-text split cut into
+    segments (`segment_rows`: the row of each segment), its segments' together, as the run scores them."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if segment_rows is None or not len(segment_rows):
+        return lengths
+    split = np.bincount(segment_rows, weights=segment_lengths, minlength=len(lengths)).astype(np.int64)
+    return np.where(np.bincount(segment_rows, minlength=len(lengths)) > 0, split, lengths)
+
+
 def mean_tokens_per_row(lengths: np.ndarray) -> float:
     """Mean real tokens a row sends to the device (rows that error send none)."""
     return float(np.mean(lengths)) if len(lengths) else 0.0
@@ -119,6 +130,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     from pipeline.core.clock import SetupClock
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.runtime import open_runtime
+    from pipeline.runtime.model import choose_model
     from pipeline.offline.source import list_shards
     from pipeline.tuning.sweep import LevelSettings, measure_level, read_sample
 
@@ -127,7 +139,9 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     rows = sum(shard.num_rows for shard in shards if not shard.problem)
     # the batch setting and memory plan the run will take: probed here once and cached, so the run does not probe
     started, clock = time.perf_counter(), SetupClock()
-    runtime = open_runtime(config.model, config.batch, clock=clock)
+    choice = choose_model(config.model, config.batch.plan_cache)
+    runtime = open_runtime(config.model, config.batch, choice=choice, segment_length=config.split_length(
+        choice.max_length), clock=clock)
     loaded, plan = runtime.loaded, runtime.plan
     setup_s = time.perf_counter() - started - clock.steps.get("batch plan", 0.0)  # a cached plan costs the run nothing
     sample = read_sample(shards, config.source.text_column, config.source.id_column, sample_rows, 0, config.source.storage_options,
@@ -138,7 +152,9 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
                                                               loaded.choice.device.type)) as pool:
         encoded = pool.result(pool.submit(texts))
     valid = np.array([error is None for error in encoded.errors], dtype=bool)
-    lengths = np.where(valid, encoded.lengths, 0)
+    segments = encoded.segments
+    lengths = np.where(valid, scored_tokens_per_row(encoded.lengths, *((segments.row, segments.lengths)
+                                                                      if segments is not None else ())), 0)
     reference = runtime.sweep_reference
     if reference:
         tokens_per_s = reference["tokens_per_s"]
