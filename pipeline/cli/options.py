@@ -1,5 +1,5 @@
 """Options shared by the commands: the --config TOML file and its tables, LENGTHWISE_* env
-vars, parameter types, the option lists, logging, and the usage-error exit (2)."""
+vars, parameter types, the option lists, logging, and the one-line error exit."""
 
 from __future__ import annotations
 
@@ -13,19 +13,21 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from pipeline.core import exit_codes
 from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.redact import redact_text
-from pipeline.core.settings import BatcherConfig, OnlineLoadtestConfig, RunConfig, SweepConfig, device_batch_limit
+from pipeline.core.settings import (
+    BatcherConfig,
+    OnlineLoadtestConfig,
+    RunConfig,
+    SweepConfig,
+    device_batch_limit,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-EXIT_SHARDS_FAILED = 1
-EXIT_USAGE = 2
-EXIT_STORAGE = 4  # the output's storage refused a write for good: no space, no permission, an object store down
 
 
 def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
@@ -467,7 +469,7 @@ def loadtest_default(name: str):
     return default_of(name, OnlineLoadtestConfig)
 
 
-def fail(message: str, exit_code: int = EXIT_USAGE) -> None:
+def fail(message: str, exit_code: int = exit_codes.USAGE) -> None:
     click.echo(f"error: {redact_text(message)}", err=True)
     sys.exit(exit_code)
 
@@ -479,4 +481,4 @@ def fail_on_storage_error(error: Exception, path: str) -> None:
     known = as_credentials_error(error, path) or as_storage_error(error, path)
     if known is not None:
         logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
-        fail(str(known), EXIT_USAGE if isinstance(known, UsageError) else EXIT_STORAGE)
+        fail(str(known), exit_codes.exit_code_for(known))
