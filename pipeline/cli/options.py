@@ -21,6 +21,7 @@ from pipeline.core.settings import (
     OnlineLoadtestConfig,
     RunConfig,
     SweepConfig,
+    cuda_batch_tokens,
     device_batch_limit,
 )
 
@@ -381,7 +382,8 @@ BATCH_OPTIONS = [
                show_default=True,
                help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this "
                     f"model, device and dtype if there is one, else {device_batch_limit('cpu', 'max_batch_tokens')} on "
-                    f"CPU and {device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it."),
+                    f"CPU and on CUDA a budget that follows the model's size ({cuda_batch_tokens(768, 12)} at "
+                    f"BERT-base's, {cuda_batch_tokens(384, 6)} for all-MiniLM-L6-v2). The memory plan caps it."),
     env_option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"), default="auto", show_default=True,
                help="Rows per batch, whatever their length, or auto: the sweep's recommendation, else "
                     f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU and "

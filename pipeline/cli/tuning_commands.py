@@ -120,8 +120,9 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @env_option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
             show_default=True,
             help="Padded tokens per batch (also a trigger); auto: the device's default, "
-                 f"{device_batch_limit('cpu', 'max_batch_tokens')} on CPU and "
-                 f"{device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it.")
+                 f"{device_batch_limit('cpu', 'max_batch_tokens')} on CPU and a flat "
+                 f"{device_batch_limit('cuda', 'max_batch_tokens')} on CUDA (not scaled to the model as run's: "
+                 "a batcher's batches are small and latency-bound). The memory plan caps it.")
 @env_option("--batch-timeout-ms", env="BATCH_TIMEOUT_MS", type=FiniteFloatRange(0),
             default=batcher_default("batch_timeout_ms"), show_default=True,
             help="The oldest waiting request waits at most this long for others.")
