@@ -224,7 +224,8 @@ def test_a_real_sweep_end_to_end(tmp_path, tiny_encoder_path):
     args = ["sweep", "--input", str(SAMPLE_DIR), "--model", tiny_encoder_path, "--vary", "max-batch-tokens",
             "--values", "1024,64,256", "--sample-rows", "60", "--warmup-rows", "20", "--max-length", "64",
             "--tokenize-workers", "0", "--plan-cache", str(cache), "--out", str(tmp_path / "sweep.csv"),
-            "--compare", str(tmp_path / "previous.csv"), "--fail-on-regression"]
+            "--compare", str(tmp_path / "previous.csv"), "--fail-on-regression",
+            "--dtype", "float32"]  # pinned, as the run's: a CPU with native bf16 may trial either way under load
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 3, result.output
     assert "REGRESSION" in result.output and "recommendation: max-batch-tokens" in result.output
@@ -251,7 +252,7 @@ def test_a_real_sweep_end_to_end(tmp_path, tiny_encoder_path):
     run = CliRunner().invoke(cli, ["run", "--input", str(inputs), "--output", str(tmp_path / "out"),
                                    "--model", tiny_encoder_path, "--max-length", "64", "--max-batch-tokens", "auto",
                                    "--plan-cache", str(cache), "--no-probe", "--no-progress",
-                                   "--tokenize-workers", "0"])
+                                   "--tokenize-workers", "0", "--dtype", "float32"])
     assert run.exit_code == 0, run.output
     if "sweep-sample-too-thin" in [finding["code"] for finding in settings["diagnosis"]]:
         # a 60-row sample may be too thin to steer later runs: then nothing is saved, and the run says so
