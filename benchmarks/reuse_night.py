@@ -1,4 +1,4 @@
-"""Two nights of a snapshot export, for measuring `--reuse` (docs/operations.md, issue 31):
+"""Two nights of a snapshot export, for measuring `--reuse` (docs/operations.md, "a realistic night"):
     python benchmarks/reuse_night.py SOURCE_DIR ROWS_PER_SHARD ROOT
 Night 1 (ROOT/night1/dt=2026-11-29/part-0000N.parquet): the first ROWS_PER_SHARD rows (id, text) of each
 Parquet file of SOURCE_DIR. Night 2 (ROOT/night2/dt=2026-11-30/part-0000N-<uuid>.parquet, Spark-style names):

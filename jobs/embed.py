@@ -1,6 +1,6 @@
 """Sentence embeddings, computed as `SentenceTransformer(folder).encode` computes them.
 
-The model folder's sentence-transformers files (`jobs/sentence_embedding.py`) say how token
+The model folder's sentence-transformers files (`jobs/sentence_transformers_folder.py`) say how token
 states become one vector: CLS, mean, max, mean-sqrt-len, weighted-mean or last-token pooling
 (several concatenated), then L2 normalisation or not. A plain Hugging Face folder gets mean
 pooling + normalisation, as all-MiniLM-L6-v2 uses.

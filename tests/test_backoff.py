@@ -67,6 +67,7 @@ def test_other_errors_are_not_swallowed():
         forward_splitting_on_oom(forward, torch.zeros(4, 2), torch.zeros(4, 2), torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_outputs_equal_an_unconstrained_run_and_splits_are_reported(tmp_path, oom_job, baseline, rows_with_bad_ones,
                                                                     tiny_encoder_path):
     job = oom_job(max_rows=5)
@@ -110,6 +111,7 @@ def test_after_one_out_of_memory_split_shorter_lengths_do_not_fail_again(tmp_pat
     assert output["id"].to_pylist() == table["id"].to_pylist()
 
 
+@pytest.mark.slow
 def test_a_row_that_cannot_run_alone_gets_an_error_and_the_run_goes_on(tmp_path, oom_job, rows_with_bad_ones,
                                                                        tiny_encoder_path):
     job = oom_job(max_rows=1000, max_padded_length=64)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -237,6 +238,19 @@ def test_help_texts_say_what_the_tuning_and_input_options_take():
     assert "The input column of row ids" in run_help and "The input column of texts" in run_help
     assert "--torch-threads" in run_help and "LENGTHWISE_TORCH_THREADS" in run_help
     assert "--config" in runner.invoke(cli, ["status", "--help"]).output
+
+
+def test_run_and_plan_help_give_the_cuda_token_budget_that_follows_the_model():
+    """`run`, `plan` and the load test's batcher scale the CUDA default with the model (MiniLM gets
+    262,144): one setup settles it for all of them."""
+    def help_text(command: str) -> str:  # one line, as the words read (a wrap may break after a hyphen)
+        return re.sub(r"-\s+", "-", " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split()))
+
+    for command in ("run", "plan"):
+        assert "32768 at BERT-base's, 262144 for all-MiniLM-L6-v2" in help_text(command), command
+        assert "32768 on CUDA" not in help_text(command), command
+    assert "follows the model's size (32768 at BERT-base's)" in help_text("loadtest")
+    assert "flat" not in help_text("loadtest")
 
 
 def test_sweep_takes_auto_for_the_setting_it_holds_fixed(tmp_path):

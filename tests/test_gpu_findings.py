@@ -1,4 +1,4 @@
-"""The GPU review's findings that the CPU can check: the prepared attention mask, the pooler
+"""The CUDA path's host-side behaviour, checked on the CPU: the prepared attention mask, the pooler
 left out, the attention implementation settled and recorded, the plan key's runtime, the
 allocator setting made before CUDA starts, and outputs read back after the next launch."""
 

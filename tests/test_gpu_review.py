@@ -1,7 +1,7 @@
-"""The second GPU review's findings (issue 19) that a CPU can check: CUDA devices carry their
-index, sliding-window encoders keep their own mask, unpadded batches go without a mask, fp16
-pooling does not overflow, Ray actors settle their own device, dtype and threads, the allocator
-setting in effect is recorded, and the CUDA token budget grows with the model."""
+"""What the CUDA path needs that a CPU can check (none of it has run on a GPU): CUDA devices
+carry their index, sliding-window encoders keep their own mask, unpadded batches go without a
+mask, fp16 pooling does not overflow, Ray actors settle their own device, dtype and threads, the
+allocator setting in effect is recorded, and the CUDA token budget grows with the model."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_a_sliding_window_encoder_keeps_its_own_mask(monkeypatch):
         plain = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         prepared = model(input_ids=input_ids, attention_mask=prepared_mask(attention_mask)).last_hidden_state
         ours = model(input_ids=input_ids, attention_mask=model_attention_mask(model, attention_mask)).last_hidden_state
-    assert float((plain - prepared)[kept].abs().max()) > 1e-3  # the wrong vectors the review found
+    assert float((plain - prepared)[kept].abs().max()) > 1e-3  # the wrong vectors a prepared mask gives a sliding window
     torch.testing.assert_close(ours[kept], plain[kept], rtol=0, atol=0)  # model.takes_prepared_mask is False
 
 

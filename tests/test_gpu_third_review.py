@@ -1,4 +1,4 @@
-"""The third review of the CUDA path (issue 32), what a CPU can check: the allocator check
+"""Limits of the CUDA path that a CPU can check: the allocator check
 under cudaMallocAsync, the row clamp at CUDA's grid limit and the export's row bound. None of
 it has run on a GPU."""
 

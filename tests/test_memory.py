@@ -258,6 +258,7 @@ def test_a_plan_for_a_larger_budget_is_scaled_down_and_one_for_a_little_less_is_
     assert plan_for_budget(plan, GIB) is None  # the base alone fills it
 
 
+@pytest.mark.slow
 def test_free_memory_moving_by_a_gib_reuses_the_cached_plan(tmp_path, tiny_encoder_path):
     """The plan's key is what determines it, not the budget of the moment: a second budget
     reuses (or scales) the first plan instead of probing and caching another."""

@@ -181,6 +181,7 @@ def test_the_cli_takes_thresholds_from_flags_and_a_toml_table(tmp_path, rows, ti
     assert not (tmp_path / "c").exists() or not list((tmp_path / "c").glob("*.parquet"))
 
 
+@pytest.mark.slow
 def test_the_summary_of_a_resume_and_of_a_retry_describe_the_whole_output(tmp_path, rows, tiny_multilabel_path):
     """A resume counts the night's rows, not only its own share; a retry of a finished output
     says there was nothing to do and keeps the totals (an Airflow retry must not blank them)."""

@@ -19,9 +19,9 @@ from pipeline.tuning.loadtest import ONLINE_MEASURES, OnlineLevelResult, level_c
 from pipeline.tuning.levels import compare_sweeps, read_sweep_csv, recommend, write_sweep_csv
 from tests.conftest import SAMPLE_DIR
 
-ISSUE_COLUMNS = ["max_batch_size", "requests", "total_s", "latency_ms_avg", "latency_ms_p50", "latency_ms_p95",
-                 "latency_ms_p99", "latency_ms_max", "qps_achieved", "rejected", "timed_out", "mean_batch_size",
-                 "peak_memory_bytes"]
+DOCUMENTED_COLUMNS = ["max_batch_size", "requests", "total_s", "latency_ms_avg", "latency_ms_p50", "latency_ms_p95",
+                      "latency_ms_p99", "latency_ms_max", "qps_achieved", "rejected", "timed_out", "mean_batch_size",
+                      "peak_memory_bytes"]
 MIB = 2**20
 
 
@@ -71,17 +71,17 @@ def test_the_diagnosis_reads_the_load_tests_csv_rows():
     assert [f.code for f in diagnose_loadtest(rows)] == ["batches-never-fill"]
 
 
-def test_csv_has_the_issue_columns_and_round_trips(tmp_path):
+def test_csv_has_the_documented_columns_and_round_trips(tmp_path):
     levels = [level(1), level(8, rejected=3)]
     write_sweep_csv(str(tmp_path / "l.csv"), levels, OnlineLevelResult)
     header = next(csv.reader(open(tmp_path / "l.csv")))
-    assert set(ISSUE_COLUMNS) <= set(header)
+    assert set(DOCUMENTED_COLUMNS) <= set(header)
     back = read_sweep_csv(str(tmp_path / "l.csv"), OnlineLevelResult)
     assert back == levels and back[1].status == "overloaded" and isinstance(back[0].rejected, int)
-    with pytest.raises(ValueError, match="not a lengthwise sweep CSV"):
+    with pytest.raises(UsageError, match="not a lengthwise sweep CSV"):
         read_sweep_csv(str(tmp_path / "l.csv"))  # an online CSV given to the offline sweep's --compare
     (tmp_path / "other.csv").write_text("level,status\n1,ok\n")
-    with pytest.raises(ValueError, match="not a lengthwise online load test CSV"):
+    with pytest.raises(UsageError, match="not a lengthwise online load test CSV"):
         read_sweep_csv(str(tmp_path / "other.csv"), OnlineLevelResult)
 
 

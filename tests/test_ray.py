@@ -366,6 +366,7 @@ def spawned_children(pid: int) -> set[int]:
             if "spawn_main" in " ".join(child.cmdline()) and "resource_tracker" not in " ".join(child.cmdline())}
 
 
+@pytest.mark.slow
 def test_a_ray_actor_starts_its_tokenizer_pool_once_for_all_its_shards(tmp_path, ray_cluster, sample_table,
                                                                        tiny_encoder_path):
     import ray

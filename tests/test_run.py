@@ -133,6 +133,7 @@ def test_auto_windows_hold_sixteen_batches_of_the_row_limit_within_bounds():
     assert [auto_window_rows(rows) for rows in (1, 512, 1000, 4096, 16384)] == [8192, 8192, 16000, 65536, 65536]
 
 
+@pytest.mark.slow
 def test_a_run_scales_an_auto_window_with_its_row_limit_and_keeps_an_explicit_one(baseline, tmp_path,
                                                                                    rows_with_bad_ones,
                                                                                    tiny_encoder_path):

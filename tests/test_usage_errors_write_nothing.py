@@ -47,7 +47,13 @@ USAGE_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
+# Found only after the model loads and the memory plan is probed: a whole run's start, and the same refusal on a
+# finished output stays in the fast loop (test_a_usage_error_on_a_finished_output_changes_no_byte_of_it)
+FOUND_AFTER_THE_PROBE = {"kept column taken"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in FOUND_AFTER_THE_PROBE else case
+                                  for case in sorted(USAGE_ERRORS)])
 def test_a_usage_error_exits_2_and_leaves_a_new_output_uncreated(tmp_path, shards, tiny_multilabel_path,
                                                                  tiny_encoder_path, case):
     extra, message = USAGE_ERRORS[case]

@@ -2,10 +2,7 @@
 
 Every option comes, in this order of precedence, from its flag, from its
 LENGTHWISE_<NAME> environment variable, from the TOML file given with --config, or from
-its default (defined once, in `pipeline/core/settings.py`). Exit codes: 0 done, 1 some shards
-failed, 2 usage or config error (one line saying what to change), 3 a --fail-on-regression gate,
-4 the output's storage refused a write (no space, no permission, an object store down), 130/143
-interrupted.
+its default (defined once, in `pipeline/core/settings.py`). Exit codes: `pipeline/core/exit_codes.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import click
 from pipeline.cli.job_commands import plan, run, status, verify
 from pipeline.cli.options import COMMANDS, configure_logging
 from pipeline.cli.tuning_commands import loadtest, sweep
+from pipeline.core.exit_codes import INTERRUPTED_BY_SIGINT, INTERRUPTING_SIGNALS
 from pipeline.core.redact import redact_text
 
 
@@ -36,15 +34,12 @@ for command in (run, plan, sweep, loadtest, status, verify):
     COMMANDS[command.name] = command
 
 
-EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-
 class Interrupted(BaseException):
     """Raised in the main thread by SIGINT/SIGTERM so that cleanup runs (no partial output)."""
 
     def __init__(self, signal_number: int):
         super().__init__(signal.Signals(signal_number).name)
-        self.exit_code = EXIT_INTERRUPTED[signal_number]
+        self.exit_code = INTERRUPTING_SIGNALS[signal_number]
 
 
 def _raise_interrupted(signal_number, frame) -> None:
@@ -61,7 +56,7 @@ def main() -> None:
     sys.excepthook = _print_redacted_traceback
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local folders; never reach for a hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for signal_number in EXIT_INTERRUPTED:
+    for signal_number in INTERRUPTING_SIGNALS:
         signal.signal(signal_number, _raise_interrupted)
     try:
         cli.main(standalone_mode=False)
@@ -69,7 +64,7 @@ def main() -> None:
         click.echo(f"interrupted by {interrupted}; committed shards are kept, no partial file is left", err=True)
         sys.exit(interrupted.exit_code)
     except click.exceptions.Abort:
-        sys.exit(EXIT_INTERRUPTED[signal.SIGINT])
+        sys.exit(INTERRUPTED_BY_SIGINT)
     except click.ClickException as error:
         error.message = redact_text(error.message)
         error.show()

@@ -11,8 +11,6 @@ import click
 from pipeline.cli.options import (
     BATCH_OPTIONS,
     CONFIG_OPTION,
-    EXIT_SHARDS_FAILED,
-    EXIT_STORAGE,
     INPUT_OPTIONS,
     LOG_OPTIONS,
     MODEL_OPTIONS,
@@ -32,6 +30,7 @@ from pipeline.cli.options import (
     parse_thresholds,
     with_options,
 )
+from pipeline.core import exit_codes
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.settings import LONG_TEXT_MODES
 from pipeline.offline.config import RunConfig
@@ -39,7 +38,7 @@ from pipeline.engines.execute import execute_run
 from pipeline.sample_data import SAMPLE_DIR
 
 
-@click.command()
+@click.command(epilog=f"\b\nExit codes:\n{exit_codes.exit_codes_help()}")
 @CONFIG_OPTION
 @env_option("--input", "inputs", env="INPUT", multiple=True,
             help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable.")
@@ -112,17 +111,7 @@ from pipeline.sample_data import SAMPLE_DIR
             help="Also write the run summary to this JSON file.")
 @with_options(LOG_OPTIONS)
 def run(**options) -> None:
-    """Run a job over every input shard and write one output shard per input shard.
-
-    \b
-    Exit codes:
-      0        every shard is done (also: nothing was left to do)
-      1        some shards failed; the others are committed, a rerun retries them
-      2        usage or config error: nothing written, one line says what to change
-      4        the output's storage refused a write (no space, no permission, an
-               object store down); committed shards stay, rerun once it is fixed
-      130/143  interrupted by SIGINT/SIGTERM; committed shards stay, a rerun resumes
-    """
+    """Run a job over every input shard and write one output shard per input shard."""
     try:
         config = run_config(**options)
         summary = execute_run(config)
@@ -130,14 +119,14 @@ def run(**options) -> None:
         fail(str(error))
     except StorageError as error:  # one line; the traceback only with --verbose
         logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
-        fail(str(error), EXIT_STORAGE)
+        fail(str(error), exit_codes.STORAGE)
     click.echo(summary.to_text())
     if config.summary_json:
         click.echo(f"summary json    {config.summary_json}")
     if summary.failed_shards:
         click.echo(f"error: {len(summary.failed_shards)} shard(s) failed (listed above); the others are committed. "
                    "Rerun the same command to retry them.", err=True)
-        sys.exit(EXIT_SHARDS_FAILED)
+        sys.exit(exit_codes.SHARDS_FAILED)
 
 
 def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, keep_columns, demo, progress,
@@ -239,7 +228,7 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
     except UsageError as error:
         fail(str(error))
     except StorageError as error:  # the input's store could not be listed
-        fail(str(error), EXIT_STORAGE)
+        fail(str(error), exit_codes.STORAGE)
     click.echo(json.dumps({"estimate": found.to_dict()}, indent=2) if as_json else found.to_text())
 
 
@@ -333,4 +322,4 @@ def verify(inputs, output, storage_option, as_json) -> None:
         raise
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.to_text())
     if not report.complete:
-        sys.exit(EXIT_SHARDS_FAILED)
+        sys.exit(exit_codes.SHARDS_FAILED)

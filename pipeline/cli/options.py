@@ -1,5 +1,5 @@
 """Options shared by the commands: the --config TOML file and its tables, LENGTHWISE_* env
-vars, parameter types, the option lists, logging, and the usage-error exit (2)."""
+vars, parameter types, the option lists, logging, and the one-line error exit."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from pipeline.core import exit_codes
 from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.redact import redact_text
-from pipeline.core.settings import device_batch_limit
+from pipeline.core.settings import cuda_batch_tokens, device_batch_limit
 from pipeline.offline.config import RunConfig
 from pipeline.online.config import BatcherConfig
 from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
@@ -23,11 +24,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-EXIT_SHARDS_FAILED = 1
-EXIT_USAGE = 2
-EXIT_STORAGE = 4  # the output's storage refused a write for good: no space, no permission, an object store down
 
 
 def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
@@ -380,7 +376,8 @@ BATCH_OPTIONS = [
                show_default=True,
                help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this "
                     f"model, device and dtype if there is one, else {device_batch_limit('cpu', 'max_batch_tokens')} on "
-                    f"CPU and {device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it."),
+                    f"CPU and on CUDA a budget that follows the model's size ({cuda_batch_tokens(768, 12)} at "
+                    f"BERT-base's, {cuda_batch_tokens(384, 6)} for all-MiniLM-L6-v2). The memory plan caps it."),
     env_option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"), default="auto", show_default=True,
                help="Rows per batch, whatever their length, or auto: the sweep's recommendation, else "
                     f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU and "
@@ -468,7 +465,7 @@ def loadtest_default(name: str):
     return default_of(name, OnlineLoadtestConfig)
 
 
-def fail(message: str, exit_code: int = EXIT_USAGE) -> None:
+def fail(message: str, exit_code: int = exit_codes.USAGE) -> None:
     click.echo(f"error: {redact_text(message)}", err=True)
     sys.exit(exit_code)
 
@@ -480,4 +477,4 @@ def fail_on_storage_error(error: Exception, path: str) -> None:
     known = as_credentials_error(error, path) or as_storage_error(error, path)
     if known is not None:
         logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
-        fail(str(known), EXIT_USAGE if isinstance(known, UsageError) else EXIT_STORAGE)
+        fail(str(known), exit_codes.exit_code_for(known))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import click
 
@@ -31,8 +29,9 @@ from pipeline.cli.options import (
     sweep_default,
     with_options,
 )
+from pipeline.core import exit_codes
 from pipeline.core.errors import UsageError
-from pipeline.core.settings import LOADTEST_VARIES, SWEEP_VARIES, device_batch_limit
+from pipeline.core.settings import LOADTEST_VARIES, SWEEP_VARIES, cuda_batch_tokens, device_batch_limit
 from pipeline.online.config import BatcherConfig
 from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 
@@ -75,43 +74,21 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
     `lengthwise run --max-batch-tokens auto` (or `--max-batch-rows auto`)
     on the same model, device and dtype uses it.
     """
-    from pipeline.tuning import levels as analysis
+    from pipeline.tuning.report import Comparison, run_sweep_report
 
     if (vary == "max-batch-tokens" and max_batch_tokens is not None) or \
             (vary == "max-batch-rows" and max_batch_rows is not None):
         fail(f"--{vary} is the varied setting; give its levels with --values, not as a fixed value")
     try:
-        previous = analysis.read_sweep_csv(compare_with) if compare_with else None
-        if plot:
-            analysis.check_plot_available()
         config = SweepConfig.of(input=tuple(inputs), vary=vary, values=values, out=out,
                              model=model_or_default(model), max_batch_tokens=max_batch_tokens,
                              max_batch_rows=max_batch_rows,
                              storage_options=parse_storage_options(storage_option), save_recommendation=not no_save,
                              **settings)
-        from pipeline.tuning.sweep import run_sweep
-
-        report = run_sweep(config)
-    except (UsageError, ValueError, ImportError) as error:
+        outcome = run_sweep_report(config, Comparison(compare_with, max_throughput_drop, max_p99_rise), plot)
+    except UsageError as error:
         fail(str(error))
-    from pipeline.core.findings import diagnosis_lines
-
-    analysis.write_sweep_csv(out, report.levels)
-    Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
-    click.echo(analysis.markdown_table(report.levels, report.recommendation.level))
-    click.echo("")
-    click.echo(f"recommendation: {report.recommendation.reason}")
-    for line in diagnosis_lines(report.settings["diagnosis"]):
-        click.echo(line)
-    if report.saved_to:
-        click.echo(f"saved for `lengthwise run --{vary} auto` on this model, device and dtype: {report.saved_to}")
-    if report.not_saved:
-        click.echo(report.not_saved)
-    finish_level_test(report.levels, vary, report.recommendation.level, out, plot,
-                      f"{settings['job']} · {report.settings['device']} · {report.settings['dtype']} · "
-                      f"{report.settings['rows']} rows, max length {report.settings['max_length']}",
-                      analysis.ROW_MEASURES, previous, compare_with, max_throughput_drop, max_p99_rise,
-                      fail_on_regression)
+    print_outcome(outcome, fail_on_regression)
 
 
 @click.command()
@@ -137,9 +114,9 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
             help="Requests per batch; a batch runs as soon as this many wait.")
 @env_option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
             show_default=True,
-            help="Padded tokens per batch (also a trigger); auto: the device's default, "
-                 f"{device_batch_limit('cpu', 'max_batch_tokens')} on CPU and "
-                 f"{device_batch_limit('cuda', 'max_batch_tokens')} on CUDA. The memory plan caps it.")
+            help="Padded tokens per batch (also a trigger); auto: the device's default, as run's without a "
+                 f"sweep: {device_batch_limit('cpu', 'max_batch_tokens')} on CPU, on CUDA a budget that follows "
+                 f"the model's size ({cuda_batch_tokens(768, 12)} at BERT-base's). The memory plan caps it.")
 @env_option("--batch-timeout-ms", env="BATCH_TIMEOUT_MS", type=FiniteFloatRange(0),
             default=batcher_default("batch_timeout_ms"), show_default=True,
             help="The oldest waiting request waits at most this long for others.")
@@ -179,68 +156,30 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
     measurement's noise of it (3%, or 2/sqrt(requests) when wider) tie and the smallest wins;
     a line of diagnosis follows a level that shows a known pattern.
     """
-    from pipeline.core.findings import diagnosis_lines
-    from pipeline.tuning import levels as analysis
-    from pipeline.tuning import loadtest as online
+    from pipeline.tuning.report import Comparison, run_loadtest_report
 
     if vary == "max-batch-tokens" and batcher_settings["max_batch_tokens"] is not None:
         fail("--max-batch-tokens is the varied setting; give its levels with --values, not as a fixed value")
     if duration_s <= 0:
         fail("--duration must be more than 0")
     try:
-        previous = analysis.read_sweep_csv(compare_with, online.OnlineLevelResult) if compare_with else None
-        if plot:
-            analysis.check_plot_available()
         batcher = BatcherConfig.of(model=model_or_default(model), use_plan_cache=not no_plan_cache, **batcher_settings)
         config = OnlineLoadtestConfig.of(input=tuple(inputs), vary=vary, values=values, out=out, batcher=batcher,
                                       qps=qps, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
                                       sample_rows=sample_rows, seed=seed, max_p99_ms=max_p99_ms,
                                       memory_headroom=memory_headroom, id_column=id_column, text_column=text_column,
                                       storage_options=parse_storage_options(storage_option))
-        report = online.run_online_loadtest(config)
-    except (UsageError, ValueError, ImportError) as error:
+        outcome = run_loadtest_report(config, Comparison(compare_with, max_throughput_drop, max_p99_rise), plot)
+    except UsageError as error:
         fail(str(error))
-    analysis.write_sweep_csv(out, report.levels, online.OnlineLevelResult)
-    Path(f"{out}.json").write_text(json.dumps(report.settings, indent=2) + "\n")
-    fixed = report.settings
-    click.echo(f"{fixed['job']} · {fixed['device']} · {fixed['dtype']} · max length {fixed['max_length']} · "
-               f"{fixed['qps']:g} requests/s Poisson for {fixed['duration_s']:g} s "
-               f"(+{fixed['warmup_s']:g} s warm-up) · "
-               f"concurrency {fixed['concurrency']} · " + " · ".join(
-                   f"{name} {fixed[name]}" for name in ("max_batch_size", "batch_timeout_ms", "max_batch_tokens",
-                                                        "request_timeout_ms", "max_queue") if fixed[name] is not None))
-    click.echo(online.markdown_table(report.levels, vary, report.recommendation.level))
-    for line in diagnosis_lines(report.diagnosis):
-        click.echo(line)
-    click.echo("")
-    click.echo(f"recommendation: {report.recommendation.reason}")
-    finish_level_test(report.levels, vary, report.recommendation.level, out, plot,
-                      f"online · {fixed['job']} · {fixed['device']} · {fixed['qps']:g} req/s Poisson · "
-                      f"{fixed['duration_s']:g} s per level", online.ONLINE_MEASURES, previous, compare_with,
-                      max_throughput_drop, max_p99_rise, fail_on_regression)
+    print_outcome(outcome, fail_on_regression)
 
 
-def finish_level_test(levels, vary: str, recommended: int | None, out: str, plot: str | None, title: str, measures,
-                      previous, compare_with: str | None, max_throughput_drop: float, max_p99_rise: float,
-                      fail_on_regression: bool) -> None:
-    """What `sweep` and `loadtest` print last: where the CSV went, the plot, and the comparison
-    with an earlier CSV (exit 3 on a regression with --fail-on-regression)."""
-    from pipeline.tuning import levels as analysis
-
-    click.echo(f"csv: {out}  settings: {out}.json")
-    if plot:
-        analysis.plot_sweep(plot, levels, vary, recommended, title, measures)
-        click.echo(f"plot: {plot}")
-    if previous is None:
-        return
-    changes = analysis.compare_sweeps(previous, levels, max_throughput_drop, max_p99_rise, measures)
-    click.echo("")
-    click.echo(f"compared with {compare_with}:")
-    click.echo(analysis.comparison_table(changes, measures))
-    flagged = [change.level for change in changes if change.flags]
-    if not flagged:
-        click.echo("no regression")
-        return
-    click.echo(f"regression at level(s) {', '.join(map(str, flagged))}", err=True)
-    if fail_on_regression:
-        sys.exit(analysis.EXIT_REGRESSION)
+def print_outcome(outcome, fail_on_regression: bool) -> None:
+    """A sweep's or load test's text; the levels --compare flagged on stderr, and exit 3 for them
+    with --fail-on-regression."""
+    click.echo(outcome.text)
+    if outcome.regressed_levels:
+        click.echo(f"regression at level(s) {', '.join(map(str, outcome.regressed_levels))}", err=True)
+        if fail_on_regression:
+            sys.exit(exit_codes.REGRESSION)

@@ -61,7 +61,7 @@ NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16")  # CPU flags whose bf16 matmu
 
 def native_bf16_feature(cpu_flags: str | None = None) -> str | None:
     """The CPU feature that runs bf16 natively (amx_bf16, avx512_bf16) when torch's oneDNN
-    uses it, else None. Without one, bf16 is emulated: 5x slower than fp32 on an AVX2 EPYC."""
+    uses it, else None. Without one, bf16 is emulated: 5x slower than fp32 on an AVX2-only CPU (docs/performance.md)."""
     if cpu_flags is None:
         try:
             with open("/proc/cpuinfo") as cpuinfo:

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from pipeline.core import exit_codes
 from pipeline.core.clock import SetupClock
 from pipeline.runtime import open_runtime
 from pipeline.runtime.model import ModelChoice, tokenizer_for
@@ -42,10 +43,7 @@ def refuse_while_a_worker_starts() -> None:
         print("lengthwise was called while a tokenizer worker process was starting: the script that calls it has "
               "no `if __name__ == \"__main__\":` guard, so each worker runs it again. Put the call under that guard, "
               "or set tokenize_workers=0", file=sys.stderr, flush=True)
-        os._exit(EXIT_USAGE)
-
-
-EXIT_USAGE = 2  # as the CLI's usage errors
+        os._exit(exit_codes.USAGE)
 
 
 def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],

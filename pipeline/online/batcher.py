@@ -50,7 +50,7 @@ class DynamicBatcher:
 
     def __init__(self, loaded, config: BatcherConfig, limits=None):
         """`loaded`: a pipeline.runtime.model.LoadedModel; `limits`: the memory plan's
-        pipeline.offline.runner.BatchLimits, lowered after an out-of-memory split (None: no plan)."""
+        pipeline.core.forward.BatchLimits, lowered after an out-of-memory split (None: no plan)."""
         from tokenizers import Tokenizer
 
         from pipeline.core.buckets import bucket_bounds

@@ -1,13 +1,13 @@
-"""What limits a run, a sweep or a load test: the practice's troubleshooting table, read off
-the numbers lengthwise already measures.
+"""What limits a sweep or a load test: the practice's troubleshooting table, read off the
+numbers their levels already measure (a run's own diagnosis is `offline/diagnosis.py`).
 
-Pure Python (no torch): a run summary, a sweep's levels or a load test's rows in, a list of
-findings out, each a stable code, the evidence (the numbers that triggered it) and the action
-(the flag to change, and to what). Nothing is found when nothing is wrong.
+Pure Python (no torch): a sweep's levels or a load test's rows in, a list of findings out, each
+a stable code, the evidence (the numbers that triggered it) and the action (the flag to change,
+and to what). Nothing is found when nothing is wrong.
 
-The thresholds are judgment, not law; each says where it comes from. The measurements they
-are compared with come from this project's runs on a shared 2-core CPU machine (docs/performance.md,
-Performance and Choosing batch settings), where sweeps repeat within about ±10%.
+The thresholds are judgment, not law; each says where it comes from. The measurements they are
+compared with come from this project's sweeps on a shared 2-core CPU machine (docs/tuning.md,
+"Choosing batch settings"), which repeat within about ±10%.
 """
 
 from __future__ import annotations

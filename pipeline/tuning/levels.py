@@ -27,10 +27,10 @@ from typing import ClassVar
 import numpy as np
 
 from pipeline.core.batch_setting import recommendation_path
+from pipeline.core.errors import UsageError
 from pipeline.core.units import format_bytes
 
 KNEE_TOLERANCE = 0.03  # levels within 3% of the best throughput count as equally fast
-EXIT_REGRESSION = 3
 
 
 @dataclass
@@ -201,24 +201,25 @@ def write_sweep_csv(path: str, levels: Sequence, result_type: type = LevelResult
 
 
 def read_sweep_csv(path: str, result_type: type = LevelResult) -> list:
-    """A CSV of `result_type` rows written by this or an earlier run; a clear error if it is not one."""
+    """A CSV of `result_type` rows written by this or an earlier run; a usage error (the user gave
+    the wrong file to --compare) if it is not one."""
     kind = result_type.CSV_KIND
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
     except OSError as error:
-        raise ValueError(f"cannot read {kind} CSV {path}: {error.strerror}") from error
+        raise UsageError(f"cannot read {kind} CSV {path}: {error.strerror}") from error
     columns = result_type.columns()
     missing = set(columns) - set(rows[0] if rows else {})
     if not rows or missing:
-        raise ValueError(f"{path} is not a lengthwise {kind} CSV (missing columns: {', '.join(sorted(missing))})")
+        raise UsageError(f"{path} is not a lengthwise {kind} CSV (missing columns: {', '.join(sorted(missing))})")
     types = {f.name: f.type for f in fields(result_type)}
     try:
         return [result_type(**{name: (row[name] if types[name] == "str" else
                                       int(float(row[name])) if types[name] == "int" else float(row[name]))
                                for name in columns}) for row in rows]
     except ValueError as error:
-        raise ValueError(f"{path} has a value that is not a number: {error}") from error
+        raise UsageError(f"{path} has a value that is not a number: {error}") from error
 
 
 def markdown_table(levels: Sequence[LevelResult], recommended: int | None = None) -> str:
@@ -302,9 +303,10 @@ def save_recommendation(plan_cache: str | None, name: str, key: dict, recommenda
 
 
 def check_plot_available() -> None:
-    """Fail before the sweep runs, not after, when --plot cannot be drawn."""
+    """Fail before the sweep runs, not after, when --plot cannot be drawn: a usage error, since
+    installing the optional package (or dropping --plot) is the user's fix."""
     if importlib.util.find_spec("matplotlib") is None:
-        raise ImportError("--plot needs matplotlib: pip install 'lengthwise[plot]' "
+        raise UsageError("--plot needs matplotlib: pip install 'lengthwise[plot]' "
                           "(or .venv/bin/pip install matplotlib)")
 
 
