@@ -152,6 +152,8 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
+    unpad: str = "auto"  # auto | on | off: the unpadded forward (core/unpadded.py); auto = on CUDA where the model has
+    # BERT's layout; never with a compiled forward
     prefetch_batches: int = 4  # collated batches waiting ahead of the device
     storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
     overwrite: bool = False  # redo every shard, even under a different fingerprint
@@ -204,6 +206,8 @@ class SweepConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
+    unpad: str = "auto"  # auto | on | off: the unpadded forward (core/unpadded.py); auto = on CUDA where the model has
+    # BERT's layout; never with a compiled forward
     tokenize_workers: int | None = None  # as RunConfig's
     torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     prefetch_batches: int = 4
@@ -239,6 +243,8 @@ class BatcherConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
+    unpad: str = "auto"  # auto | on | off: the unpadded forward (core/unpadded.py); auto = on CUDA where the model has
+    # BERT's layout; never with a compiled forward
     torch_threads: int | None = None  # intra-op threads of the forward; None = torch's default (the cores)
     allow_pickle: bool = False
     trust_remote_code: bool = False

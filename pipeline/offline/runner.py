@@ -106,6 +106,7 @@ class ShardRunner:
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.long_text = "split" if loaded.tokenizer.segment_length else "truncate"
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
+        summary.unpad = loaded.unpad
         summary.batch_setting, summary.batch_plan = self.batch_setting, describe_plan(self.plan)
         summary.settings, summary.sweep_reference = diagnosis_settings(config, loaded), self.sweep_reference
         count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
