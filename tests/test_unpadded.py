@@ -233,3 +233,17 @@ def test_load_model_records_which_forward_runs(tiny_classifier_path, tmp_path):
     assert loaded.model.unpadded is not None
     off = load_model(dataclasses.replace(settings, unpad="off"))
     assert off.unpad == "padded: --unpad off" and off.model.unpadded is None
+
+
+def test_the_unpadded_forward_gets_a_memory_plan_of_its_own(tiny_encoder_path, tmp_path):
+    from pipeline.core.probe import memory_plan_for
+
+    config = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", max_length=32,
+                       max_batch_tokens=256, max_batch_rows=16, memory_budget=2**28, plan_cache=str(tmp_path))
+    job = get_job("embed")
+    model = job.load(tiny_encoder_path, CPU, torch.float32)
+    for unpad in ("off", "on"):
+        settle_unpad(unpad, job, model, CPU, torch.float32)
+        assert memory_plan_for(config, job, model, tiny_encoder_path, CPU) is not None
+    plans = sorted(path.name for path in tmp_path.glob("*.json"))
+    assert len(plans) == 2, plans  # one probed with each forward, neither reused for the other

@@ -209,7 +209,10 @@ def memory_plan_for(config, job, model, model_path: str, device) -> MemoryPlan |
     key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=config.job,
                                device=device_name(device), dtype=dtype, max_length=config.max_length,
                                safety=config.safety, attention=getattr(model.config, "_attn_implementation", None),
-                               max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows)
+                               max_batch_tokens=config.max_batch_tokens, max_batch_rows=config.max_batch_rows,
+                               # the unpadded forward holds other temporaries (packed and re-padded states);
+                               # a padded forward's plans keep the key they had before --unpad
+                               **({"forward": "unpadded"} if getattr(model, "unpadded", None) is not None else {}))
     path = cache_dir(config.plan_cache) / f"{name}.json"
     cached = load_cached_plan(path, key) if config.use_plan_cache else None
     plan = plan_for_budget(cached, available) if cached else None
