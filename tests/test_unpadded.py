@@ -235,6 +235,7 @@ def test_load_model_records_which_forward_runs(tiny_classifier_path, tmp_path):
     assert off.unpad == "padded: --unpad off" and off.model.unpadded is None
 
 
+@pytest.mark.slow
 def test_the_unpadded_forward_gets_a_memory_plan_of_its_own(tiny_encoder_path, tmp_path):
     from pipeline.core.probe import memory_plan_for
 
