@@ -29,7 +29,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-UNPAD_SETTINGS = ("auto", "on", "off")
 ENCODER_CLASSES = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "xlm-roberta"}
 CLASSIFIER_CLASSES = {"BertForSequenceClassification": "bert", "RobertaForSequenceClassification": "roberta",
                       "XLMRobertaForSequenceClassification": "xlm-roberta"}
@@ -130,9 +129,9 @@ class UnpaddedEncoder:
         """(tokens, hidden) embeddings of the real tokens, each at its own position and token type."""
         embeddings = self.encoder.embeddings
         positions = self.positions(input_ids).reshape(-1)[batch.indices]
-        token_types = embeddings.token_type_ids[0, positions.clamp(max=embeddings.token_type_ids.shape[1] - 1)]
         states = embeddings.word_embeddings(input_ids.reshape(-1)[batch.indices])
-        states = states + embeddings.token_type_embeddings(token_types)
+        # the jobs pass no token types, so the model's own forward takes type 0 for every token
+        states = states + embeddings.token_type_embeddings(torch.zeros_like(positions))
         states = states + embeddings.position_embeddings(positions)
         return embeddings.LayerNorm(states)
 
