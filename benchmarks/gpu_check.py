@@ -14,11 +14,12 @@ its error and the others still run):
 1. environment: versions, device (and what `--device` asked for), dtype `auto` picks, attention
    implementation, allocator, model dimensions, a measured matmul peak in the run's dtype;
 2. correctness: lengthwise against `SentenceTransformer.encode` in float32 and the run's dtype
-   (min cosine, finite) and the SDPA kernel one padded and one unpadded forward ran;
+   (min cosine, finite) and the SDPA kernel of a batch with padding and of one without;
 3. memory plan: a fresh probe, predicted vs measured peak per bucket, whether all fit the budget;
 4. induced OOM: huge batches under a memory cap (CUDA) or a token cap (CPU): no row lost;
 5. throughput: `run` eager at each token level and `auto`, cold, steady and on the device, with
    padded tokens/s, MFU and ratios to ST's warm encode (TOKENIZERS_PARALLELISM=true) in the same dtype;
+   the fastest level again with the other forward (`--unpad`): padded against unpadded;
 6. compile: `run --compile on` at the best level: compile seconds and speed-up over eager.
 `definitions` says what each figure is; `verdict` whether the run passed. Exit 0: passed; 1: a
 check failed or a step did not finish; 2: nothing could run (bad arguments, unreadable rows,
@@ -41,9 +42,9 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_measure import encode_level, matmul_peak, min_cosine, read_embeddings, repeat_rows, sentence_transformer, \
-    synchronize, write_rows  # noqa: E402 - beside this script, no torch at import
-from gpu_report import DEFINITIONS, rates, ratio, sdpa_kernel, step_deadline_s, utilization, verdict  # noqa: E402
+from gpu_measure import encode_level, matmul_peak, min_cosine, read_embeddings, repeat_rows, sdpa_kernels, \
+    sentence_transformer, write_rows  # noqa: E402 - beside this script, no torch at import
+from gpu_report import DEFINITIONS, rates, ratio, step_deadline_s, utilization, verdict  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -99,13 +100,6 @@ class Check:
         return RunConfig.of(**{**base, **overrides})
 
 
-
-
-
-
-
-
-
 def environment(check: Check) -> dict:
     import platform
 
@@ -132,7 +126,8 @@ def environment(check: Check) -> dict:
             "attention_implementation": getattr(config, "_attn_implementation", None),
             "prepared_attention_mask": bool(getattr(getattr(check.loaded.model, "encoder", check.loaded.model),
                                                     "takes_prepared_mask", False)),
-            "allocator": allocator_config(), "cpu": platform.processor() or platform.machine(),
+            "allocator": allocator_config(), "unpad": check.loaded.unpad,
+            "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "model_dims": check.dims, "matmul_peak": peak}
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
@@ -145,32 +140,6 @@ def environment(check: Check) -> dict:
           f"{info['attention_implementation']}, allocator {info['allocator'] or '-'}, matmul peak "
           f"{peak['tflops']} TFLOP/s ({peak['dtype']})", flush=True)
     return info
-
-
-def sdpa_kernels(check: Check) -> dict:
-    """The attention kernel the profiler saw in one forward of a padded and of an unpadded batch."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    job, model, device = check.loaded.job, check.loaded.model, check.device
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    ids = torch.randint(1000, 2000, (4, 64), device=device)
-    seen = {}
-    for padded in (True, False):
-        mask = torch.ones_like(ids)
-        if padded:
-            mask[0, 40:] = 0
-        with torch.inference_mode():
-            job.forward(model, ids, mask, padded)  # warm: the first call may choose kernels
-            with profile(activities=activities) as profiled:
-                job.forward(model, ids, mask, padded)
-                synchronize(device)
-        names = sorted({event.name for event in profiled.events()})
-        kind = sdpa_kernel(names)
-        attention = [name for name in names if any(mark in name for mark in ("attention", "flash", "fmha", "sdpa"))]
-        seen["padded" if padded else "unpadded"] = {"kernel": kind, "events": attention[:12]}
-    print(f"  SDPA kernel: {seen['padded']['kernel']} with padding, {seen['unpadded']['kernel']} without", flush=True)
-    return seen
 
 
 def correctness(check: Check, table) -> dict:
@@ -199,7 +168,7 @@ def correctness(check: Check, table) -> dict:
         print(f"  {dtype}: min cosine vs ST {results[dtype]['min_cosine_vs_st']:.6f} (vs ST float32 "
               f"{results[dtype]['min_cosine_vs_st_float32']:.6f}), all finite {results[dtype]['all_finite']}",
               flush=True)
-    results["sdpa"] = sdpa_kernels(check)
+    results["sdpa"] = sdpa_kernels(check.loaded.job, check.loaded.model, check.device)
     return results
 
 
@@ -290,8 +259,6 @@ def induced_oom(check: Check, inputs: str, rows: int) -> dict:
     return result
 
 
-
-
 def run_level(check: Check, inputs: str, rows: int, name: str, **settings) -> dict:
     """One `run` of the throughput rows: its rates, padding, MFU and the batches' memory peak."""
     import torch
@@ -314,6 +281,7 @@ def run_level(check: Check, inputs: str, rows: int, name: str, **settings) -> di
              "useful_mfu": utilization(summary.real_tokens, rows, summary.padded_tokens, device_s, check.peak_flops,
                                        check.dims),
              "padding_efficiency": round(summary.padding_efficiency, 4), "batches": summary.batches,
+             "unpad": summary.unpad,
              "dtype": summary.dtype, "stage_s": summary.stage_s, "oom_splits": summary.oom_splits,
              "rows_written": summary.rows}
     if check.device.type == "cuda":
@@ -346,6 +314,7 @@ def throughput(check: Check, inputs: str, texts: list, levels: list) -> dict:
         results["lengthwise"].append(run_level(check, inputs, rows, f"{tokens or 'auto'}", max_batch_tokens=tokens,
                                                max_batch_rows=None if tokens is None else 16384))
         last_s = time.perf_counter() - started
+    results["unpad_comparison"] = other_forward(check, inputs, rows, results["lengthwise"], last_s)
     if check.left_s() > 3 * results["sentence_transformers"][0]["encode_s"]:
         results["sentence_transformers"].append(encode_level(model, texts, lengths, 32, check.device,
                                                              dtype=check.dtype))
@@ -366,6 +335,26 @@ def throughput(check: Check, inputs: str, texts: list, levels: list) -> dict:
                                 "device_padded_tokens": ratio(level["device_padded_tokens_per_s"],
                                                               best["padded_tokens_per_s"])}
     return results
+
+
+def other_forward(check: Check, inputs: str, rows: int, levels: list, last_s: float) -> dict:
+    """The level fastest on the device again with the other forward (`--unpad off` where the
+    levels ran unpadded, else `on`), if its wall still fits: the unpadded forward's speed-up."""
+    ran = [level for level in levels if level.get("device_rows_per_s")]
+    if not ran or check.left_s() < 1.2 * last_s:
+        return {"skipped": "no time left in the step's deadline" if ran else "no throughput level ran"}
+    level = max(ran, key=lambda level: level["device_rows_per_s"])
+    tokens = level["max_batch_tokens"] if level["max_batch_tokens"] != "auto" else None
+    flip = "off" if level["unpad"].startswith("unpadded") else "on"
+    other = run_level(check, inputs, rows, f"{tokens or 'auto'}-unpad-{flip}", unpad=flip, max_batch_tokens=tokens,
+                      max_batch_rows=None if tokens is None else 16384)
+    padded, unpadded = (other, level) if flip == "off" else (level, other)
+    result = {"max_batch_tokens": level["max_batch_tokens"], "padded": padded, "unpadded": unpadded,
+              "unpadded_ran": unpadded["unpad"].startswith("unpadded"),
+              "device_speedup_unpadded": ratio(unpadded["device_rows_per_s"], padded["device_rows_per_s"]),
+              "steady_speedup_unpadded": ratio(unpadded["steady_rows_per_s"], padded["steady_rows_per_s"])}
+    print(f"  {unpadded['unpad']}: {result['device_speedup_unpadded']}x padded on the device", flush=True)
+    return result
 
 
 def compiled(check: Check, inputs: str, rows: int, eager_levels: list) -> dict:

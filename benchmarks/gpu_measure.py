@@ -1,5 +1,5 @@
 """What the GPU check's steps measure with, shared: the rows (repeated, written, read back),
-sentence-transformers loaded and timed, a matmul peak. torch and pyarrow are imported inside
+sentence-transformers loaded and timed, a matmul peak, the attention kernel a forward ran. torch and pyarrow are imported inside
 the functions, as in `gpu_check.py` (spawned tokenizer workers import these modules again)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gpu_report import encode_padded_tokens
+from gpu_report import encode_padded_tokens, sdpa_kernel
 
 
 def repeat_rows(table, times: int):
@@ -98,3 +98,29 @@ def encode_level(model, texts: list, lengths, batch_size: int, device, **extra) 
     print(f"  sentence-transformers encode, batch {batch_size}{' ' + str(extra) if extra else ''}: "
           f"{level['rows_per_s']:,} rows/s (warm)", flush=True)
     return level
+
+
+def sdpa_kernels(job, model, device) -> dict:
+    """The attention kernel the profiler saw in one forward of a batch with padding (through the
+    unpadded forward where `--unpad` chose it) and of one without."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ids = torch.randint(1000, 2000, (4, 64), device=device)
+    seen = {}
+    for padded in (True, False):
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[0, 40:] = 0
+        with torch.inference_mode():
+            job.forward(model, ids, mask, padded)  # warm: the first call may choose kernels
+            with profile(activities=activities) as profiled:
+                job.forward(model, ids, mask, padded)
+                synchronize(device)
+        names = sorted({event.name for event in profiled.events()})
+        kind = sdpa_kernel(names)
+        attention = [name for name in names if any(mark in name for mark in ("attention", "flash", "fmha", "sdpa"))]
+        seen["padded" if padded else "unpadded"] = {"kernel": kind, "events": attention[:12]}
+    print(f"  SDPA kernel: {seen['padded']['kernel']} with padding, {seen['unpadded']['kernel']} without", flush=True)
+    return seen

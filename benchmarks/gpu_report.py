@@ -29,6 +29,9 @@ DEFINITIONS = {
                          "repeats after warm-ups",
     "sdpa_kernel": "the attention kernel the profiler saw in one forward of a batch with padding (mask) and one "
                    "without: flash, efficient, cudnn, math (CUDA); flash_cpu or math (CPU)",
+    "unpad_comparison": "the throughput level fastest on the device run again with the other forward (--unpad): "
+                        "padded (every linear layer on rows x padded length) against unpadded (real tokens packed, "
+                        "attention per row); `unpad` in each level says which ran and its attention kernel",
     "peak_reserved_bytes": "the CUDA allocator's reserved peak from the run's last probe measurement to its end: the "
                            "batches' peak (each probe measurement resets it)",
     "plan_within_budget": "every bucket's measured probe peak <= the plan's available bytes",

@@ -30,8 +30,12 @@ class ClassifyJob:
         return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype, **loading)
 
     def forward(self, model, input_ids, attention_mask, padded: bool = True):
-        mask = model_attention_mask(model, attention_mask, padded)
-        logits = model(input_ids=input_ids, attention_mask=mask).logits.float()
+        unpadded = getattr(model, "unpadded", None)  # where `--unpad` settled on one (pipeline/core/unpadded.py)
+        if padded and unpadded is not None:
+            logits = unpadded.logits(input_ids, attention_mask).float()
+        else:
+            mask = model_attention_mask(model, attention_mask, padded)
+            logits = model(input_ids=input_ids, attention_mask=mask).logits.float()
         scores = logits.sigmoid() if uses_sigmoid(model.config) else logits.softmax(dim=-1)
         return {"scores": scores}
 

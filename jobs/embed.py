@@ -79,9 +79,14 @@ class SentenceEmbedder(torch.nn.Module):
     def embedding_width(self) -> int:
         return self.config.hidden_size * len(self.recipe.pooling)
 
+    unpadded = None  # the encoder's unpadded forward, where `--unpad` settled on one (pipeline/core/unpadded.py)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, padded: bool = True) -> torch.Tensor:
-        mask = model_attention_mask(self.encoder, attention_mask, padded)
-        hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        if padded and self.unpadded is not None:
+            hidden = self.unpadded.last_hidden_state(input_ids, attention_mask)
+        else:
+            mask = model_attention_mask(self.encoder, attention_mask, padded)
+            hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
         return pool(hidden, attention_mask, self.recipe, self.prompt_tokens)
 
 

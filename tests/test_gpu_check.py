@@ -182,12 +182,18 @@ def test_the_gpu_check_runs_on_cpu_and_fills_every_block(tmp_path, sample_table,
         assert 0 < level["useful_mfu"] <= level["mfu"] and level["device_padded_tokens_per_s"] > 0
         assert set(level["ratio_to_st"]) == {"st_batch_size", "cold_rows", "steady_rows", "device_rows",
                                              "device_padded_tokens"} and level["ratio_to_st"]["steady_rows"] > 0
+    comparison = throughput["unpad_comparison"]  # auto runs padded on a CPU, so the other forward is unpadded
+    assert environment["unpad"].startswith("padded: --unpad auto on a CPU") and comparison["unpadded_ran"]
+    assert comparison["unpadded"]["unpad"].startswith("unpadded: BertModel on packed tokens")
+    assert comparison["padded"]["rows_written"] == comparison["unpadded"]["rows_written"] == 120
+    assert comparison["device_speedup_unpadded"] > 0
     assert [st["batch_size"] for st in throughput["sentence_transformers"]] == [256, 32]
     assert all(st["padded_tokens_per_s"] > 0 for st in throughput["sentence_transformers"])
     assert "unavailable" in throughput["sentence_transformers_flash_attention_2"]  # no flash-attn here
     compiled = report["compile"]
     assert compiled["compile"].startswith("compiled") and compiled["rows_written"] == 120
     assert compiled["compile_s"] > 0 and compiled["device_speedup_over_eager"] > 0
+    assert compiled["unpad"] == "padded: the forward runs compiled"  # a compiled forward never runs unpadded
     assert report["verdict"]["passed"] and not report["verdict"]["gpu_run"]
     assert report["verdict"]["checks"]["lossless_oom"]["ok"] and set(report["definitions"]) >= {
         "cold_rows_per_s", "steady_rows_per_s", "mfu", "sdpa_kernel", "lossless_oom"}

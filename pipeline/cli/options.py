@@ -340,6 +340,10 @@ MODEL_OPTIONS = [
                help="Run a compiled forward (torch.compile, frozen weights). auto = where a trial on this device and "
                     "dtype measured it faster with the same outputs and the job is large enough to pay the compile "
                     "back; the verdict and inductor's caches are kept under --plan-cache."),
+    env_option("--unpad", env="UNPAD", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+               help="Run the encoder on the batch's real tokens only (packed, attention per row): BERT, RoBERTa and "
+                    "XLM-R layouts. auto = on CUDA, not on a CPU; never with a compiled forward (--compile on and "
+                    "--unpad on exclude each other)."),
     env_option("--allow-pickle", env="ALLOW_PICKLE", is_flag=True, default=False,
                help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only."),
     env_option("--trust-remote-code", env="TRUST_REMOTE_CODE", is_flag=True, default=False,

@@ -211,7 +211,10 @@ def memory_plan_for(batch: BatchSettings, job_name: str, max_length: int, job, m
     key, name = plan_cache_key(model=model_memory_fingerprint(model_path), job=job_name,
                                device=device_name(device), dtype=dtype, max_length=max_length,
                                safety=batch.safety, attention=getattr(model.config, "_attn_implementation", None),
-                               max_batch_tokens=batch.max_batch_tokens, max_batch_rows=batch.max_batch_rows)
+                               max_batch_tokens=batch.max_batch_tokens, max_batch_rows=batch.max_batch_rows,
+                               # the unpadded forward holds other temporaries (packed and re-padded states);
+                               # a padded forward's plans keep the key they had before --unpad
+                               **({"forward": "unpadded"} if getattr(model, "unpadded", None) is not None else {}))
     path = cache_dir(batch.plan_cache) / f"{name}.json"
     cached = load_cached_plan(path, key) if batch.use_plan_cache else None
     plan = plan_for_budget(cached, available) if cached else None

@@ -135,6 +135,8 @@ class ModelSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     compile: str = "auto"  # auto | on | off: a compiled forward where measured faster (core/compile.py)
+    unpad: str = "auto"  # auto | on | off: the unpadded forward (core/unpadded.py); auto = on CUDA where the model has
+    # BERT's layout; never with a compiled forward
     torch_threads: int | None = None  # intra-op threads of the forward in this process; None = torch's default
     # (the cores): two jobs on one machine each set it to their share
     allow_pickle: bool = False  # accept pickle (.bin) checkpoints; they can run code when loaded

@@ -96,6 +96,7 @@ class ShardRunner:
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.long_text = "split" if loaded.tokenizer.segment_length else "truncate"
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
+        summary.unpad = loaded.unpad
         summary.batch_setting, summary.batch_plan = self.runtime.batch_setting, describe_plan(self.runtime.plan)
         summary.settings = diagnosis_settings(self.runtime, self.window_rows, self.tokenize_workers)
         summary.sweep_reference = self.runtime.sweep_reference

@@ -59,6 +59,7 @@ class RunSummary:
     compile: str = ""  # eager or compiled, and why (--compile; e.g. compiled: 1.4x faster, min cosine 1.00000)
     compile_s: float = 0.0  # seconds this process spent compiling, or loading the compiled package (in setup)
     compiled_graphs: int = 0  # graphs the compiled forward runs on: 1, one exported graph for every shape
+    unpad: str = ""  # which forward ran padded batches, and why (--unpad; e.g. unpadded: BertModel on packed tokens …)
     model: str = ""
     output: str = ""
     workers: list = field(default_factory=list)  # engine ray: per actor pid, host, shards, rows, rows/s
@@ -100,6 +101,7 @@ class RunSummary:
                       f"compile         {self.compile}" + (
                           f"; {self.compile_s:.1f}s to compile, {self.compiled_graphs} graph(s)"
                           if self.compile.startswith("compiled") else ""),
+                      f"unpad           {self.unpad}",
                       f"batch setting   {self.batch_setting}",
                       f"batch plan      {self.batch_plan}" + (
                           f"; {self.oom_splits} out-of-memory splits, rows lowered to {self.lowered_batch_rows}"

@@ -40,6 +40,7 @@ from pipeline.core.errors import UsageError
 from pipeline.core.positions import PositionLimit, check_folder_max_length, check_max_length, position_limit
 from pipeline.core.settings import BatchSettings, ModelSettings
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
+from pipeline.core.unpadded import settle_unpad
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,9 @@ def choose_model(settings: ModelSettings, plan_cache: str | None = None, dtype_s
     resume); without it a dtype other than auto came from --dtype. `trial_texts()`: a sample of
     the job's own texts for the bf16 trial (read only if a trial runs); without it (a sweep, a
     service) the trial runs on random token ids."""
+    if settings.compile == "on" and settings.unpad == "on":
+        raise UsageError("--compile on and --unpad on exclude each other: the compiled forward is exported for padded "
+                         "batches; drop one of them")
     path = resolve_model_path(settings.model)
     options = job_options(settings, path)
     text = read_text_settings(path)
@@ -258,6 +262,7 @@ class LoadedModel:
     tokenizer: TokenizerSpec
     compile: CompileChoice = CompileChoice(False, "eager")
     position_limit: PositionLimit | None = None  # the longest row the model takes
+    unpad: str = "padded"  # which forward runs padded batches, and why (--unpad; core/unpadded.py)
 
 
 def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice | None = None,
@@ -289,7 +294,10 @@ def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoic
                                                workload(tokenizer) if workload else None)
     log.info(compile_choice.reason + (f" ({compile_choice.compile_s:.1f} s to compile)" if compile_choice.compiled
                                       else ""))
-    return LoadedModel(choice, job, model, tokenizer, compile_choice, limit)
+    unpad = "padded: the forward runs compiled" if compile_choice.compiled else settle_unpad(
+        settings.unpad, job, model, choice.device, choice.dtype)
+    log.info(f"unpad {unpad}")
+    return LoadedModel(choice, job, model, tokenizer, compile_choice, limit, unpad)
 
 
 def tokenizer_for(settings: ModelSettings, choice: ModelChoice, segment_length: int | None = None) -> TokenizerSpec:
@@ -342,6 +350,8 @@ def settle_compile(settings: ModelSettings, batch: BatchSettings, choice: ModelC
     verdict = CompileVerdict(**{f: record[f] for f in CompileVerdict.__dataclass_fields__}) if record else None
     if setting == "off":
         return model, CompileChoice(False, "eager: --compile off")
+    if settings.unpad == "on":  # --compile on with it is refused in choose_model
+        return model, CompileChoice(False, "eager: --unpad on (a compiled forward runs padded)")
     use_inductor_cache(cache)
     package = compiled_package_path(cache, settings, batch.plan_cache, choice)
     if setting == "auto" and verdict is None and job_tokens is not None:
