@@ -41,7 +41,7 @@ def embeddings(output: Path) -> np.ndarray:
 
 
 def main() -> None:
-    from pipeline.core.settings import RunConfig
+    from pipeline.offline.config import RunConfig
     from pipeline.engines.local import run_job
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,7 +58,7 @@ def main() -> None:
         inputs = first_rows(args.data, args.rows, scratch / "in")
         for threads in [int(t) for t in args.threads.split(",")]:
             def run(unpad: str, output: Path):
-                return run_job(RunConfig(input=(str(inputs),), output=str(output), device="cpu", dtype="float32",
+                return run_job(RunConfig.of(input=(str(inputs),), output=str(output), device="cpu", dtype="float32",
                                          compile="off", unpad=unpad, torch_threads=threads, tokenize_workers=0,
                                          max_length=args.max_length, progress=False,
                                          plan_cache=str(scratch / "plans")))

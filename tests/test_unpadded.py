@@ -5,7 +5,6 @@ layout keep the padded forward; `--unpad on` and `--compile on` exclude each oth
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
@@ -15,8 +14,8 @@ from click.testing import CliRunner
 
 from jobs.registry import get_job
 from pipeline.core.errors import UsageError
-from pipeline.core.model import choose_model, load_model, settle_compile
-from pipeline.core.settings import RunConfig
+from pipeline.offline.config import RunConfig
+from pipeline.runtime.model import choose_model, load_model, settle_compile
 from pipeline.core.unpadded import PackedBatch, cumulative_lengths, settle_unpad
 from tests.conftest import SAMPLE_DIR, TOKENIZER_FILES
 
@@ -161,19 +160,19 @@ def test_auto_keeps_the_padded_forward_on_a_cpu_and_off_is_off(minilm_path):
 
 
 def test_compile_on_and_unpad_on_exclude_each_other(tiny_encoder_path):
-    settings = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
+    settings = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
                          compile="on", unpad="on")
     with pytest.raises(UsageError, match="--compile on and --unpad on exclude each other"):
-        choose_model(settings)
+        choose_model(settings.model)
 
 
 def test_unpad_on_leaves_compile_auto_eager(tiny_encoder_path, tmp_path):
-    settings = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
+    settings = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
                          compile="auto", unpad="on", plan_cache=str(tmp_path))
-    choice = choose_model(settings)
+    choice = choose_model(settings.model, settings.batch.plan_cache)
     job = get_job("embed")
     model = job.load(choice.path, CPU, torch.float32)
-    kept, decided = settle_compile(settings, choice, job, model, job_tokens=1e12)
+    kept, decided = settle_compile(settings.model, settings.batch, choice, job, model, job_tokens=1e12)
     assert kept is model and not decided.compiled
     assert decided.reason == "eager: --unpad on (a compiled forward runs padded)"
 
@@ -190,7 +189,7 @@ def test_a_run_with_unpad_on_writes_the_padded_runs_embeddings(tmp_path, tiny_en
     pq.write_table(sample, tmp_path / "in" / "part-0.parquet")
     outputs, summaries = {}, {}
     for unpad in ("off", "on"):
-        config = RunConfig(input=(str(tmp_path / "in"),), output=str(tmp_path / unpad), model=tiny_encoder_path,
+        config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / unpad), model=tiny_encoder_path,
                            device="cpu", dtype="float32", compile="off", unpad=unpad, tokenize_workers=0,
                            probe=False, progress=False, plan_cache=str(tmp_path / "plans"))
         summaries[unpad] = run_job(config)
@@ -210,7 +209,7 @@ def test_the_flag_the_variable_and_the_toml_key_reach_the_setting(tmp_path, monk
     seen = []
 
     def stop_before_running(config):
-        seen.append(config.unpad)
+        seen.append(config.model.unpad)
         raise UsageError("stopped before running")
 
     monkeypatch.setattr("pipeline.cli.job_commands.execute_run", stop_before_running)
@@ -226,12 +225,13 @@ def test_the_flag_the_variable_and_the_toml_key_reach_the_setting(tmp_path, monk
 
 
 def test_load_model_records_which_forward_runs(tiny_classifier_path, tmp_path):
-    settings = RunConfig(input=(), output="", job="classify", model=tiny_classifier_path, device="cpu",
+    settings = RunConfig.of(input=(), output="", job="classify", model=tiny_classifier_path, device="cpu",
                          dtype="float32", compile="off", unpad="on", plan_cache=str(tmp_path))
-    loaded = load_model(settings)
+    loaded = load_model(settings.model, settings.batch)
     assert loaded.unpad.startswith("unpadded: BertForSequenceClassification on packed tokens")
     assert loaded.model.unpadded is not None
-    off = load_model(dataclasses.replace(settings, unpad="off"))
+    off_settings = settings.with_settings(unpad="off")
+    off = load_model(off_settings.model, off_settings.batch)
     assert off.unpad == "padded: --unpad off" and off.model.unpadded is None
 
 
@@ -239,12 +239,12 @@ def test_load_model_records_which_forward_runs(tiny_classifier_path, tmp_path):
 def test_the_unpadded_forward_gets_a_memory_plan_of_its_own(tiny_encoder_path, tmp_path):
     from pipeline.core.probe import memory_plan_for
 
-    config = RunConfig(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", max_length=32,
+    config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", max_length=32,
                        max_batch_tokens=256, max_batch_rows=16, memory_budget=2**28, plan_cache=str(tmp_path))
     job = get_job("embed")
     model = job.load(tiny_encoder_path, CPU, torch.float32)
     for unpad in ("off", "on"):
         settle_unpad(unpad, job, model, CPU, torch.float32)
-        assert memory_plan_for(config, job, model, tiny_encoder_path, CPU) is not None
+        assert memory_plan_for(config.batch, "embed", 32, job, model, tiny_encoder_path, CPU) is not None
     plans = sorted(path.name for path in tmp_path.glob("*.json"))
     assert len(plans) == 2, plans  # one probed with each forward, neither reused for the other
