@@ -4,7 +4,7 @@ Each code names the error types that end a command with it. Only those do: any o
 exception is a bug, which exits 1 with its (redacted) traceback, never 2, so that a bug never
 reads as a setting to change. click's own usage errors (an unknown flag, a value its type
 refuses) exit 2 as well, from the CLI. `run --help`, the README and docs/operations.md say the
-same codes (tests/test_exit_codes.py holds them to this table).
+same codes (tests/cli/test_exit_codes.py holds them to this table).
 """
 
 from __future__ import annotations

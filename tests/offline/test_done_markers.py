@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.engines.local import run_job
 from pipeline.offline.manifest import done_marker_problem
-from tests.test_reliability import config_for, read_outputs, three_shards  # noqa: F401 (a fixture)
+from tests.offline.test_reliability import config_for, read_outputs, three_shards  # noqa: F401 (a fixture)
 
 
 def never_read():

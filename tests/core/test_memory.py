@@ -349,7 +349,7 @@ forward_peak_bytes(job, model, cpu, rows, length)  # and so does the whole model
 print(shortened, forward_peak_bytes(job, model, cpu, rows, length))
 """
     measured = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                              cwd=Path(__file__).resolve().parents[1])
+                              cwd=Path(__file__).resolve().parents[2])
     assert measured.returncode == 0, measured.stderr[-2000:]
     shortened, whole = map(float, measured.stdout.split()[-2:])
     assert abs(shortened - whole) <= 0.02 * whole, (shortened / MIB, whole / MIB)

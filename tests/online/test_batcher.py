@@ -22,7 +22,7 @@ from pipeline.core.settings import BatchSettings, ModelSettings
 from pipeline.runtime.model import load_model
 from pipeline.core.forward import BatchLimits
 from tests.conftest import read_outputs, write_shards
-from tests.test_backoff import OutOfMemoryAbove
+from tests.core.test_out_of_memory_backoff import OutOfMemoryAbove
 
 LONG_WINDOW_MS = 30_000  # a window no test waits for: a batch must come from another trigger
 JITTER_S = 0.5  # how late a busy 2-core machine may wake a task: CI and development machines are shared

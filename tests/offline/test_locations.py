@@ -11,7 +11,7 @@ from pipeline.core.errors import UsageError
 from pipeline.offline.locations import check_locations, contains, location_parts, overlap_problem
 from pipeline.offline.source import list_shards
 from tests.conftest import write_shards
-from tests.test_usage_errors_write_nothing import tree_digest
+from tests.cli.test_usage_errors_write_nothing import tree_digest
 
 
 def parts(url):

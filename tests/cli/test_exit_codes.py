@@ -1,9 +1,9 @@
 """The exit-code table: the one list of codes, what `run --help` and the docs say, and which
 errors map to a code (only those; anything else is a bug, exit 1 with its traceback).
 
-Each code is reached by a real command elsewhere: 0 and 2 in tests/test_cli.py, 1 for failed
-shards in tests/test_reliability.py, 3 in tests/test_sweep.py and tests/test_online_loadtest.py,
-4 in tests/test_storage_faults.py, 130 and 143 in tests/test_interrupts.py."""
+Each code is reached by a real command elsewhere: 0 and 2 in tests/cli/test_cli.py, 1 for failed
+shards in tests/offline/test_reliability.py, 3 in tests/tuning/test_sweep.py and tests/tuning/test_online_loadtest.py,
+4 in tests/offline/test_storage_faults.py, 130 and 143 in tests/cli/test_interrupts.py."""
 
 import os
 import re
@@ -19,7 +19,7 @@ from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.exit_codes import EXIT_CODES, exit_code_for
 from tests.conftest import SAMPLE_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TABLE_CODES = {row.code for row in EXIT_CODES}
 
 

@@ -7,7 +7,7 @@ import torch
 import jobs.registry
 from jobs.embed import EmbedJob
 from pipeline.core.forward import forward_splitting_on_oom
-from tests.test_run import run_to_table
+from tests.offline.test_run import run_to_table
 
 
 class OutOfMemoryAbove(EmbedJob):

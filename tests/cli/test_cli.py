@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from tests.conftest import write_shards
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

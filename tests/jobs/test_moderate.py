@@ -71,7 +71,7 @@ def between_two_scores(values: np.ndarray, quantile: float) -> float:
 
 
 def moderate(tmp_path, table, name="out", **settings):
-    settings.setdefault("long_text", "truncate")  # as the transformers pipeline compared with (tests/test_long_text.py)
+    settings.setdefault("long_text", "truncate")  # as the transformers pipeline compared with (tests/offline/test_long_text.py)
     if not (tmp_path / "in").exists():
         write_shards(tmp_path / "in", table, [table.num_rows // 2, table.num_rows - table.num_rows // 2])
     config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / name), progress=False, dtype="float32",
@@ -225,7 +225,7 @@ def test_the_head_script_trains_on_a_slice_and_writes_its_report_beside_the_mode
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = root / "benchmarks" / "train_tweet_moderation_head.py"
     rows = [{"id": f"tweets/{split}/{i}", "text": f"tweet number {i} of {split}", "task": ("offensive", "hate")[i % 2],
              "label": ("offensive", "hate", "none")[i % 3]} for split in ("train", "test") for i in range(30)]

@@ -1,6 +1,6 @@
 """Storage that refuses the output: a full disk (a real 48 KiB tmpfs), an immutable output
 folder (chattr +i) and an object store that answers 503 (moto behind a flaky proxy, in
-tests/test_s3.py). Each ends with one line naming the path, the cause and what to do, exit 4,
+tests/offline/test_s3.py). Each ends with one line naming the path, the cause and what to do, exit 4,
 committed shards intact, no partial file, and a rerun that resumes. A complete output on
 read-only storage (a read-only bind mount) is nothing to do: exit 0."""
 

@@ -318,7 +318,7 @@ def test_rows_that_ran_out_of_memory_yesterday_are_retried_on_a_reuse_night(tmp_
     the null texts, which have no hash), fixes them, and reuses the rest, blank texts with their error."""
     import jobs.registry
     from tests.conftest import assert_equal_outputs
-    from tests.test_backoff import OutOfMemoryAbove
+    from tests.core.test_out_of_memory_backoff import OutOfMemoryAbove
 
     night = write_files(tmp_path / "in", {"part-00000": rows_with_bad_ones.slice(0, 120),
                                           "part-00001": rows_with_bad_ones.slice(120, 80)})
