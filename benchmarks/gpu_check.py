@@ -283,7 +283,9 @@ def run_level(check: Check, inputs: str, rows: int, name: str, **settings) -> di
              "padding_efficiency": round(summary.padding_efficiency, 4), "batches": summary.batches,
              "unpad": summary.unpad,
              "dtype": summary.dtype, "stage_s": summary.stage_s, "oom_splits": summary.oom_splits,
-             "rows_written": summary.rows}
+             "rows_written": summary.rows,
+             # the writer thread's rate on this host: above device_rows_per_s, one writer keeps up with the GPU
+             "writer_rows_per_s": round(rows / summary.stage_s["write"]) if summary.stage_s.get("write") else None}
     if check.device.type == "cuda":
         level["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(check.device)
     print(f"  lengthwise {name}: {level['cold_rows_per_s']:,} rows/s cold, {level['steady_rows_per_s']:,} steady, "

@@ -180,6 +180,7 @@ def test_the_gpu_check_runs_on_cpu_and_fills_every_block(tmp_path, sample_table,
         assert level["rows_written"] == 120 and level["compile"] == "eager: --compile off"
         assert 0 < level["cold_rows_per_s"] < level["steady_rows_per_s"] and level["device_rows_per_s"] > 0
         assert 0 < level["useful_mfu"] <= level["mfu"] and level["device_padded_tokens_per_s"] > 0
+        assert level["writer_rows_per_s"] > 0  # the rate that decides whether one writer keeps up
         assert set(level["ratio_to_st"]) == {"st_batch_size", "cold_rows", "steady_rows", "device_rows",
                                              "device_padded_tokens"} and level["ratio_to_st"]["steady_rows"] > 0
     comparison = throughput["unpad_comparison"]  # auto runs padded on a CPU, so the other forward is unpadded
