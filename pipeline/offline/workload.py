@@ -4,10 +4,12 @@ their texts, tokenized as the model will see them. `--compile auto` weighs a com
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pipeline.core.settings import InputSettings
 from pipeline.core.tokenize import TokenizerSpec, encode_texts
 from pipeline.offline.source import Shard, read_blocks
 
@@ -24,6 +26,13 @@ def sample_texts(shards: Sequence[Shard], id_column: str, text_column: str, stor
             break
         return block.texts.to_pylist()
     return None
+
+
+def input_trial_texts(shards: Sequence[Shard], source: InputSettings) -> Callable[[], list | None]:
+    """The texts the bf16 trial of `--dtype auto` runs on, read only if it runs: the input's own first
+    rows, the same for a run, a sweep and an estimate of it, so that they share one cached verdict and
+    settle one dtype (a sweep's recommendation is kept per dtype)."""
+    return functools.partial(sample_texts, shards, source.id_column, source.text_column, source.storage_options)
 
 
 def estimate_tokens(shards: Sequence[Shard], id_column: str, text_column: str, spec: TokenizerSpec,

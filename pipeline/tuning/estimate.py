@@ -130,6 +130,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     from pipeline.core.clock import SetupClock
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.runtime import open_runtime
+    from pipeline.offline.workload import input_trial_texts
     from pipeline.runtime.model import choose_model
     from pipeline.offline.source import list_shards
     from pipeline.tuning.sweep import LevelSettings, measure_level, read_sample
@@ -139,7 +140,8 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     rows = sum(shard.num_rows for shard in shards if not shard.problem)
     # the batch setting and memory plan the run will take: probed here once and cached, so the run does not probe
     started, clock = time.perf_counter(), SetupClock()
-    choice = choose_model(config.model, config.batch.plan_cache)
+    # --dtype auto's trial on the input's rows, as the run will: the throughput depends on the dtype
+    choice = choose_model(config.model, config.batch.plan_cache, trial_texts=input_trial_texts(shards, config.source))
     runtime = open_runtime(config.model, config.batch, choice=choice, segment_length=config.split_length(
         choice.max_length), clock=clock)
     loaded, plan = runtime.loaded, runtime.plan

@@ -176,6 +176,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     from pipeline.runtime import open_runtime
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.offline.source import list_shards
+    from pipeline.offline.workload import input_trial_texts
+    from pipeline.runtime.model import choose_model
 
     if config.vary not in SWEEP_VARIES:
         raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(SWEEP_VARIES)}")
@@ -183,12 +185,16 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         raise UsageError("--values must be positive integers, e.g. 1024,2048,4096")
     # the tokenizer, the model and the host memory setting, as `run` has them; rows: the device's default unless
     # given (a token budget of None is none: the sweep's levels set it); no memory plan: each level is measured
-    runtime = open_runtime(config.model, config.batch, resolved=("max_batch_rows",), recommended=False)
+    # and --dtype auto's trial on the input's rows, as the run's: the recommendation is kept for the run's dtype
+    shards = list_shards(config.source.input, config.source.id_column, config.source.text_column,
+                         config.source.storage_options)
+    choice = choose_model(config.model, config.batch.plan_cache, trial_texts=input_trial_texts(shards, config.source))
+    runtime = open_runtime(config.model, config.batch, choice=choice, resolved=("max_batch_rows",),
+                           recommended=False)
     loaded = runtime.loaded
     job, model, spec = loaded.job, loaded.model, loaded.tokenizer
     model_path, device, dtype, max_length = (loaded.choice.path, loaded.choice.device, loaded.choice.dtype,
                                              loaded.choice.max_length)
-    shards = list_shards(config.source.input, config.source.id_column, config.source.text_column, config.source.storage_options)
     texts = read_sample(shards, config.source.text_column, config.source.id_column, config.warmup_rows + config.rows, config.seed,
                         config.source.storage_options)
     with TokenizerPool(spec, tokenize_workers_for(config.tokenize_workers, device.type)) as pool:

@@ -217,7 +217,9 @@ def test_the_first_level_out_of_memory_ends_the_sweep_upward(tmp_path, tiny_enco
 @pytest.mark.slow
 def test_a_real_sweep_end_to_end(tmp_path, tiny_encoder_path):
     """Three levels on the shipped sample: CSV, side JSON, warm-up excluded, the saved
-    recommendation used by `run --max-batch-tokens auto`, --compare failing with exit 3."""
+    recommendation used by `run --max-batch-tokens auto` (both under --dtype auto: on a CPU with
+    native bf16 they settle one dtype, that of the trial on the input's rows), --compare failing with
+    exit 3."""
     previous = [level(64, 1e6), level(256, 1e6), level(1024, 1e6)]  # impossibly fast: everything regressed
     write_sweep_csv(str(tmp_path / "previous.csv"), previous)
     cache = tmp_path / "cache"
@@ -225,7 +227,7 @@ def test_a_real_sweep_end_to_end(tmp_path, tiny_encoder_path):
             "--values", "1024,64,256", "--sample-rows", "60", "--warmup-rows", "20", "--max-length", "64",
             "--tokenize-workers", "0", "--plan-cache", str(cache), "--out", str(tmp_path / "sweep.csv"),
             "--compare", str(tmp_path / "previous.csv"), "--fail-on-regression",
-            "--dtype", "float32"]  # pinned, as the run's: a CPU with native bf16 may trial either way under load
+            "--dtype", "auto"]  # as the run's: both trial on the input's rows and share the cached verdict
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 3, result.output
     assert "REGRESSION" in result.output and "recommendation: max-batch-tokens" in result.output
@@ -252,7 +254,7 @@ def test_a_real_sweep_end_to_end(tmp_path, tiny_encoder_path):
     run = CliRunner().invoke(cli, ["run", "--input", str(inputs), "--output", str(tmp_path / "out"),
                                    "--model", tiny_encoder_path, "--max-length", "64", "--max-batch-tokens", "auto",
                                    "--plan-cache", str(cache), "--no-probe", "--no-progress",
-                                   "--tokenize-workers", "0", "--dtype", "float32"])
+                                   "--tokenize-workers", "0"])  # --dtype auto: the sweep's dtype
     assert run.exit_code == 0, run.output
     if "sweep-sample-too-thin" in [finding["code"] for finding in settings["diagnosis"]]:
         # a 60-row sample may be too thin to steer later runs: then nothing is saved, and the run says so
