@@ -193,8 +193,9 @@ class SettingsTree:
         return names
 
     @classmethod
-    def of(cls, **values):
-        """The config of flat `values`; an unknown name is a UsageError that lists the known ones."""
+    def routed(cls, values: dict) -> tuple[dict, dict[str, dict]]:
+        """Flat `values` split into the config's own fields and each group's; an unknown name is a
+        UsageError that lists the known ones."""
         names = cls.flat_names()
         unknown = sorted(set(values) - set(names))
         if unknown:
@@ -206,6 +207,12 @@ class SettingsTree:
                 top[path[0]] = value
             else:
                 groups.setdefault(path[0], {})[path[1]] = value
+        return top, groups
+
+    @classmethod
+    def of(cls, **values):
+        """The config of flat `values`, every group from its default."""
+        top, groups = cls.routed(values)
         defaults = {item.name: item for item in dataclasses.fields(cls)}
         return cls(**top, **{group: dataclasses.replace(defaults[group].default_factory(), **fields)
                              for group, fields in groups.items()})
@@ -228,14 +235,7 @@ class SettingsTree:
     def with_settings(self, **values):
         """This config with flat-named settings changed: a sweep's or load test's level, a run that keeps
         what its output was made with."""
-        names = self.flat_names()
-        top, groups = {}, {}
-        for name, value in values.items():
-            path = names[name]
-            if len(path) == 1:
-                top[path[0]] = value
-            else:
-                groups.setdefault(path[0], {})[path[1]] = value
+        top, groups = self.routed(values)
         return dataclasses.replace(self, **top, **{group: dataclasses.replace(getattr(self, group), **fields)
                                                    for group, fields in groups.items()})
 
