@@ -59,9 +59,9 @@ def main() -> None:
         for threads in [int(t) for t in args.threads.split(",")]:
             def run(unpad: str, output: Path):
                 return run_job(RunConfig.of(input=(str(inputs),), output=str(output), device="cpu", dtype="float32",
-                                         compile="off", unpad=unpad, torch_threads=threads, tokenize_workers=0,
-                                         max_length=args.max_length, progress=False,
-                                         plan_cache=str(scratch / "plans")))
+                                            compile="off", unpad=unpad, torch_threads=threads, tokenize_workers=0,
+                                            max_length=args.max_length, progress=False,
+                                            plan_cache=str(scratch / "plans")))
 
             run("off", scratch / f"warm-up-{threads}")  # the memory plan probed and cached, untimed
             best: dict = {}

@@ -81,10 +81,10 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
         fail(f"--{vary} is the varied setting; give its levels with --values, not as a fixed value")
     try:
         config = SweepConfig.of(input=tuple(inputs), vary=vary, values=values, out=out,
-                             model=model_or_default(model), max_batch_tokens=max_batch_tokens,
-                             max_batch_rows=max_batch_rows,
-                             storage_options=parse_storage_options(storage_option), save_recommendation=not no_save,
-                             **settings)
+                                model=model_or_default(model), max_batch_tokens=max_batch_tokens,
+                                max_batch_rows=max_batch_rows,
+                                storage_options=parse_storage_options(storage_option), save_recommendation=not no_save,
+                                **settings)
         outcome = run_sweep_report(config, Comparison(compare_with, max_throughput_drop, max_p99_rise), plot)
     except UsageError as error:
         fail(str(error))
@@ -165,10 +165,10 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
     try:
         batcher = BatcherConfig.of(model=model_or_default(model), use_plan_cache=not no_plan_cache, **batcher_settings)
         config = OnlineLoadtestConfig.of(input=tuple(inputs), vary=vary, values=values, out=out, batcher=batcher,
-                                      qps=qps, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
-                                      sample_rows=sample_rows, seed=seed, max_p99_ms=max_p99_ms,
-                                      memory_headroom=memory_headroom, id_column=id_column, text_column=text_column,
-                                      storage_options=parse_storage_options(storage_option))
+                                         qps=qps, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
+                                         sample_rows=sample_rows, seed=seed, max_p99_ms=max_p99_ms,
+                                         memory_headroom=memory_headroom, id_column=id_column, text_column=text_column,
+                                         storage_options=parse_storage_options(storage_option))
         outcome = run_loadtest_report(config, Comparison(compare_with, max_throughput_drop, max_p99_rise), plot)
     except UsageError as error:
         fail(str(error))

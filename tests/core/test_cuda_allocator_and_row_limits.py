@@ -106,7 +106,7 @@ def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_pat
     monkeypatch.setattr(pipeline.runtime.model, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
     monkeypatch.setattr(pipeline.runtime.model, "compile_trial", trial)
     config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
-                       max_length=64, plan_cache=str(tmp_path))
+                          max_length=64, plan_cache=str(tmp_path))
     loaded = load_model(config.model, config.batch)
     auto = config.with_settings(compile="auto")
     assert device_compile_seconds(tmp_path, loaded.choice.device)[0] == 30.0  # none measured yet: the CPU's figure

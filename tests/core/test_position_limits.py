@@ -113,9 +113,9 @@ def test_a_row_longer_than_the_limit_runs_at_512_tokens(tmp_path, family_paths, 
     table = pa.table({"id": [1, 2], "text": [" ".join(["moderation"] * 600), "a short row"]})
     write_shards(tmp_path / "in", table, [2])
     summary = run_job(RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"),
-                                model=family_paths[model_type], job=FAMILIES[model_type][2], max_length=512,
-                                dtype="float32", tokenize_workers=0, progress=False,
-                                plan_cache=str(tmp_path / "cache"), max_batch_tokens=1024, probe=False))
+                                   model=family_paths[model_type], job=FAMILIES[model_type][2], max_length=512,
+                                   dtype="float32", tokenize_workers=0, progress=False,
+                                   plan_cache=str(tmp_path / "cache"), max_batch_tokens=1024, probe=False))
     outputs = read_outputs(tmp_path / "out")
     assert outputs["id"].to_pylist() == [1, 2]
     assert outputs["error"].to_pylist() == [None, None]
@@ -127,8 +127,8 @@ def test_a_probe_forward_that_fails_other_than_out_of_memory_is_one_usage_error(
     """The check bypassed: the probe's 600-token forward indexes past RoBERTa's position table.
     Today's fallback (log it, run on --max-batch-tokens) would have died at the first long row."""
     config = RunConfig.of(input=("unused",), output=str(tmp_path / "out"), model=family_paths["roberta"],
-                       job="classify", max_length=512, dtype="float32", plan_cache=str(tmp_path / "cache"),
-                       memory_budget=2**30, max_batch_tokens=4096)
+                          job="classify", max_length=512, dtype="float32", plan_cache=str(tmp_path / "cache"),
+                          memory_budget=2**30, max_batch_tokens=4096)
     loaded = load_model(config.model, config.batch, choose_model(config.model, config.batch.plan_cache))
     with pytest.raises(UsageError) as stopped:
         memory_plan_for(config.batch, "classify", 600, loaded.job, loaded.model, loaded.choice.path,

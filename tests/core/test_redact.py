@@ -81,8 +81,8 @@ def test_the_recorded_config_holds_no_credential(tmp_path):
     from pipeline.offline.manifest import recorded_config
 
     config = RunConfig.of(input=("s3://AKIDSECRET:hunter2@bucket/in/",), output=str(tmp_path / "out"),
-                       reuse="s3://AKIDSECRET:hunter2@bucket/yesterday/",
-                       storage_options={"client_kwargs": {"aws_secret_access_key": "s3cr3t-value",
+                          reuse="s3://AKIDSECRET:hunter2@bucket/yesterday/",
+                          storage_options={"client_kwargs": {"aws_secret_access_key": "s3cr3t-value",
                                                           "endpoint_url": "http://127.0.0.1:9000"}})
     recorded = recorded_config(config)
     assert recorded["input"] == ["s3://bucket/in/"] and recorded["reuse"] == "s3://bucket/yesterday/"

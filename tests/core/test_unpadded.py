@@ -161,14 +161,14 @@ def test_auto_keeps_the_padded_forward_on_a_cpu_and_off_is_off(minilm_path):
 
 def test_compile_on_and_unpad_on_exclude_each_other(tiny_encoder_path):
     settings = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
-                         compile="on", unpad="on")
+                            compile="on", unpad="on")
     with pytest.raises(UsageError, match="--compile on and --unpad on exclude each other"):
         choose_model(settings.model)
 
 
 def test_unpad_on_leaves_compile_auto_eager(tiny_encoder_path, tmp_path):
     settings = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
-                         compile="auto", unpad="on", plan_cache=str(tmp_path))
+                            compile="auto", unpad="on", plan_cache=str(tmp_path))
     choice = choose_model(settings.model, settings.batch.plan_cache)
     job = get_job("embed")
     model = job.load(choice.path, CPU, torch.float32)
@@ -190,8 +190,8 @@ def test_a_run_with_unpad_on_writes_the_padded_runs_embeddings(tmp_path, tiny_en
     outputs, summaries = {}, {}
     for unpad in ("off", "on"):
         config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / unpad), model=tiny_encoder_path,
-                           device="cpu", dtype="float32", compile="off", unpad=unpad, tokenize_workers=0,
-                           probe=False, progress=False, plan_cache=str(tmp_path / "plans"))
+                              device="cpu", dtype="float32", compile="off", unpad=unpad, tokenize_workers=0,
+                              probe=False, progress=False, plan_cache=str(tmp_path / "plans"))
         summaries[unpad] = run_job(config)
         table = pq.read_table(tmp_path / unpad)
         outputs[unpad] = (table["id"].to_pylist(), np.stack(table["embedding"].to_numpy(zero_copy_only=False)))
@@ -226,7 +226,7 @@ def test_the_flag_the_variable_and_the_toml_key_reach_the_setting(tmp_path, monk
 
 def test_load_model_records_which_forward_runs(tiny_classifier_path, tmp_path):
     settings = RunConfig.of(input=(), output="", job="classify", model=tiny_classifier_path, device="cpu",
-                         dtype="float32", compile="off", unpad="on", plan_cache=str(tmp_path))
+                            dtype="float32", compile="off", unpad="on", plan_cache=str(tmp_path))
     loaded = load_model(settings.model, settings.batch)
     assert loaded.unpad.startswith("unpadded: BertForSequenceClassification on packed tokens")
     assert loaded.model.unpadded is not None
@@ -240,7 +240,7 @@ def test_the_unpadded_forward_gets_a_memory_plan_of_its_own(tiny_encoder_path, t
     from pipeline.core.probe import memory_plan_for
 
     config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", max_length=32,
-                       max_batch_tokens=256, max_batch_rows=16, memory_budget=2**28, plan_cache=str(tmp_path))
+                          max_batch_tokens=256, max_batch_rows=16, memory_budget=2**28, plan_cache=str(tmp_path))
     job = get_job("embed")
     model = job.load(tiny_encoder_path, CPU, torch.float32)
     for unpad in ("off", "on"):

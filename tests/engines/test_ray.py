@@ -376,11 +376,11 @@ def test_a_ray_actor_starts_its_tokenizer_pool_once_for_all_its_shards(tmp_path,
 
     write_shards(tmp_path / "in", sample_table.slice(0, 60), [20, 20, 20])
     config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
-                       max_length=64, device="cpu", dtype="float32", probe=False, progress=False,
-                       tokenize_workers=1)
+                          max_length=64, device="cpu", dtype="float32", probe=False, progress=False,
+                          tokenize_workers=1, torch_threads=1)
     ray.init(address=ray_cluster, logging_level=logging.WARNING)
     try:
-        actor = ray.remote(ShardWorker).options(num_cpus=1).remote(config, 1)
+        actor = ray.remote(ShardWorker).options(num_cpus=1).remote(config)
         where = ray.get(actor.where.remote())
         assert where["start_error"] is None
         pools = []

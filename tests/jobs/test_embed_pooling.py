@@ -124,7 +124,7 @@ def test_embed_equals_sentence_transformers_for_the_folder(tmp_path, sample_tabl
     rows = sample_table.slice(0, 48)
     write_shards(tmp_path / "in", rows, [48])
     run_job(RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=folder, progress=False, dtype="float32",
-                      tokenize_workers=0, max_batch_tokens=1024, **run_settings))
+                         tokenize_workers=0, max_batch_tokens=1024, **run_settings))
     output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     ours = np.array(output["embedding"].to_pylist(), dtype=np.float32)
     theirs = SentenceTransformer(folder, device="cpu").encode(rows["text"].to_pylist(), batch_size=16,

@@ -15,7 +15,7 @@ from tests.conftest import write_shards
 def run_over(tmp_path, table, **settings) -> pa.Table:
     write_shards(tmp_path / "in", table, [table.num_rows])
     config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), progress=False, dtype="float32",
-                       tokenize_workers=0, **settings)
+                          tokenize_workers=0, **settings)
     run_job(config)
     import pyarrow.parquet as pq
 

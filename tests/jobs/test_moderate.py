@@ -75,7 +75,7 @@ def moderate(tmp_path, table, name="out", **settings):
     if not (tmp_path / "in").exists():
         write_shards(tmp_path / "in", table, [table.num_rows // 2, table.num_rows - table.num_rows // 2])
     config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / name), progress=False, dtype="float32",
-                       tokenize_workers=0, job="moderate", max_length=128, **settings)
+                          tokenize_workers=0, job="moderate", max_length=128, **settings)
     summary = run_job(config)
     output = pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / name).glob("*.parquet")))
     return output, json.loads(summary.to_json())
@@ -206,8 +206,8 @@ def test_the_summary_of_a_resume_and_of_a_retry_describe_the_whole_output(tmp_pa
     assert resumed["output_totals"] == whole
 
     config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), progress=False, dtype="float32",
-                       tokenize_workers=0, job="moderate", max_length=128, thresholds={"toxic": 0.5},
-                       model=tiny_multilabel_path)
+                          tokenize_workers=0, job="moderate", max_length=128, thresholds={"toxic": 0.5},
+                          model=tiny_multilabel_path)
     retry = run_job(config)
     assert retry.nothing_to_do and retry.rows == 0 and retry.output_totals == whole
     text = retry.to_text()

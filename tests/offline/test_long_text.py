@@ -170,7 +170,7 @@ def run(tmp_path, name, texts, **settings):
     source = tmp_path / f"{name}-in"
     write_shards(source, pa.table({"id": list(range(len(texts))), "text": texts}), [len(texts)])
     config = RunConfig.of(input=(str(source),), output=str(tmp_path / name), progress=False, dtype="float32",
-                       tokenize_workers=0, compile="off", max_length=32, **settings)
+                          tokenize_workers=0, compile="off", max_length=32, **settings)
     summary = run_job(config)
     return pq.read_table(tmp_path / name / "part-00000.parquet"), summary
 
@@ -255,7 +255,7 @@ def test_an_output_made_before_long_text_resumes_truncated(tmp_path, tiny_multil
 
     write_shards(tmp_path / "in", pa.table({"id": list(range(6)), "text": [LONG, "short"] * 3}), [3, 3])
     config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), job="moderate", progress=False,
-                       model=tiny_multilabel_path, dtype="float32", tokenize_workers=0, compile="off", max_length=32)
+                          model=tiny_multilabel_path, dtype="float32", tokenize_workers=0, compile="off", max_length=32)
     run_job(config.with_settings(long_text="truncate"))
     recorded = json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())["fingerprint"]
     assert "long_text" not in recorded and "segment_length" not in recorded

@@ -27,7 +27,7 @@ def three_shards(tmp_path, sample_table):
 def config_for(tmp_path, model, **settings) -> RunConfig:
     settings.setdefault("input", (str(tmp_path / "in"),))
     return RunConfig.of(output=str(tmp_path / "out"), model=model, max_length=64, progress=False, tokenize_workers=0,
-                     **settings)
+                        **settings)
 
 
 def read_outputs(directory) -> dict[str, pa.Table]:

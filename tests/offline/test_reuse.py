@@ -99,7 +99,7 @@ def write_night(root, parts: dict[str, pa.Table]) -> str:
 def run(input_dir, output, model, **settings) -> dict:
     settings = {"max_batch_rows": 1, **settings}
     config = RunConfig.of(input=(input_dir,), output=str(output), model=model, max_length=128, dtype="float32",
-                       tokenize_workers=0, progress=False, **settings)
+                          tokenize_workers=0, progress=False, **settings)
     return json.loads(run_job(config).to_json())
 
 

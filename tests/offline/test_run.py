@@ -121,7 +121,7 @@ def test_a_tokenizer_pool_started_ahead_is_stopped_when_the_claim_fails(tmp_path
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(UsageError, match="another run holds"):
         run_job(RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), model=tiny_encoder_path,
-                          progress=False, tokenize_workers=2, max_length=128, probe=False))
+                             progress=False, tokenize_workers=2, max_length=128, probe=False))
     left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
             if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert [c for c in left if "resource_tracker" not in c] == []  # multiprocessing's tracker stays by design

@@ -61,7 +61,7 @@ def run(tmp_path, shards, model, output="out", **settings):
     settings = {"tokenize_workers": 0, "dtype": "float32", "max_length": 128, "max_batch_tokens": 512,
                 "plan_cache": str(tmp_path / "cache"), **settings}
     summary = run_job(RunConfig.of(input=(str(shards),), output=str(tmp_path / output), model=model, progress=False,
-                                **settings))
+                                   **settings))
     return read_outputs(tmp_path / output), json.loads(summary.to_json())
 
 

@@ -46,7 +46,7 @@ def test_the_trial_runs_on_the_texts_it_is_given_tokenized_as_the_run_will(tmp_p
                                                                           tiny_classifier_path, trials):
     texts = sample_table["text"].to_pylist()[:300]
     config = RunConfig.of(input=(), output="", model=tiny_classifier_path, job="classify", device="cpu",
-                       max_length=96, plan_cache=str(tmp_path))
+                          max_length=96, plan_cache=str(tmp_path))
     choice = choose_model(config.model, config.batch.plan_cache, trial_texts=lambda: texts)
     (_, _, _, trial, _), = trials
     spec = load_tokenizer_spec(tiny_classifier_path, 96)
@@ -68,9 +68,9 @@ def test_a_run_trials_on_its_own_rows_and_the_summary_says_so(tmp_path, sample_t
 
     write_shards(tmp_path / "in", sample_table.slice(0, 80), [80])
     summary = run_job(RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"),
-                                model=tiny_multilabel_path, job="moderate", max_length=64, tokenize_workers=0,
-                                progress=False, plan_cache=str(tmp_path / "cache"), max_batch_tokens=2048,
-                                probe=False))
+                                   model=tiny_multilabel_path, job="moderate", max_length=64, tokenize_workers=0,
+                                   progress=False, plan_cache=str(tmp_path / "cache"), max_batch_tokens=2048,
+                                   probe=False))
     (_, _, loading, trial, _), = trials
     assert loading["thresholds"] == {"toxic": 0.5, "insult": 0.5, "threat": 0.5}  # flags judged as the run will
     reason = json.loads(summary.to_json())["dtype_reason"]

@@ -61,7 +61,7 @@ def poolings(tmp_path_factory, tiny_encoder_path) -> tuple[str, str]:
 
 def settings(tmp_path, model, job="classify", **extra) -> RunConfig:
     return RunConfig.of(input=("unused",), output=str(tmp_path / "out"), model=model, job=job, max_length=128,
-                     plan_cache=str(tmp_path / "cache"), **extra)
+                        plan_cache=str(tmp_path / "cache"), **extra)
 
 
 def verdict_name(run: RunConfig) -> str:

@@ -112,7 +112,7 @@ def test_plan_estimate_with_reuse_predicts_the_computed_rows_and_caches_the_plan
     assert estimate["rows"] == 400 and estimate["computed_rows"] == 100  # all 400 sampled: exactly the edited
     assert estimate["reused_share"] == 0.75 and estimate["memory_plan"].startswith("probed in")
     summary = run_job(RunConfig.of(input=(str(tmp_path / "night2"),), output=str(tmp_path / "out2"),
-                                reuse=str(tmp_path / "out1"), **common))
+                                   reuse=str(tmp_path / "out1"), **common))
     assert summary.computed_rows == 100 and summary.batch_plan.startswith("from cache")
     bad = CliRunner().invoke(cli, ["plan", "--reuse", str(tmp_path / "out1")])
     assert bad.exit_code == 2 and "--reuse goes with --estimate" in bad.output

@@ -136,7 +136,7 @@ def test_the_comparison_flags_lower_throughput_higher_p99_and_new_overload():
 
 def test_levels_whose_window_reaches_the_request_timeout_are_refused_up_front():
     config = OnlineLoadtestConfig.of(input=("x",), vary="batch-timeout-ms", values=(10, 500), out="o.csv",
-                                  batcher=BatcherConfig.of(request_timeout_ms=500))
+                                     batcher=BatcherConfig.of(request_timeout_ms=500))
     with pytest.raises(UsageError, match="batch-timeout-ms 500: a request timeout of 500 ms is not more"):
         level_configs(config)
     sizes = level_configs(OnlineLoadtestConfig.of(input=("x",), vary="max-batch-size", values=(8, 1, 8), out="o.csv"))

@@ -207,9 +207,9 @@ def test_the_first_level_out_of_memory_ends_the_sweep_upward(tmp_path, tiny_enco
 
     monkeypatch.setitem(jobs.registry.JOBS, "embed-oom", OutOfMemoryAbove(max_rows=4))
     report = run_sweep(SweepConfig.of(input=(str(SAMPLE_DIR),), vary="max-batch-rows", values=(16, 2, 8, 4),
-                                   out=str(tmp_path / "s.csv"), job="embed-oom", model=tiny_encoder_path,
-                                   max_length=64, rows=24, warmup_rows=4, tokenize_workers=0,
-                                   plan_cache=str(tmp_path / "cache")))
+                                      out=str(tmp_path / "s.csv"), job="embed-oom", model=tiny_encoder_path,
+                                      max_length=64, rows=24, warmup_rows=4, tokenize_workers=0,
+                                      plan_cache=str(tmp_path / "cache")))
     assert [(r.level, r.status) for r in report.levels] == [(2, "ok"), (4, "ok"), (8, "oom")]  # 16 never ran
     assert report.recommendation.level in (2, 4) and "out of memory" in report.recommendation.excluded[8]
 
