@@ -5,7 +5,6 @@ flag that flips fails the trial even when every score stays within 0.01."""
 import json
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 from tokenizers import Tokenizer
