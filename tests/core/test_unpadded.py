@@ -239,12 +239,14 @@ def test_load_model_records_which_forward_runs(tiny_classifier_path, tmp_path):
 def test_the_unpadded_forward_gets_a_memory_plan_of_its_own(tiny_encoder_path, tmp_path):
     from pipeline.core.probe import memory_plan_for
 
-    config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", max_length=32,
-                          max_batch_tokens=256, max_batch_rows=16, memory_budget=2**28, plan_cache=str(tmp_path))
+    # batches large enough that the probe measures growth whatever else the machine runs (256 tokens did not)
+    config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", max_length=64,
+                          max_batch_tokens=2**20, max_batch_rows=4096, memory_budget=64 * 2**20,
+                          plan_cache=str(tmp_path))
     job = get_job("embed")
     model = job.load(tiny_encoder_path, CPU, torch.float32)
     for unpad in ("off", "on"):
         settle_unpad(unpad, job, model, CPU, torch.float32)
-        assert memory_plan_for(config.batch, "embed", 32, job, model, tiny_encoder_path, CPU) is not None
+        assert memory_plan_for(config.batch, "embed", 64, job, model, tiny_encoder_path, CPU) is not None
     plans = sorted(path.name for path in tmp_path.glob("*.json"))
     assert len(plans) == 2, plans  # one probed with each forward, neither reused for the other
