@@ -33,7 +33,7 @@ class Runtime:
     loaded: LoadedModel
     batch: BatchSettings  # the limits named in `resolved` are numbers: given, recommended or the device's default
     batch_setting: str  # where each limit came from, in words
-    plan: MemoryPlan | None  # the memory plan of `plan_batch` (None: --no-probe)
+    plan: MemoryPlan | None  # made for these limits, or the largest `levels` (None: --no-probe)
     limits: BatchLimits  # the plan's rows per length, lowered after an out-of-memory split
     saved_for: dict[str, dict | None]  # the sweep's saved recommendations for this model, device and dtype
     resolved: tuple[str, ...] = BATCH_LIMITS
