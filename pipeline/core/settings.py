@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -180,8 +181,10 @@ class SettingsTree:
     ALIASES: ClassVar[dict[str, str]] = {}
 
     @classmethod
+    @functools.cache
     def flat_names(cls) -> dict[str, tuple[str, ...]]:
-        """Every flat name → its path in the tree (("batch", "max_batch_tokens"), ("output",))."""
+        """Every flat name → its path in the tree (("batch", "max_batch_tokens"), ("output",)): the same for
+        every instance, so worked out once per class."""
         names = {}
         for item in dataclasses.fields(cls):
             group = SETTINGS_GROUPS.get(item.name)
@@ -227,8 +230,11 @@ class SettingsTree:
 
     def setting(self, name: str):
         """The value of one flat-named setting."""
+        return self._at(self.flat_names()[name])
+
+    def _at(self, path: tuple[str, ...]):
         value = self
-        for part in self.flat_names()[name]:
+        for part in path:
             value = getattr(value, part)
         return value
 
@@ -241,4 +247,4 @@ class SettingsTree:
 
     def to_dict(self) -> dict:
         """Flat: each setting under its flat name, as run.json and the summaries record them."""
-        return {name: self.setting(name) for name in self.flat_names() if name not in self.ALIASES}
+        return {name: self._at(path) for name, path in self.flat_names().items() if name not in self.ALIASES}
