@@ -39,8 +39,9 @@ def load_recommendation(plan_cache: str | None, name: str, key: dict) -> dict | 
 def resolve_batch_setting(batch: BatchSettings, device_type: str, saved_for: dict[str, dict | None] | None = None,
                           fields: tuple[str, ...] = ("max_batch_tokens", "max_batch_rows"),
                           model_config=None) -> tuple[BatchSettings, str]:
-    """The one `auto` resolver: replace each of `fields` that is None (`auto`) in `batch` by the saved sweep recommendation for this model, device, dtype and
-    max length (`saved_for`: `saved_recommendations`), else by the device's default
+    """The one `auto` resolver: replace each of `fields` that is None (`auto`) in `batch` by the saved
+    sweep recommendation for this model, device, dtype and max length (`saved_for`:
+    `saved_recommendations`), else by the device's default
     (`device_batch_limit`: on CUDA the token budget follows `model_config`'s size). Returns the
     settings and where each limit came from. Rows above MAX_BATCH_ROWS become that many, said so."""
     from pipeline.core.settings import MAX_BATCH_ROWS, device_batch_limit

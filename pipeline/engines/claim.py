@@ -26,7 +26,7 @@ from pipeline.offline.locations import check_locations
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import check_reusable
 from pipeline.offline.sink import ShardSink
-from pipeline.offline.source import Shard, WorkerSlot, list_shards
+from pipeline.offline.source import Shard, WorkerSlot, list_source_shards
 from pipeline.offline.summary import RunSummary, output_totals
 from pipeline.offline.workload import input_trial_texts
 from pipeline.runtime.model import ModelChoice, choose_model
@@ -65,8 +65,7 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     started, clock = time.perf_counter(), SetupClock()
     check_locations(config.source.input, config.output, config.source.storage_options, config.reuse)
     with clock.step("shards"):
-        shards = list_shards(config.source.input, config.source.id_column, config.source.text_column, config.source.storage_options, slot,
-                             config.keep_columns, config.source.split)
+        shards = list_source_shards(config.source, slot, config.keep_columns)
     if slot.count > 1:
         log.info(f"{slot.describe()}: {len(shards)} shard(s)")
     sink = ShardSink(config.output, config.source.storage_options)

@@ -56,13 +56,12 @@ def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],
     def workload(spec: TokenizerSpec) -> float:
         return estimate_tokens(todo, source.id_column, source.text_column, spec, source.storage_options)
 
-    segment_length = config.split_length(choice.max_length)
     with clock.step("tokenizer"):
-        tokenizer = tokenizer_for(config.model, choice, segment_length)
+        tokenizer = tokenizer_for(config.model, choice, config.split_length(choice.max_length))
         pool = TokenizerPool(tokenizer, tokenize_workers_for(config.tokenize_workers, choice.device.type), wait=False)
     try:
         runtime = open_runtime(config.model, config.batch, choice=choice, workload=workload, tokenizer=tokenizer,
-                               segment_length=segment_length, clock=clock)
+                               clock=clock)
         settled = config.with_settings(compile="on" if runtime.loaded.compile.compiled else "off")
         return ShardRunner(settled, runtime, pool, clock), settled
     except BaseException:

@@ -78,7 +78,6 @@ class ShardRunner:
         self._started_pool, self.clock, self.keep_pool = pool, clock or SetupClock(), keep_pool
         self.window_rows = config.window_rows or auto_window_rows(runtime.batch.max_batch_rows)
         self.tokenize_workers = tokenize_workers_for(config.tokenize_workers, self.loaded.choice.device.type)
-        self.limits = runtime.limits
         self._previous: PreviousOutput | None = None
         check_kept_columns(config.keep_columns, self.loaded.job.output_schema(self.loaded.model).names,
                            [f.name for f in self._split_fields()])
@@ -126,7 +125,7 @@ class ShardRunner:
                 feeder = DeviceFeeder(device)
                 work = batches_of(windows, self.window_rows, self.runtime, loaded.tokenizer.pad_token_id, feeder,
                                   times)
-                for item, result in run_on_device(work, job, model, device, feeder, self.limits,
+                for item, result in run_on_device(work, job, model, device, feeder, self.runtime.limits,
                                                   config.prefetch_batches, times):
                     if isinstance(item, WindowPart):
                         copied = item.window.copy_duplicates(item.start_row, item.end_row)
@@ -174,7 +173,7 @@ class ShardRunner:
         summary.tokens_per_s = summary.real_tokens / wall_s
         summary.stage_s = {name: round(seconds, 3) for name, seconds in dataclasses.asdict(times).items()}
         summary.device_busy_fraction = times.forward / max(wall_s - times.setup, 1e-9)
-        summary.lowered_batch_rows = dict(sorted(self.limits.lowered.items()))
+        summary.lowered_batch_rows = dict(sorted(self.runtime.limits.lowered.items()))
         summary.compiled_graphs = loaded.compile.graphs()
 
     __call__ = run  # an engine's ShardsRunner (pipeline/engines/claim.py)
@@ -184,7 +183,8 @@ class ShardRunner:
         actor's shards share it); removed when the runner goes."""
         if self._previous is None:
             started = time.perf_counter()
-            self._previous = PreviousOutput(self.config.reuse, self.config.source.storage_options, self.config.keep_columns)
+            config = self.config
+            self._previous = PreviousOutput(config.reuse, config.source.storage_options, config.keep_columns)
             weakref.finalize(self, self._previous.close)
             log.info(f"--reuse: indexed {self._previous.index.rows:,} rows of {len(self._previous.stems)} shard(s) "
                      f"of {self.config.reuse} in {time.perf_counter() - started:.2f}s")

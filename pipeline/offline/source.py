@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.retry import backoff_delay_s, is_transient, retry_transient
+from pipeline.core.settings import InputSettings
 from pipeline.offline.locations import GLOB_CHARACTERS, LEGACY_MANIFEST_DIR, MANIFEST_DIR, outside_outputs
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,13 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
         more = f" (and {len(problems) - 1} more shards fail)" if len(problems) > 1 else ""
         raise UsageError(problems[0] + more)
     return shards
+
+
+def list_source_shards(source: InputSettings, slot: WorkerSlot = WorkerSlot(),
+                       keep_columns: Sequence[str] = ()) -> list[Shard]:
+    """`list_shards` of a product's input settings (a run's, a sweep's, a load test's, an estimate's)."""
+    return list_shards(source.input, source.id_column, source.text_column, source.storage_options, slot, keep_columns,
+                       source.split)
 
 
 def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storage_options: dict,

@@ -19,7 +19,7 @@ from pipeline.core.memory import MemoryPlan
 from pipeline.core.probe import memory_plan_for
 from pipeline.core.settings import BatchSettings, ModelSettings, set_torch_threads
 from pipeline.core.tokenize import TokenizerSpec
-from pipeline.runtime.model import LoadedModel, ModelChoice, load_model
+from pipeline.runtime.model import LoadedModel, ModelChoice, choose_model, load_model
 
 log = logging.getLogger(__name__)
 
@@ -48,39 +48,44 @@ class Runtime:
 
     def resolve(self, batch: BatchSettings) -> tuple[BatchSettings, str]:
         """Other limits (a load test's level) settled as this runtime's were."""
-        loaded = self.loaded
-        return resolve_batch_setting(batch, loaded.choice.device.type, self.saved_for, self.resolved,
-                                     model_config=loaded.model.config)
+        return settle_limits(batch, self.loaded, self.saved_for, self.resolved)
+
+
+def settle_limits(batch: BatchSettings, loaded: LoadedModel, saved_for: dict[str, dict | None],
+                  resolved: tuple[str, ...]) -> tuple[BatchSettings, str]:
+    """`batch` with the limits named in `resolved` settled for this model and device (`resolve_batch_setting`)."""
+    return resolve_batch_setting(batch, loaded.choice.device.type, saved_for, resolved,
+                                 model_config=loaded.model.config)
 
 
 def open_runtime(model: ModelSettings, batch: BatchSettings, *, choice: ModelChoice | None = None,
+                 trial_texts: Callable[[], list | None] | None = None,
+                 split_length: Callable[[int], int | None] | None = None,
                  resolved: tuple[str, ...] = BATCH_LIMITS, recommended: bool = True,
                  levels: Sequence[BatchSettings] = (), workload: Callable[[TokenizerSpec], float] | None = None,
-                 tokenizer: TokenizerSpec | None = None, segment_length: int | None = None,
-                 clock: SetupClock | None = None) -> Runtime:
-    """Load the model (`choice`: already settled, as a run settles it before checking its output;
-    `workload`, `tokenizer`, `segment_length`, `clock`: as `load_model`), then settle the limits
-    named in `resolved` (None = auto: the sweep's saved recommendation for this model, device, dtype
-    and max length unless not `recommended` (the online batcher: a sweep measures offline batches),
-    else the device's default for this model's size) and make the memory plan for the settled
-    limits, or for the largest of them and `levels` (a load test's: each settled the same way)."""
+                 tokenizer: TokenizerSpec | None = None, clock: SetupClock | None = None) -> Runtime:
+    """Settle the model (`choice`: already settled, as a run settles it before checking its output;
+    else here, --dtype auto's trial on `trial_texts()`, the input's rows, where given) and load it
+    (`workload`, `tokenizer`, `clock`: as `load_model`; `split_length(max_length)`: the segment length
+    of a tokenizer that splits long rows, None to truncate). Then settle the limits named in `resolved`
+    (None = auto: the sweep's saved recommendation for this model, device, dtype and max length unless
+    not `recommended` (the online batcher: a sweep measures offline batches), else the device's default
+    for this model's size) and make the memory plan for the settled limits, or for the largest of
+    `levels` (a load test's: each settled the same way)."""
     clock = clock or SetupClock()
     set_torch_threads(model.torch_threads)  # before the model loads: the dtype and compile trials time with it
+    choice = choice or choose_model(model, batch.plan_cache, trial_texts=trial_texts)
+    segment_length = split_length(choice.max_length) if split_length else None
     loaded = load_model(model, batch, choice, workload, tokenizer, clock, segment_length)
-    choice = loaded.choice
     with clock.step("batch plan"):
         saved_for = saved_recommendations(batch.plan_cache, model.job, choice.max_length, choice.path,
                                           choice.device, loaded.model) if recommended else {}
-        settled, setting = resolve_batch_setting(batch, choice.device.type, saved_for, resolved,
-                                                 model_config=loaded.model.config)
+        settled, setting = settle_limits(batch, loaded, saved_for, resolved)
         log.info(f"batch setting: {setting}")
-        runtime = Runtime(loaded, settled, setting, None, BatchLimits(None), saved_for, resolved)
-        if batch.probe:
-            runtime.plan = memory_plan_for(largest_of([runtime.resolve(level)[0] for level in levels] or [settled]),
-                                           model.job, choice.max_length, loaded.job, loaded.model, choice.path,
-                                           choice.device)
-            runtime.limits = BatchLimits(runtime.plan)
-    return runtime
+        plan = memory_plan_for(largest_of([settle_limits(level, loaded, saved_for, resolved)[0] for level in levels]
+                                          or [settled]), model.job, choice.max_length, loaded.job, loaded.model,
+                               choice.path, choice.device) if batch.probe else None
+    return Runtime(loaded, settled, setting, plan, BatchLimits(plan), saved_for, resolved)
 
 
 def largest_of(batches: list[BatchSettings]) -> BatchSettings:

@@ -139,7 +139,8 @@ class TrialBatches:
     prompt_tokens: int = 0  # leading prompt tokens in every row (pooling may leave them out)
 
 
-def choose_cpu_dtype(settings: ModelSettings, plan_cache: str | None, path: str, max_length: int, attention: str | None, options: dict, prompt: str,
+def choose_cpu_dtype(settings: ModelSettings, plan_cache: str | None, path: str, max_length: int,
+                     attention: str | None, options: dict, prompt: str,
                      input_rows: Callable[[], TrialBatches | None] | None) -> tuple[torch.dtype, str]:
     """`--dtype auto` on the CPU: bfloat16 when the CPU runs it natively and the trial is at
     least BF16_MIN_SPEEDUP times faster in it and agrees with float32 (the job's test, flag
@@ -168,8 +169,8 @@ def choose_cpu_dtype(settings: ModelSettings, plan_cache: str | None, path: str,
     return DTYPES[chosen], reason
 
 
-def dtype_verdict_key(settings: ModelSettings, plan_cache: str | None, path: str, max_length: int, options: dict, prompt: str,
-                      on_input_rows: bool) -> tuple[dict, str]:
+def dtype_verdict_key(settings: ModelSettings, plan_cache: str | None, path: str, max_length: int, options: dict,
+                      prompt: str, on_input_rows: bool) -> tuple[dict, str]:
     """What a CPU dtype verdict holds for: the model's content (weights, pooling, normalisation,
     prompts: a retrained checkpoint of the same shape gets its own trial), the job and its
     options (thresholds decide flag flips), the prompt, which rows it ran on, CPU, torch."""
@@ -338,7 +339,8 @@ def compile_trial_shapes(batch: BatchSettings, device, model_config, max_length:
     return trial_shapes(device.type, tokens, min(rows, MAX_BATCH_ROWS), max_length)
 
 
-def settle_compile(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice, job, model, job_tokens: float | None):
+def settle_compile(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice, job, model,
+                   job_tokens: float | None):
     """(the model that runs, why): eager or compiled, by `settings.compile` and, for `auto`, the
     cached verdict of a compile trial on this model, job, device and dtype (a trial runs when
     there is none and the job is large enough to pay a compile back)."""

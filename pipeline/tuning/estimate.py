@@ -131,22 +131,20 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.runtime import open_runtime
     from pipeline.offline.workload import input_trial_texts
-    from pipeline.runtime.model import choose_model
-    from pipeline.offline.source import list_shards
+    from pipeline.offline.source import list_source_shards
     from pipeline.tuning.sweep import LevelSettings, measure_level, read_sample
 
-    shards = list_shards(config.source.input, config.source.id_column, config.source.text_column, config.source.storage_options,
-                         split=config.source.split)
+    source = config.source
+    shards = list_source_shards(source)
     rows = sum(shard.num_rows for shard in shards if not shard.problem)
-    # the batch setting and memory plan the run will take: probed here once and cached, so the run does not probe
+    # the model, batch setting and memory plan the run will take (the plan probed here once and cached, so the run
+    # does not probe); --dtype auto's trial on the input's rows, as the run's: the throughput depends on the dtype
     started, clock = time.perf_counter(), SetupClock()
-    # --dtype auto's trial on the input's rows, as the run will: the throughput depends on the dtype
-    choice = choose_model(config.model, config.batch.plan_cache, trial_texts=input_trial_texts(shards, config.source))
-    runtime = open_runtime(config.model, config.batch, choice=choice, segment_length=config.split_length(
-        choice.max_length), clock=clock)
+    runtime = open_runtime(config.model, config.batch, trial_texts=input_trial_texts(shards, source),
+                           split_length=config.split_length, clock=clock)
     loaded, plan = runtime.loaded, runtime.plan
     setup_s = time.perf_counter() - started - clock.steps.get("batch plan", 0.0)  # a cached plan costs the run nothing
-    sample = read_sample(shards, config.source.text_column, config.source.id_column, sample_rows, 0, config.source.storage_options,
+    sample = read_sample(shards, source.text_column, source.id_column, sample_rows, 0, source.storage_options,
                          with_ids=True)
     texts = [text for _, text in sample]
     reused, reuse_s = sampled_rows_reused(config, sample) if config.reuse else (None, 0.0)

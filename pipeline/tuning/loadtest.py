@@ -272,20 +272,21 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     from pipeline.core.forward import BatchLimits
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.runtime import open_runtime
-    from pipeline.offline.source import list_shards
+    from pipeline.offline.source import list_source_shards
     from pipeline.tuning.levels import length_distribution
     from pipeline.tuning.sweep import read_sample
 
-    fixed = config.batcher
+    fixed, levels_asked = config.batcher, level_configs(config)
     # one plan for every level: made for the largest batches they may form
     runtime = open_runtime(fixed.model, fixed.batch, resolved=("max_batch_tokens",), recommended=False,
-                           levels=[level.batch for _, level in level_configs(config)])
+                           levels=[level.batch for _, level in levels_asked])
     loaded, plan = runtime.loaded, runtime.plan
     levels_to_run = [(value, dataclasses.replace(level, batch=runtime.resolve(level.batch)[0]))
-                     for value, level in level_configs(config)]
-    shards = list_shards(config.source.input, config.source.id_column, config.source.text_column, config.source.storage_options)
-    texts = [t for t in read_sample(shards, config.source.text_column, config.source.id_column, config.sample_rows, config.seed,
-                                    config.source.storage_options) if isinstance(t, str) and t.strip()]
+                     for value, level in levels_asked]
+    source = config.source
+    texts = [t for t in read_sample(list_source_shards(source), source.text_column, source.id_column,
+                                    config.sample_rows, config.seed, source.storage_options)
+             if isinstance(t, str) and t.strip()]
     if len(texts) < 2:
         raise UsageError(f"only {len(texts)} usable texts in the input; the load test needs more")
     with TokenizerPool(loaded.tokenizer, 0) as pool:

@@ -175,9 +175,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     from pipeline.core.device import available_memory_bytes, device_name, dtype_name
     from pipeline.runtime import open_runtime
     from pipeline.core.tokenize import TokenizerPool
-    from pipeline.offline.source import list_shards
+    from pipeline.offline.source import list_source_shards
     from pipeline.offline.workload import input_trial_texts
-    from pipeline.runtime.model import choose_model
 
     if config.vary not in SWEEP_VARIES:
         raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(SWEEP_VARIES)}")
@@ -186,17 +185,16 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     # the tokenizer, the model and the host memory setting, as `run` has them; rows: the device's default unless
     # given (a token budget of None is none: the sweep's levels set it); no memory plan: each level is measured
     # and --dtype auto's trial on the input's rows, as the run's: the recommendation is kept for the run's dtype
-    shards = list_shards(config.source.input, config.source.id_column, config.source.text_column,
-                         config.source.storage_options)
-    choice = choose_model(config.model, config.batch.plan_cache, trial_texts=input_trial_texts(shards, config.source))
-    runtime = open_runtime(config.model, config.batch, choice=choice, resolved=("max_batch_rows",),
-                           recommended=False)
+    source = config.source
+    shards = list_source_shards(source)
+    runtime = open_runtime(config.model, config.batch, trial_texts=input_trial_texts(shards, source),
+                           resolved=("max_batch_rows",), recommended=False)
     loaded = runtime.loaded
     job, model, spec = loaded.job, loaded.model, loaded.tokenizer
     model_path, device, dtype, max_length = (loaded.choice.path, loaded.choice.device, loaded.choice.dtype,
                                              loaded.choice.max_length)
-    texts = read_sample(shards, config.source.text_column, config.source.id_column, config.warmup_rows + config.rows, config.seed,
-                        config.source.storage_options)
+    texts = read_sample(shards, source.text_column, source.id_column, config.warmup_rows + config.rows, config.seed,
+                        source.storage_options)
     with TokenizerPool(spec, tokenize_workers_for(config.tokenize_workers, device.type)) as pool:
         encoded = pool.result(pool.submit(texts))
     usable = np.flatnonzero([error is None for error in encoded.errors])
@@ -227,7 +225,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         "prefetch_batches": config.prefetch_batches, "torch_threads": torch.get_num_threads(),
         "memory_budget_bytes": budget, "memory_headroom": config.memory_headroom, "max_p99_ms": config.max_p99_ms,
         "rows": len(measured_rows), "warmup_rows": warmup_count, "seed": config.seed,
-        "input": list(config.source.input), "sample_token_lengths": lengths, "sample_truncated_share": round(truncated, 4),
+        "input": list(source.input), "sample_token_lengths": lengths, "sample_truncated_share": round(truncated, 4),
     }
     levels: list[LevelResult] = []
     for value in sorted(set(config.values)):
