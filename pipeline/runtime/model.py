@@ -79,8 +79,8 @@ def choose_model(settings: ModelSettings, plan_cache: str | None = None, dtype_s
     """`plan_cache`: where the dtype verdict is cached.
     `dtype_source` says where a dtype the caller set came from (e.g. the output's record on a
     resume); without it a dtype other than auto came from --dtype. `trial_texts()`: a sample of
-    the job's own texts for the bf16 trial (read only if a trial runs); without it (a sweep, a
-    service) the trial runs on random token ids."""
+    the job's own texts for the bf16 trial (read only if a trial runs); without it (`plan`, the
+    batcher) the trial runs on random token ids."""
     if settings.compile == "on" and settings.unpad == "on":
         raise UsageError("--compile on and --unpad on exclude each other: the compiled forward is exported for padded "
                          "batches; drop one of them")
