@@ -159,7 +159,7 @@ def choose_cpu_dtype(settings: ModelSettings, plan_cache: str | None, path: str,
                "attention": attention, **options}
     try:
         trial = input_rows() if input_rows else None
-        if trial is None:  # no rows (a sweep, a service, an input with no readable text): random ids
+        if trial is None:  # no rows (`plan`, the batcher, an input with no readable text): random ids
             key, name = dtype_verdict_key(settings, plan_cache, path, max_length, options, prompt, False)
         speedup, agrees, agreement = bf16_trial(job, path, loading, trial, min(TRIAL_LENGTH, max_length))
     except Exception as error:  # noqa: BLE001 - out of memory, an op bf16 lacks: float32 is always safe
