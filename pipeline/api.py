@@ -1,8 +1,9 @@
 """lengthwise from Python (an Airflow PythonOperator, a notebook): `run(input, output, job, **options)`.
 
 The options are `lengthwise run`'s flags with underscores (`max_length=128`, `keep_columns=["label"]`,
-`threshold={"toxic": 0.8}`, `config="configs/nightly_moderation.toml"`), parsed by the same command,
-so defaults, LENGTHWISE_* variables, TOML files and checks are the CLI's. Errors are exceptions,
+`threshold={"toxic": 0.8}`, `config="configs/nightly_moderation.toml"`), resolved without click
+from the same declarations as the CLI's (`pipeline.offline.options`): keyword, then LENGTHWISE_*
+variable, then the `config` TOML file, then the default, each checked as the flag is. Errors are exceptions,
 never an exit: UsageError (exit 2 on the CLI; bad settings, or a script without a main guard),
 ShardsFailed (exit 1), StorageError (exit 4) and WorkerStartError (a tokenizer worker process
 could not start). `run_async` is the same call for code inside a running event loop (a notebook,
@@ -15,17 +16,15 @@ import ast
 import asyncio
 import functools
 import json
+import logging
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
-import click
-
-from pipeline.cli.job_commands import run as run_command
-from pipeline.cli.job_commands import run_config
 from pipeline.core.errors import UsageError
+from pipeline.core.logs import configure_logging
 from pipeline.core.tokenize import WorkerStartError
 from pipeline.engines.execute import execute_run
+from pipeline.offline.options import run_config_from
 
 __all__ = ["run", "run_async", "ShardsFailed", "UsageError", "WorkerStartError"]
 
@@ -62,16 +61,10 @@ async def run_async(input: str | list[str], output: str | None = None, job: str 
 
 
 def _run(input, output: str | None, job: str, options: dict, unguarded: tuple[str, int] | None) -> dict:
-    arguments = ["--job", job, *_flag_arguments("input", [input] if isinstance(input, str) else list(input))]
-    if output is not None:
-        arguments += ["--output", output]
-    for name, value in options.items():
-        arguments += _flag_arguments(name, value)
-    try:
-        with run_command.make_context("lengthwise run", arguments) as context:
-            config = run_config(**{name: context.params[name] for name in context.params})
-    except click.ClickException as error:  # a bad value, an unknown flag, an unreadable --config file
-        raise UsageError(error.format_message()) from None
+    quiet, verbose = options.pop("quiet", False), options.pop("verbose", False)
+    config = run_config_from({**options, "input": input, "output": output, "job": job})
+    if quiet or verbose:  # as -q / -v: the same logger, at another level
+        configure_logging(logging.DEBUG if verbose else logging.WARNING)
     if unguarded and config.tokenize_workers != 0:  # None: auto, at least one worker
         refuse_an_unguarded_main_script(*unguarded)
     summary = json.loads(execute_run(config).to_json())
@@ -117,33 +110,3 @@ def _is_main_guard(statement: ast.stmt) -> bool:
     sides = [statement.test.left, *statement.test.comparators]
     return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and \
         any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides)
-
-
-def _options_by_name() -> dict[str, click.Option]:
-    """`run`'s options by flag name with underscores (max_length, no_plan_cache, probe …)."""
-    return {option.opts[0].lstrip("-").replace("-", "_"): option for option in run_command.params
-            if isinstance(option, click.Option)}
-
-
-def _flag_arguments(name: str, value) -> list[str]:
-    """The command-line arguments of one keyword option."""
-    option = _options_by_name().get(name)
-    if option is None:
-        raise UsageError(f"run() has no option {name!r}; options: {', '.join(sorted(_options_by_name()))}")
-    flag = option.opts[0]
-    if value is None:
-        return []
-    if option.is_flag:
-        if not isinstance(value, bool):
-            raise UsageError(f"{name}={value!r}: give True or False")
-        if value:
-            return [flag]
-        return [option.secondary_opts[0]] if option.secondary_opts else []
-    if isinstance(value, Mapping):  # threshold={"toxic": 0.8}, storage_option={"anon": True}
-        pairs = [f"{key}={item if isinstance(item, str) else json.dumps(item)}" for key, item in value.items()]
-        return [argument for pair in pairs for argument in (flag, pair)]
-    if isinstance(value, (list, tuple)):
-        if option.multiple:
-            return [argument for item in value for argument in (flag, str(item))]
-        return [flag, ",".join(map(str, value))]  # keep_columns=["label", "lang"]
-    return [flag, str(value)]

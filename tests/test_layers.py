@@ -15,7 +15,7 @@ LAYERS = {"pipeline": 0, "pipeline.core": 0, "pipeline.sample_data": 0, "jobs": 
           "pipeline.offline": 3, "pipeline.online": 3, "pipeline.engines": 4, "pipeline.tuning": 5,
           "pipeline.cli": 6, "pipeline.api": 6}
 SIDE_BY_SIDE = {("pipeline.offline", "pipeline.online"), ("pipeline.online", "pipeline.offline"),  # neither knows the other
-                ("pipeline.cli", "pipeline.api")}  # the API builds settings itself, never through click
+                ("pipeline.cli", "pipeline.api"), ("pipeline.api", "pipeline.cli")}  # the API builds settings itself, never through click
 
 
 def layer_of(module: str) -> str:

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.cli.job_commands import show_progress
+from pipeline.offline.options import show_progress
 from pipeline.sample_data import SAMPLE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]

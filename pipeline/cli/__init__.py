@@ -2,7 +2,8 @@
 
 Every option comes, in this order of precedence, from its flag, from its
 LENGTHWISE_<NAME> environment variable, from the TOML file given with --config, or from
-its default (defined once, in `pipeline/core/settings.py`). Exit codes: `pipeline/core/exit_codes.py`.
+its default (defined once, in `pipeline/core/settings.py`; what each takes in `pipeline/core/values.py`,
+`run`'s options in `pipeline/offline/options.py`). Exit codes: `pipeline/core/exit_codes.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import traceback
 import click
 
 from pipeline.cli.job_commands import plan, run, status, verify
-from pipeline.cli.options import COMMANDS, configure_logging
+from pipeline.cli.options import COMMANDS
 from pipeline.cli.tuning_commands import loadtest, sweep
 from pipeline.core.exit_codes import INTERRUPTED_BY_SIGINT, INTERRUPTING_SIGNALS
+from pipeline.core.logs import configure_logging
 from pipeline.core.redact import redact_text
 
 

@@ -15,100 +15,73 @@ from pipeline.cli.options import (
     LOG_OPTIONS,
     MODEL_OPTIONS,
     WORKER_OPTIONS,
-    ByteSize,
-    CountOrAuto,
-    Duration,
-    FiniteFloatRange,
-    NameList,
-    default_of,
+    Checked,
     env_option,
     fail,
     fail_on_storage_error,
     merge_config_table,
-    model_or_default,
-    parse_storage_options,
-    parse_thresholds,
+    run_option,
     with_options,
 )
-from pipeline.core import exit_codes
+from pipeline.core import exit_codes, values
 from pipeline.core.errors import StorageError, UsageError
-from pipeline.core.settings import LONG_TEXT_MODES
 from pipeline.offline.config import RunConfig
+from pipeline.offline.options import model_or_default, parse_storage_options, run_config
 from pipeline.engines.execute import execute_run
-from pipeline.sample_data import SAMPLE_DIR
 
 
 @click.command(epilog=f"\b\nExit codes:\n{exit_codes.exit_codes_help()}")
 @CONFIG_OPTION
-@env_option("--input", "inputs", env="INPUT", multiple=True,
-            help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable.")
-@env_option("--output", env="OUTPUT", help="Output directory (local or fsspec URL): one Parquet file per shard.")
-@env_option("--demo", env="DEMO", is_flag=True, default=False,
-            help="Input: the 400-row sample that ships with lengthwise (what ./run.sh embeds), in place of --input; "
+@run_option("--input", "inputs", help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable.")
+@run_option("--output", help="Output directory (local or fsspec URL): one Parquet file per shard.")
+@run_option("--demo", help="Input: the 400-row sample that ships with lengthwise (what ./run.sh embeds), in place of --input; "
                  "a first run of an installed package: lengthwise run --demo --output out/demo.")
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
-@env_option("--keep-columns", env="KEEP_COLUMNS", type=NameList(), default=default_of("keep_columns"),
-            help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
-@env_option("--split", env="SPLIT", default=None,
-            help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
-@env_option("--long-text", env="LONG_TEXT", type=click.Choice(LONG_TEXT_MODES), default=default_of("long_text"),
-            show_default=True,
+@run_option("--keep-columns", help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
+@run_option("--split", help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
+@run_option("--long-text", show_default=True,
             help="Rows longer than --max-length: truncate (only the first --max-length tokens are judged), split "
                  "(cut into segments at sentence boundaries, else overlapping token windows; each scored as a row, "
                  "the row takes the maximum per label or the token-weighted mean embedding), or auto: split for "
                  "--job moderate, truncate otherwise; a resume keeps what the output was made with.")
-@env_option("--segment-length", env="SEGMENT_LENGTH", type=click.IntRange(4), default=None,
-            help="--long-text split: tokens per segment at most (specials included). Default: --max-length.")
+@run_option("--segment-length", help="--long-text split: tokens per segment at most (specials included). Default: --max-length.")
 @with_options(BATCH_OPTIONS)
-@env_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
+@run_option("--probe/--no-probe", show_default=True,
             help="Size batches by the memory plan (cached, or probed on the device first).")
-@env_option("--window-rows", env="WINDOW_ROWS", type=CountOrAuto("rows"), default="auto", show_default=True,
+@run_option("--window-rows", show_default=True,
             help="Rows sorted and packed together; bounds the rows in flight. auto: 16 batches of the row limit, "
                  "8,192 to 65,536 (8,192 on a CPU, 65,536 at CUDA's 4,096 rows).")
-@env_option("--threshold", env="THRESHOLD", multiple=True, callback=merge_config_table,
+@run_option("--threshold", callback=merge_config_table,
             help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
                  "--config file a [thresholds] table, which a flag overrides label by label.")
-@env_option("--default-threshold", env="DEFAULT_THRESHOLD", type=FiniteFloatRange(0, 1),
-            default=default_of("default_threshold"), show_default=True,
+@run_option("--default-threshold", show_default=True,
             help="--job moderate: the threshold of every flag label without a --threshold.")
-@env_option("--flag-labels", env="FLAG_LABELS", type=NameList(), default=None,
-            help="--job moderate: the labels that can flag a row, comma-separated. Default: all labels of a "
+@run_option("--flag-labels", help="--job moderate: the labels that can flag a row, comma-separated. Default: all labels of a "
                  "multi-label (sigmoid) model; a single-label (softmax) model needs it (e.g. all but `normal`).")
 @with_options(WORKER_OPTIONS)
-@env_option("--overwrite", env="OVERWRITE", is_flag=True, default=False,
-            help="Redo every shard, even ones done before or under other settings.")
-@env_option("--reuse", env="REUSE", default=None,
-            help="A previous output of the same settings (e.g. yesterday's): rows whose id and text are unchanged "
+@run_option("--overwrite", help="Redo every shard, even ones done before or under other settings.")
+@run_option("--reuse", help="A previous output of the same settings (e.g. yesterday's): rows whose id and text are unchanged "
                  "copy its result; only new and edited rows are computed. The output is complete, as a full run.")
-@env_option("--dedupe/--no-dedupe", env="DEDUPE", default=default_of("dedupe"), show_default=True,
+@run_option("--dedupe/--no-dedupe", show_default=True,
             help="Rows with the same text in a window run once and copy the result, bit for bit (spam waves, "
                  "retweets, copy-paste). --no-dedupe computes each row.")
-@env_option("--engine", env="ENGINE", type=click.Choice(["local", "ray"]), default=default_of("engine"),
-            show_default=True,
+@run_option("--engine", show_default=True,
             help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster "
                  "(pip install 'lengthwise[ray]').")
-@env_option("--ray-address", env="RAY_ADDRESS", default=None,
-            help="--engine ray: the cluster, auto or ray://host:10001. Default: RAY_ADDRESS, else a local Ray.")
-@env_option("--workers", env="WORKERS", type=click.IntRange(1), default=None,
-            help="--engine ray: actors. Default: one per GPU of the cluster, else cluster CPUs / --threads-per-worker.")
-@env_option("--threads-per-worker", env="THREADS_PER_WORKER", type=click.IntRange(1), default=None,
-            help="--engine ray: torch threads (and CPUs reserved) per actor. Default: 1 for CPU actors.")
-@env_option("--num-shards", env="NUM_SHARDS", type=click.IntRange(1), default=default_of("num_shards"),
-            show_default=True,
+@run_option("--ray-address", help="--engine ray: the cluster, auto or ray://host:10001. Default: RAY_ADDRESS, else a local Ray.")
+@run_option("--workers", help="--engine ray: actors. Default: one per GPU of the cluster, else cluster CPUs / --threads-per-worker.")
+@run_option("--threads-per-worker", help="--engine ray: torch threads (and CPUs reserved) per actor. Default: 1 for CPU actors.")
+@run_option("--num-shards", show_default=True,
             help="Run as one of N workers over the same input and output (Kubernetes Indexed Job, Slurm array, "
                  "Airflow mapped task); worker I takes shards I, I+N, … of the sorted shard list.")
-@env_option("--shard-index", env="SHARD_INDEX", type=int, default=None,
-            help="This worker's index, 0…N-1. Default: JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID.")
-@env_option("--fail-fast", env="FAIL_FAST", is_flag=True, default=False, help="Stop at the first shard that fails.")
-@env_option("--lock-lease", "lock_lease_s", env="LOCK_LEASE", type=Duration(), default=default_of("lock_lease_s"),
-            show_default=True,
+@run_option("--shard-index", help="This worker's index, 0…N-1. Default: JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID.")
+@run_option("--fail-fast", help="Stop at the first shard that fails.")
+@run_option("--lock-lease", "lock_lease_s", show_default=True,
             help="The output lock's lease (e.g. 5m): renewed every fifth of it; a lock not renewed for longer is "
                  "taken over from any host, so a run killed with its node does not block the next one.")
-@env_option("--progress/--no-progress", env="PROGRESS", default=None,
-            help="Progress bar on stderr. Default: only when stderr is a terminal (never into a log file).")
-@env_option("--summary-json", env="SUMMARY_JSON", type=click.Path(dir_okay=False), default=None,
-            help="Also write the run summary to this JSON file.")
+@run_option("--progress/--no-progress", help="Progress bar on stderr. Default: only when stderr is a terminal (never into a log file).")
+@run_option("--summary-json", help="Also write the run summary to this JSON file.")
 @with_options(LOG_OPTIONS)
 def run(**options) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
@@ -129,54 +102,25 @@ def run(**options) -> None:
         sys.exit(exit_codes.SHARDS_FAILED)
 
 
-def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, keep_columns, demo, progress,
-               **settings) -> RunConfig:
-    """The RunConfig of `run`'s parsed options (the CLI's and `pipeline.api.run`'s)."""
-    if demo:
-        if inputs:
-            raise UsageError("--demo reads the packaged sample; drop --input (or `input` in the --config file)")
-        inputs = (SAMPLE_DIR,)
-    if not inputs:
-        raise UsageError("no input; set --input (or `input` in the --config file), or --demo for the packaged sample")
-    if not output:
-        raise UsageError("no output directory; set --output (or `output` in the --config file)")
-    if settings.get("lock_lease_s", 1) <= 0:
-        raise UsageError("--lock-lease must be more than 0s (e.g. 5m)")
-    return RunConfig.of(input=tuple(inputs), output=output, model=model_or_default(model),
-                        storage_options=parse_storage_options(storage_option), thresholds=parse_thresholds(threshold),
-                        keep_columns=keep_columns, use_plan_cache=not no_plan_cache,
-                        progress=show_progress(progress, sys.stderr), **settings)
-
-
-def show_progress(asked: bool | None, stream) -> bool:
-    """--progress / --no-progress as asked; otherwise a bar only where someone watches: on a
-    terminal, never into a log file or a scheduler's captured output."""
-    if asked is not None:
-        return asked
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
-
-
 @click.command()
 @CONFIG_OPTION
 @with_options(MODEL_OPTIONS)
 @with_options(BATCH_OPTIONS)
 @env_option("--json", "as_json", env="JSON", is_flag=True, help="Print the plan as JSON.")
-@env_option("--available", env="AVAILABLE", type=ByteSize(), default=None,
+@env_option("--available", env="AVAILABLE", type=Checked(values.Size()), default=None,
             help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
-@env_option("--per-sample", env="PER_SAMPLE", type=ByteSize(), default=None,
+@env_option("--per-sample", env="PER_SAMPLE", type=Checked(values.Size()), default=None,
             help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
-@env_option("--input", "inputs", env="INPUT", multiple=True, help="--estimate: the input shards of the run.")
+@run_option("--input", "inputs", help="--estimate: the input shards of the run.")
 @with_options(INPUT_OPTIONS)
 @env_option("--estimate", env="ESTIMATE", is_flag=True,
             help="Predict the run's device and wall seconds on --input: rows from the footers, token lengths from a "
                  "sample, throughput from the saved sweep (else measured here on the sample).")
-@env_option("--window", "window_s", env="WINDOW", type=Duration(), default=None,
+@env_option("--window", "window_s", env="WINDOW", type=Checked(values.Duration()), default=None,
             help="--estimate: the time the run must fit in (e.g. 4h); prints the --num-shards it needs.")
-@env_option("--sample-rows", env="SAMPLE_ROWS", type=click.IntRange(1), default=2000, show_default=True,
+@env_option("--sample-rows", env="SAMPLE_ROWS", type=Checked(values.Integer(1)), default=2000, show_default=True,
             help="--estimate: rows tokenized to learn the token lengths.")
-@env_option("--reuse", env="REUSE", default=None,
-            help="--estimate: the output the run will --reuse; the sampled rows it has cost no device time.")
+@run_option("--reuse", help="--estimate: the output the run will --reuse; the sampled rows it has cost no device time.")
 @with_options(WORKER_OPTIONS)
 @with_options(LOG_OPTIONS)
 def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_option, estimate, window_s,
@@ -234,8 +178,8 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
 
 @click.command()
 @CONFIG_OPTION
-@env_option("--output", env="OUTPUT", help="The output directory of a run (or `output` in the --config file).")
-@env_option("--storage-option", env="STORAGE_OPTION", multiple=True, callback=merge_config_table,
+@run_option("--output", help="The output directory of a run (or `output` in the --config file).")
+@run_option("--storage-option", callback=merge_config_table,
             help="KEY=VALUE for fsspec. Repeatable; in the --config file a [storage] table.")
 @env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
 def status(output, storage_option, as_json) -> None:
@@ -299,10 +243,9 @@ def lock_line(lock: dict) -> str:
 
 
 @click.command()
-@env_option("--input", "inputs", env="INPUT", multiple=True,
-            help="The input the output was made from. Default: the input recorded in the output's run.json.")
-@env_option("--output", env="OUTPUT", required=True, help="The output directory of a run.")
-@env_option("--storage-option", env="STORAGE_OPTION", multiple=True, help="KEY=VALUE for fsspec. Repeatable.")
+@run_option("--input", "inputs", help="The input the output was made from. Default: the input recorded in the output's run.json.")
+@run_option("--output", required=True, help="The output directory of a run.")
+@run_option("--storage-option", help="KEY=VALUE for fsspec. Repeatable.")
 @env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
 def verify(inputs, output, storage_option, as_json) -> None:
     """Check an output against its input: every shard committed under the recorded settings, every

@@ -14,50 +14,45 @@ from pipeline.cli.options import (
     MODEL_OPTIONS,
     TORCH_THREADS_OPTION,
     WORKER_OPTIONS,
-    CountOrAuto,
-    Duration,
-    FiniteFloatRange,
-    IntList,
+    Checked,
     batcher_default,
-    default_of,
     env_option,
     fail,
     level_test_options,
     loadtest_default,
-    model_or_default,
-    parse_storage_options,
+    run_option,
     sweep_default,
     with_options,
 )
-from pipeline.core import exit_codes
+from pipeline.core import exit_codes, values
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import LOADTEST_VARIES, SWEEP_VARIES, cuda_batch_tokens, device_batch_limit
+from pipeline.offline.options import model_or_default, parse_storage_options
 from pipeline.online.config import BatcherConfig
 from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 
 
 @click.command()
 @CONFIG_OPTION
-@env_option("--input", "inputs", env="INPUT", multiple=True, required=True,
+@run_option("--input", "inputs", required=True,
             help="Shards to sample rows from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@env_option("--vary", env="VARY", required=True, type=click.Choice(SWEEP_VARIES),
+@env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*SWEEP_VARIES)),
             help="The one setting that changes between levels.")
-@env_option("--values", env="VALUES", required=True, type=IntList(),
+@env_option("--values", env="VALUES", required=True, type=Checked(values.IntegerList()),
             help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
-@env_option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
-            show_default=True,
+@run_option("--max-batch-tokens", show_default=True,
             help="Held fixed while --vary max-batch-rows; auto: no token budget (rows alone limit a batch).")
-@env_option("--max-batch-rows", env="MAX_BATCH_ROWS", type=CountOrAuto("rows"), default="auto", show_default=True,
+@run_option("--max-batch-rows", show_default=True,
             help="Held fixed while --vary max-batch-tokens; auto: the device's, as in run without a sweep "
                  f"recommendation: {device_batch_limit('cpu', 'max_batch_rows')} on CPU, "
                  f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA.")
-@env_option("--sample-rows", "rows", env="SAMPLE_ROWS", type=click.IntRange(1), default=sweep_default("rows"),
+@env_option("--sample-rows", "rows", env="SAMPLE_ROWS", type=Checked(values.Integer(1)), default=sweep_default("rows"),
             show_default=True, help="Rows sampled from the input and measured at each level.")
-@env_option("--warmup-rows", env="WARMUP_ROWS", type=click.IntRange(0), default=sweep_default("warmup_rows"),
+@env_option("--warmup-rows", env="WARMUP_ROWS", type=Checked(values.Integer(0)), default=sweep_default("warmup_rows"),
             show_default=True, help="Rows run before each level's clock starts (not counted).")
-@env_option("--seed", env="SEED", type=int, default=sweep_default("seed"), show_default=True,
+@env_option("--seed", env="SEED", type=Checked(values.Integer()), default=sweep_default("seed"), show_default=True,
             help="Which rows the sample takes.")
 @with_options(MEMORY_OPTIONS)
 @with_options(WORKER_OPTIONS)
@@ -93,55 +88,53 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 
 @click.command()
 @CONFIG_OPTION
-@env_option("--input", "inputs", env="INPUT", multiple=True, required=True,
+@run_option("--input", "inputs", required=True,
             help="Shards to sample request texts from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@env_option("--vary", env="VARY", required=True, type=click.Choice(LOADTEST_VARIES),
+@env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*LOADTEST_VARIES)),
             help="The one batcher setting that changes between levels.")
-@env_option("--values", env="VALUES", required=True, type=IntList(), help="Its levels, e.g. 1,2,4,8,16,32,64.")
-@env_option("--qps", env="QPS", type=FiniteFloatRange(0, min_open=True), default=loadtest_default("qps"),
+@env_option("--values", env="VALUES", required=True, type=Checked(values.IntegerList()), help="Its levels, e.g. 1,2,4,8,16,32,64.")
+@env_option("--qps", env="QPS", type=Checked(values.Number(0, low_open=True)), default=loadtest_default("qps"),
             show_default=True, help="Mean arrival rate, requests per second (Poisson arrivals, open loop).")
-@env_option("--concurrency", env="CONCURRENCY", type=click.IntRange(1),
+@env_option("--concurrency", env="CONCURRENCY", type=Checked(values.Integer(1)),
             default=loadtest_default("concurrency"), show_default=True,
             help="Requests in flight at most; a later arrival waits for a slot and its wait counts in its latency.")
-@env_option("--duration", "duration_s", env="DURATION", type=Duration(),
+@env_option("--duration", "duration_s", env="DURATION", type=Checked(values.Duration()),
             default=f"{loadtest_default('duration_s'):g}s", show_default=True,
             help="Measured arrivals per level (30s, 2m).")
-@env_option("--warmup", "warmup_s", env="WARMUP", type=Duration(), default=f"{loadtest_default('warmup_s'):g}s",
+@env_option("--warmup", "warmup_s", env="WARMUP", type=Checked(values.Duration()), default=f"{loadtest_default('warmup_s'):g}s",
             show_default=True,
             help="Arrivals before each level's measured ones, not counted (a duration: arrivals come by time).")
-@env_option("--max-batch-size", env="MAX_BATCH_SIZE", type=click.IntRange(1),
+@env_option("--max-batch-size", env="MAX_BATCH_SIZE", type=Checked(values.Integer(1)),
             default=batcher_default("max_batch_size"), show_default=True,
             help="Requests per batch; a batch runs as soon as this many wait.")
-@env_option("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=CountOrAuto("tokens"), default="auto",
-            show_default=True,
+@run_option("--max-batch-tokens", show_default=True,
             help="Padded tokens per batch (also a trigger); auto: the device's default, as run's without a "
                  f"sweep: {device_batch_limit('cpu', 'max_batch_tokens')} on CPU, on CUDA a budget that follows "
                  f"the model's size ({cuda_batch_tokens(768, 12)} at BERT-base's). The memory plan caps it.")
-@env_option("--batch-timeout-ms", env="BATCH_TIMEOUT_MS", type=FiniteFloatRange(0),
+@env_option("--batch-timeout-ms", env="BATCH_TIMEOUT_MS", type=Checked(values.Number(0)),
             default=batcher_default("batch_timeout_ms"), show_default=True,
             help="The oldest waiting request waits at most this long for others.")
-@env_option("--request-timeout-ms", env="REQUEST_TIMEOUT_MS", type=FiniteFloatRange(0, min_open=True),
+@env_option("--request-timeout-ms", env="REQUEST_TIMEOUT_MS", type=Checked(values.Number(0, low_open=True)),
             default=batcher_default("request_timeout_ms"), show_default=True,
             help="A request not answered within this fails with a timeout (never computed if still queued).")
-@env_option("--max-queue", env="MAX_QUEUE", type=click.IntRange(1), default=batcher_default("max_queue"),
+@env_option("--max-queue", env="MAX_QUEUE", type=Checked(values.Integer(1)), default=batcher_default("max_queue"),
             show_default=True, help="Requests waiting; one more is rejected at once.")
-@env_option("--max-queue-tokens", env="MAX_QUEUE_TOKENS", type=click.IntRange(1),
+@env_option("--max-queue-tokens", env="MAX_QUEUE_TOKENS", type=Checked(values.Integer(1)),
             default=batcher_default("max_queue_tokens"), show_default=True,
             help="Padded tokens waiting; one more request is rejected at once.")
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
 @with_options(MEMORY_OPTIONS)
 @with_options([TORCH_THREADS_OPTION])
-@env_option("--safety", env="SAFETY", type=FiniteFloatRange(1.0, 4.0), default=default_of("safety"), show_default=True,
+@run_option("--safety", show_default=True,
             help="Headroom factor of the memory formula.")
-@env_option("--probe/--no-probe", env="PROBE", default=True, show_default=True,
+@run_option("--probe/--no-probe", show_default=True,
             help="Cap batches by the memory plan (cached, or probed on the device first).")
-@env_option("--no-plan-cache", "no_plan_cache", env="NO_PLAN_CACHE", is_flag=True, default=False,
-            help="Probe again and do not cache the plan.")
-@env_option("--sample-rows", env="SAMPLE_ROWS", type=click.IntRange(2),
+@run_option("--no-plan-cache", "no_plan_cache", help="Probe again and do not cache the plan.")
+@env_option("--sample-rows", env="SAMPLE_ROWS", type=Checked(values.Integer(2)),
             default=loadtest_default("sample_rows"),
             show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")
-@env_option("--seed", env="SEED", type=int, default=loadtest_default("seed"), show_default=True,
+@env_option("--seed", env="SEED", type=Checked(values.Integer()), default=loadtest_default("seed"), show_default=True,
             help="Which texts the sample takes and the arrival times.")
 @with_options(level_test_options("load test", "requests/s", "p99 latency", OnlineLoadtestConfig))
 @with_options(LOG_OPTIONS)

@@ -111,7 +111,7 @@ def test_a_storage_flag_overrides_the_config_table_per_key(tmp_path, shards, tin
     with run_command.make_context("run", ["--config", str(config), "--storage-option",
                                           "endpoint_url=http://127.0.0.1:2"]) as context:
         pairs = context.params["storage_option"]
-    from pipeline.cli.options import parse_storage_options
+    from pipeline.offline.options import parse_storage_options
 
     assert parse_storage_options(pairs) == {"anon": True, "endpoint_url": "http://127.0.0.1:2"}
     with run_command.make_context("run", ["--config", str(config)]) as context:

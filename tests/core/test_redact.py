@@ -69,7 +69,7 @@ def test_messages_lose_the_credentials_of_every_url_in_them():
 
 
 def test_log_lines_are_redacted(capsys):
-    from pipeline.cli.options import configure_logging
+    from pipeline.core.logs import configure_logging
 
     configure_logging(logging.INFO)
     logging.getLogger("pipeline.test").warning("retrying s3://AKIDSECRET:hunter2@bucket/in/part-0.parquet")

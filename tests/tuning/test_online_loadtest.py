@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli.options import Duration
+from pipeline.core.values import Duration
 from pipeline.cli import cli
 from pipeline.online.config import BatcherConfig
 from pipeline.tuning.config import OnlineLoadtestConfig
@@ -145,7 +145,7 @@ def test_levels_whose_window_reaches_the_request_timeout_are_refused_up_front():
 
 @pytest.mark.parametrize("text, seconds", [("30s", 30.0), ("500ms", 0.5), ("2m", 120.0), ("1.5", 1.5)])
 def test_durations_read_with_their_units(text, seconds):
-    assert math.isclose(Duration().convert(text, None, None), seconds)
+    assert math.isclose(Duration().parse(text), seconds)
 
 
 @pytest.mark.slow

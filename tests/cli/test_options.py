@@ -1,0 +1,111 @@
+"""The run's options are declared once (`pipeline.offline.options`): the CLI's click options are made of
+them, and `pipeline.api` resolves the same keywords, variables and TOML file to the same RunConfig with
+no click. No model is loaded."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.cli import cli
+from pipeline.cli.options import COMMANDS, Checked, _config_keys
+from pipeline.core.errors import UsageError
+from pipeline.offline.options import OTHER_COMMANDS_KEYS, RUN_OPTIONS, env_name, run_config, run_config_from
+from tests.test_layers import ROOT
+
+
+def cli_config(arguments: list[str], env: dict):
+    """The RunConfig `lengthwise run ARGUMENTS` resolves under `env`, as the command builds it."""
+    command = cli.commands["run"]
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("LENGTHWISE_")]:
+            patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        with command.make_context("run", arguments) as context:
+            return run_config(**context.params)
+
+
+def test_every_run_option_is_made_of_its_declaration():
+    options = {p.opts[0].lstrip("-").replace("-", "_"): p for p in cli.commands["run"].params
+               if p.name not in ("config", "quiet", "verbose")}
+    assert set(options) == set(RUN_OPTIONS)
+    for name, option in options.items():
+        declared = RUN_OPTIONS[name]
+        assert option.envvar == env_name(name) and option.multiple == declared.multiple, name
+        assert option.is_flag or option.type.kind is declared.kind, name
+        assert option.name == (declared.parameter or name), name
+
+
+def test_the_keys_a_run_skips_are_exactly_the_other_commands_keys():
+    run_keys = set(_config_keys(COMMANDS["run"]))
+    others = set().union(*(_config_keys(command) for command in COMMANDS.values())) - run_keys
+    assert others == OTHER_COMMANDS_KEYS
+
+
+def test_every_typed_option_of_every_command_is_checked_by_a_declared_kind():
+    for command in COMMANDS.values():
+        for option in command.params:
+            if not option.is_flag and option.name not in ("config",) and type(option.type).__name__ not in (
+                    "StringParamType", "Path"):
+                assert isinstance(option.type, Checked), f"{command.name} {option.opts[0]}"
+
+
+def test_the_api_resolves_keywords_variables_and_the_file_as_the_cli_does(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('input = "in"\noutput = "out"\nmax_length = 96\nsafety = 2\nlock_lease = "2m"\n'
+                    'keep_columns = ["label"]\nout = "sweep.csv"\n'  # a sweep's key: skipped
+                    '[storage]\nanon = true\nendpoint_url = "http://127.0.0.1:1"\n'
+                    '[thresholds]\ntoxic = 0.7\nhate = 0.9\n')
+    env = {"LENGTHWISE_MAX_BATCH_TOKENS": "4096", "LENGTHWISE_SAFETY": "3", "LENGTHWISE_PROBE": "false",
+           "LENGTHWISE_STORAGE_OPTION": "endpoint_url=http://127.0.0.1:2"}
+    from_cli = cli_config(["--config", str(toml), "--threshold", "hate=0.5", "--max-length", "64",
+                           "--tokenize-workers", "0", "--no-progress"], env)
+    from_api = run_config_from({"config": str(toml), "threshold": {"hate": 0.5}, "max_length": 64,
+                                "tokenize_workers": 0, "progress": False}, env)
+    assert from_api == from_cli
+    # keyword over variable over file over default, and tables merged key by key
+    assert (from_api.model.max_length, from_api.batch.safety, from_api.batch.max_batch_tokens) == (64, 3.0, 4096)
+    assert (from_api.batch.probe, from_api.lock_lease_s, from_api.keep_columns) == (False, 120.0, ("label",))
+    assert from_api.model.thresholds == {"toxic": 0.7, "hate": 0.5}
+    assert from_api.source.storage_options == {"anon": True, "endpoint_url": "http://127.0.0.1:2"}
+    assert from_api.batch.max_batch_rows is None and from_api.source.input == ("in",)
+
+
+def test_defaults_alone_resolve_alike():
+    assert run_config_from({"input": "x", "output": "y"}, {}) == cli_config(["--input", "x", "--output", "y"], {})
+
+
+@pytest.mark.parametrize("given, env, message", [
+    ({"max_length": 0}, {}, "max_length=0: 0 is not in the range x>=1."),
+    ({"max_length": 64.5}, {}, "max_length=64.5: 64.5 is not a valid integer range."),
+    ({"safety": float("nan")}, {}, "safety=nan: nan is not a finite number; give one in 1.0<=x<=4.0"),
+    ({}, {"LENGTHWISE_SAFETY": "9"}, "LENGTHWISE_SAFETY='9': 9.0 is not in the range 1.0<=x<=4.0."),
+    ({"dtype": "fp8"}, {}, "dtype='fp8': 'fp8' is not one of 'auto', 'float32', 'bfloat16', 'float16'."),
+    ({"max_batch_rows": "many"}, {}, "'many' is neither a number of rows nor 'auto'"),
+    ({"lock_lease": "soon"}, {}, "'soon' is not a duration such as 30s, 500ms or 2m"),
+    ({"overwrite": 1}, {}, "overwrite=1: give True or False"),
+    ({"max_lenght": 64}, {}, "run() has no option 'max_lenght'; options: "),
+    ({"config": "missing.toml"}, {}, "config='missing.toml': cannot read missing.toml"),
+])
+def test_a_bad_value_is_a_usage_error_naming_where_it_came_from(given, env, message):
+    with pytest.raises(UsageError) as raised:
+        run_config_from({"input": "x", "output": "y", **given}, env)
+    assert message in str(raised.value)
+
+
+def test_a_wrong_toml_type_is_refused_by_the_api_with_the_clis_words(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text("max_batch_rows = 64.7\n")
+    with pytest.raises(UsageError, match='max_batch_rows is a float, but it takes an integer or "auto"; fix it'):
+        run_config_from({"input": "x", "output": "y", "config": str(toml)}, {})
+    toml.write_text("max_lenght = 64\n")
+    with pytest.raises(UsageError, match="unknown key 'max_lenght'; known keys: "):
+        run_config_from({"input": "x", "output": "y", "config": str(toml)}, {})
+
+
+def test_the_api_imports_no_click():
+    code = "import sys, pipeline.api; assert 'click' not in sys.modules, sorted(m for m in sys.modules if 'click' in m)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
