@@ -93,7 +93,7 @@ class Integer(Kind):
 
     def __init__(self, minimum: int | None = None):
         self.minimum = minimum
-        self.metavar = "INTEGER" if minimum is None else "INTEGER RANGE"
+        self.metavar = "INTEGER" if minimum is None else f"INTEGER {describe_range(minimum, None)}"
 
     def parse(self, value):
         number = _integer(value, "integer" if self.minimum is None else "integer range")
@@ -106,10 +106,11 @@ class Number(Kind):
     """A finite number within [low, high] (low excluded with `low_open`): nan passes every comparison of a
     range check and of what the value feeds (`--safety nan` turned the memory plan off), so it is refused."""
 
-    metavar, toml_types, expected = "FLOAT RANGE", (int, float), "a number"
+    toml_types, expected = (int, float), "a number"
 
     def __init__(self, low=None, high=None, low_open: bool = False):
         self.low, self.high, self.low_open = low, high, low_open
+        self.metavar = f"FLOAT {describe_range(low, high, low_open)}"
 
     def parse(self, value):
         if isinstance(value, bool):

@@ -196,11 +196,18 @@ def longer_rows(sample_table) -> pa.Table:
 SLOW_SETTINGS = ("--window-rows", "64", "--max-batch-rows", "4", "--no-probe")
 
 
+@pytest.fixture(scope="module")
+def longer_reference(tmp_path_factory, longer_rows, tiny_encoder_path) -> pa.Table:
+    """A local run's output of `longer_rows` in six shards of 400 under SLOW_SETTINGS, which the kill tests
+    compare with (computed once: 2,400 rows at 4 per batch)."""
+    return local_reference(tmp_path_factory.mktemp("longer-reference"), longer_rows, [400] * 6, tiny_encoder_path,
+                           *SLOW_SETTINGS)
+
+
 @pytest.mark.slow
-def test_an_actor_killed_mid_shard_loses_nothing(tmp_path, ray_cluster, longer_rows, tiny_encoder_path):
-    sizes = [400] * 6
-    expected = local_reference(tmp_path, longer_rows, sizes, tiny_encoder_path, *SLOW_SETTINGS)
-    write_shards(tmp_path / "in", longer_rows, sizes)
+def test_an_actor_killed_mid_shard_loses_nothing(tmp_path, ray_cluster, longer_rows, longer_reference,
+                                                 tiny_encoder_path):
+    write_shards(tmp_path / "in", longer_rows, [400] * 6)
     driver = Driver(ray_args(tmp_path / "in", tmp_path / "out", tiny_encoder_path, *SLOW_SETTINGS))
     took = driver.wait_for(" took ")  # "actor 1 (pid 1234) took …/part-00003.parquet"
     victim = int(took.split("(pid ")[1].split(")")[0])
@@ -213,16 +220,14 @@ def test_an_actor_killed_mid_shard_loses_nothing(tmp_path, ray_cluster, longer_r
     output = tmp_path / "out"
     assert sorted(p.name for p in output.glob("*.parquet")) == [f"part-{i:05d}.parquet" for i in range(6)]
     assert not list(output.glob(".*.tmp")), "a temporary file is visible"
-    assert_equal_outputs(read_outputs(output), expected)
+    assert_equal_outputs(read_outputs(output), longer_reference)
     marker = json.loads((output / ".lengthwise" / "shards" / shard.replace(".parquet", ".json")).read_text())
     assert marker["status"] == "done" and marker["pid"] != victim  # committed once, by the second attempt
 
 
 @pytest.mark.slow
-def test_a_killed_driver_is_resumed_by_a_rerun(tmp_path, ray_cluster, longer_rows, tiny_encoder_path):
-    sizes = [400] * 6
-    expected = local_reference(tmp_path, longer_rows, sizes, tiny_encoder_path, *SLOW_SETTINGS)
-    write_shards(tmp_path / "in", longer_rows, sizes)
+def test_a_killed_driver_is_resumed_by_a_rerun(tmp_path, ray_cluster, longer_rows, longer_reference, tiny_encoder_path):
+    write_shards(tmp_path / "in", longer_rows, [400] * 6)
     args = ray_args(tmp_path / "in", tmp_path / "out", tiny_encoder_path, *SLOW_SETTINGS)
     driver = Driver(args)
     driver.wait_for("part-00002.parquet")  # the third shard handed out: the run is under way
@@ -234,7 +239,7 @@ def test_a_killed_driver_is_resumed_by_a_rerun(tmp_path, ray_cluster, longer_row
     rerun = Driver(args)
     assert rerun.finish() == 0, "".join(rerun.lines)
     assert done_before == 0 or any(f"{done_before} of 6 shards already done" in line for line in rerun.lines)
-    assert_equal_outputs(read_outputs(tmp_path / "out"), expected)
+    assert_equal_outputs(read_outputs(tmp_path / "out"), longer_reference)
     assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
