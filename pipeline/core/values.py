@@ -23,11 +23,13 @@ def _fits(value, kinds: tuple) -> bool:
 
 
 class Kind:
-    """A setting's kind: `parse` a value of it; `toml_types` and `expected` say what a TOML file may hold."""
+    """A setting's kind: `parse` a value of it. For a TOML file: the types it may hold (`toml_types`; a
+    list's items: `items`), in words (`expected`), and `plural` for a list of it (a repeatable option)."""
 
     metavar = "TEXT"
     toml_types: tuple = (str,)
-    expected = "a string"
+    items: tuple | None = None
+    expected, plural = "a string", "strings"
 
     def parse(self, value):
         return value if isinstance(value, str) else str(value)
@@ -37,17 +39,15 @@ class Kind:
         Never coerced: `output = ["a", "b"]` would be a folder named "['a', 'b']" and
         `max_batch_rows = 64.7` would be 64. An integer where a float goes is fine."""
         if multiple:
-            allowed, item, expected = (list, str), self.toml_types, f"a list of {self.plural} or a string"
+            allowed, items, expected = (list, str), self.toml_types, f"a list of {self.plural} or a string"
         else:
-            allowed, item, expected = self.toml_types, None, self.expected
+            allowed, items, expected = self.toml_types, self.items, self.expected
         if not _fits(value, allowed):
             return f"is {toml_type_name(value)}, but it takes {expected}"
-        wrong = [v for v in value if not _fits(v, item)] if isinstance(value, list) and item else []
+        wrong = [v for v in value if not _fits(v, items)] if isinstance(value, list) and items else []
         if wrong:
             return f"holds {toml_type_name(wrong[0])}, but it takes {expected}"
         return None
-
-    plural = "strings"
 
 
 class Text(Kind):
@@ -202,7 +202,7 @@ class Duration(Kind):
 class Names(Kind):
     """Comma-separated names (a list too): offensive,hate."""
 
-    metavar, toml_types, expected = "NAME,NAME,…", (list, str), "a list of strings or a string"
+    metavar, toml_types, items, expected = "NAME,NAME,…", (list, str), (str,), "a list of strings or a string"
 
     def parse(self, value):
         if isinstance(value, (list, tuple)):
@@ -212,14 +212,11 @@ class Names(Kind):
             raise ValueError(f"{value!r} names nothing; give comma-separated names")
         return names
 
-    def toml_problem(self, value, multiple: bool = False) -> str | None:
-        return Text().toml_problem(value, multiple=True)
-
 
 class IntegerList(Kind):
     """Comma-separated positive integers (a list too): 512,1024,2048."""
 
-    metavar, toml_types, expected = "N,N,…", (list, str), "a list of integers or a string"
+    metavar, toml_types, items, expected = "N,N,…", (list, str), (int,), "a list of integers or a string"
 
     def parse(self, value):
         if isinstance(value, (list, tuple)):
@@ -231,8 +228,3 @@ class IntegerList(Kind):
         if not numbers or min(numbers) < 1:
             raise ValueError(f"{value!r} needs at least one positive integer")
         return numbers
-
-    def toml_problem(self, value, multiple: bool = False) -> str | None:
-        items = Integer()
-        items.plural = "integers"
-        return items.toml_problem(value, multiple=True)
