@@ -61,8 +61,7 @@ async def run_async(input: str | list[str], output: str | None = None, job: str 
 
 
 def _run(input, output: str | None, job: str, options: dict, unguarded: tuple[str, int] | None) -> dict:
-    quiet, verbose = options.pop("quiet", False), options.pop("verbose", False)
-    config = run_config_from({**options, "input": input, "output": output, "job": job})
+    config, quiet, verbose = run_config_from({**options, "input": input, "output": output, "job": job})
     if quiet or verbose:  # as -q / -v: the same logger, at another level
         configure_logging(logging.DEBUG if verbose else logging.WARNING)
     if unguarded and config.tokenize_workers != 0:  # None: auto, at least one worker

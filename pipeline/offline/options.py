@@ -94,6 +94,8 @@ RUN_OPTIONS: dict[str, RunOption] = {
     "progress": RunOption(FLAG),  # None: a bar only on a terminal (`show_progress`)
     "summary_json": RunOption(TEXT),
 }
+LOG_LEVEL_OPTIONS: dict[str, RunOption] = {"quiet": RunOption(FLAG, False), "verbose": RunOption(FLAG, False)}  # every
+# command's -q / -v: the log level, not the run's settings
 TABLES = {"storage": "storage_option", "thresholds": "threshold"}  # a TOML table → the repeatable pair option
 # The TOML keys only other commands take (sweep, loadtest, plan, status, verify): a run's --config file may hold
 # them and a run skips them. tests/cli/test_options.py holds this against the commands.
@@ -156,21 +158,22 @@ def keyword_value(name: str, option: RunOption, value):
 
 
 def resolve_run_options(given: Mapping, environ: Mapping[str, str]) -> dict:
-    """`run`'s options by parameter name from API keywords (`given`, a `config` file among them), then
+    """`run`'s options (and quiet, verbose) by parameter name from API keywords (`given`, a `config` file among them), then
     LENGTHWISE_* variables, then the file, then defaults, as the CLI resolves its flags. A repeated
     KEY=VALUE option given by keyword or variable overrides the file's table key by key."""
-    unknown = sorted(set(given) - set(RUN_OPTIONS) - {"config"})
+    options = {**RUN_OPTIONS, **LOG_LEVEL_OPTIONS}
+    unknown = sorted(set(given) - set(options) - {"config"})
     if unknown:
-        raise UsageError(f"run() has no option {unknown[0]!r}; options: {', '.join(sorted([*RUN_OPTIONS, 'config']))}")
+        raise UsageError(f"run() has no option {unknown[0]!r}; options: {', '.join(sorted([*options, 'config']))}")
     from_file = {}
     if given.get("config") is not None:
-        kinds = {name: (option.kind, option.multiple) for name, option in RUN_OPTIONS.items()}
+        kinds = {name: (option.kind, option.multiple) for name, option in options.items()}
         try:
             from_file = config_file_values(str(given["config"]), kinds, OTHER_COMMANDS_KEYS)
         except ValueError as error:
             raise UsageError(f"config={given['config']!r}: {error}") from None
     resolved = {}
-    for name, option in RUN_OPTIONS.items():
+    for name, option in options.items():
         variable = env_name(name)
         if given.get(name) is not None:
             where, value = f"{name}={given[name]!r}", keyword_value(name, option, given[name])
@@ -207,9 +210,12 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
                         progress=show_progress(progress, sys.stderr), **settings)
 
 
-def run_config_from(given: Mapping, environ: Mapping[str, str] | None = None) -> RunConfig:
-    """The RunConfig of API keywords: `resolve_run_options`, then `run_config`."""
-    return run_config(**resolve_run_options(given, os.environ if environ is None else environ))
+def run_config_from(given: Mapping, environ: Mapping[str, str] | None = None) -> tuple[RunConfig, bool, bool]:
+    """The RunConfig of API keywords (`resolve_run_options`, then `run_config`), and whether quiet and
+    verbose were asked for."""
+    options = resolve_run_options(given, os.environ if environ is None else environ)
+    quiet, verbose = options.pop("quiet"), options.pop("verbose")
+    return run_config(**options), quiet, verbose
 
 
 def model_or_default(model: str | None) -> str | None:

@@ -2,6 +2,7 @@
 them, and `pipeline.api` resolves the same keywords, variables and TOML file to the same RunConfig with
 no click. No model is loaded."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import pytest
 from pipeline.cli import cli
 from pipeline.cli.options import COMMANDS, Checked, _config_keys
 from pipeline.core.errors import UsageError
-from pipeline.offline.options import OTHER_COMMANDS_KEYS, RUN_OPTIONS, env_name, run_config, run_config_from
+from pipeline.core.logs import configure_logging
+from pipeline.offline.options import LOG_LEVEL_OPTIONS, OTHER_COMMANDS_KEYS, RUN_OPTIONS, env_name, run_config, run_config_from
 from tests.test_layers import ROOT
 
 
@@ -23,16 +25,18 @@ def cli_config(arguments: list[str], env: dict):
             patch.delenv(name)
         for name, value in env.items():
             patch.setenv(name, value)
-        with command.make_context("run", arguments) as context:
-            return run_config(**context.params)
+        try:
+            with command.make_context("run", arguments) as context:
+                return run_config(**context.params)
+        finally:
+            configure_logging(logging.INFO)  # as the CLI starts every command: a -q in the file lowered it
 
 
 def test_every_run_option_is_made_of_its_declaration():
-    options = {p.opts[0].lstrip("-").replace("-", "_"): p for p in cli.commands["run"].params
-               if p.name not in ("config", "quiet", "verbose")}
-    assert set(options) == set(RUN_OPTIONS)
+    options = {p.opts[0].lstrip("-").replace("-", "_"): p for p in cli.commands["run"].params if p.name != "config"}
+    assert set(options) == {*RUN_OPTIONS, *LOG_LEVEL_OPTIONS}
     for name, option in options.items():
-        declared = RUN_OPTIONS[name]
+        declared = {**RUN_OPTIONS, **LOG_LEVEL_OPTIONS}[name]
         assert option.envvar == env_name(name) and option.multiple == declared.multiple, name
         assert option.is_flag or option.type.kind is declared.kind, name
         assert option.name == (declared.parameter or name), name
@@ -55,16 +59,16 @@ def test_every_typed_option_of_every_command_is_checked_by_a_declared_kind():
 def test_the_api_resolves_keywords_variables_and_the_file_as_the_cli_does(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text('input = "in"\noutput = "out"\nmax_length = 96\nsafety = 2\nlock_lease = "2m"\n'
-                    'keep_columns = ["label"]\nout = "sweep.csv"\n'  # a sweep's key: skipped
+                    'keep_columns = ["label"]\nquiet = true\nout = "sweep.csv"\n'  # a sweep's key: skipped
                     '[storage]\nanon = true\nendpoint_url = "http://127.0.0.1:1"\n'
                     '[thresholds]\ntoxic = 0.7\nhate = 0.9\n')
     env = {"LENGTHWISE_MAX_BATCH_TOKENS": "4096", "LENGTHWISE_SAFETY": "3", "LENGTHWISE_PROBE": "false",
            "LENGTHWISE_STORAGE_OPTION": "endpoint_url=http://127.0.0.1:2"}
     from_cli = cli_config(["--config", str(toml), "--threshold", "hate=0.5", "--max-length", "64",
                            "--tokenize-workers", "0", "--no-progress"], env)
-    from_api = run_config_from({"config": str(toml), "threshold": {"hate": 0.5}, "max_length": 64,
-                                "tokenize_workers": 0, "progress": False}, env)
-    assert from_api == from_cli
+    from_api, quiet, verbose = run_config_from({"config": str(toml), "threshold": {"hate": 0.5}, "max_length": 64,
+                                                "tokenize_workers": 0, "progress": False}, env)
+    assert from_api == from_cli and (quiet, verbose) == (True, False)  # quiet from the file, as -q
     # keyword over variable over file over default, and tables merged key by key
     assert (from_api.model.max_length, from_api.batch.safety, from_api.batch.max_batch_tokens) == (64, 3.0, 4096)
     assert (from_api.batch.probe, from_api.lock_lease_s, from_api.keep_columns) == (False, 120.0, ("label",))
@@ -74,7 +78,8 @@ def test_the_api_resolves_keywords_variables_and_the_file_as_the_cli_does(tmp_pa
 
 
 def test_defaults_alone_resolve_alike():
-    assert run_config_from({"input": "x", "output": "y"}, {}) == cli_config(["--input", "x", "--output", "y"], {})
+    assert run_config_from({"input": "x", "output": "y"}, {}) == (cli_config(["--input", "x", "--output", "y"], {}),
+                                                                  False, False)
 
 
 @pytest.mark.parametrize("given, env, message", [

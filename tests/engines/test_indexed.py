@@ -105,9 +105,8 @@ def test_a_worker_index_given_twice_is_refused_and_status_shows_it_running(tmp_p
                                                                            tiny_encoder_path):
     write_shards(tmp_path / "in", rows_with_bad_ones, SIZES)
     output = tmp_path / "out"
-    first = subprocess.run(worker_command(tmp_path / "in", output, tiny_encoder_path, 2, 1), capture_output=True,
-                           text=True, timeout=300)
-    assert first.returncode == 0, first.stderr
+    first = CliRunner().invoke(cli, worker_command(tmp_path / "in", output, tiny_encoder_path, 2, 1)[1:])
+    assert first.exit_code == 0, first.output
     lock = output / ".lengthwise" / "lock-worker-1-of-2"
     with subprocess.Popen(["sleep", "60"]) as sleeper:  # a live process holding worker 1's lock
         try:
@@ -135,11 +134,10 @@ def test_a_worker_never_deletes_another_workers_temporary_file(tmp_path, rows_wi
     # shards sorted: part-00000 … part-00005; worker 1 of 2 owns 00001, 00003, 00005
     live = output / ".part-00003.parquet.attempt-of-worker-1.tmp"
     live.write_bytes(b"being written")
-    zero = subprocess.run(worker_command(tmp_path / "in", output, tiny_encoder_path, 2, 0), capture_output=True,
-                          text=True, timeout=300)
-    assert zero.returncode == 0, zero.stderr
+    # one worker after the other, in this process: what is tested is which temporaries each removes
+    zero = CliRunner().invoke(cli, worker_command(tmp_path / "in", output, tiny_encoder_path, 2, 0)[1:])
+    assert zero.exit_code == 0, zero.output
     assert live.exists(), "worker 0 removed a temporary file of worker 1"
-    one = subprocess.run(worker_command(tmp_path / "in", output, tiny_encoder_path, 2, 1), capture_output=True,
-                         text=True, timeout=300)
-    assert one.returncode == 0, one.stderr
-    assert not live.exists() and "removed temporary files of an interrupted run" in one.stderr
+    one = CliRunner().invoke(cli, worker_command(tmp_path / "in", output, tiny_encoder_path, 2, 1)[1:])
+    assert one.exit_code == 0, one.output
+    assert not live.exists() and "removed temporary files of an interrupted run" in one.output
