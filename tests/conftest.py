@@ -25,9 +25,8 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["XDG_CA
 
 def pytest_sessionstart(session):
     """The heavy imports' objects live all session: frozen out of the cyclic collector, so that the full
-    collection the out-of-memory back-off runs at every split (`release_cached_memory`) scans what the tests
-    made, not torch's and transformers' 200,000 objects again (240 ms a split in this process: a minute of
-    the suite's out-of-memory tests)."""
+    collection before each of the probe's measurements (`resident_bytes`) scans what the tests made, not
+    torch's and transformers' 200,000 objects again (up to 240 ms a collection in this process)."""
     import torch  # noqa: F401
     import transformers  # noqa: F401
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import traceback
 
 import torch
 
@@ -260,9 +261,13 @@ def is_out_of_memory(error: BaseException) -> bool:
                                                 or "out of memory" in str(error).lower())
 
 
-def release_cached_memory(device: torch.device) -> None:
-    """After an out-of-memory error: drop what the failed attempt still references (its
-    traceback's frames hold tensors) and return the allocator's free blocks to the device."""
-    gc.collect()
+def release_cached_memory(device: torch.device, error: BaseException) -> None:
+    """After an out-of-memory `error` (call it inside the `except`): drop what the failed attempt
+    still references and return the allocator's free blocks to the device. The locals of the
+    traceback's finished frames hold its tensors, and a frame that caught and re-raised the error
+    holds the error itself: a cycle that only a full collection would find, about 0.1 s each time
+    in a real run (87 of them were half of a 20 s test). Clearing those frames frees the tensors
+    at once; the cycle left behind holds none."""
+    traceback.clear_frames(error.__traceback__)
     if device.type == "cuda":
         torch.cuda.empty_cache()

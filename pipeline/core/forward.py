@@ -154,7 +154,7 @@ def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: t
     except BaseException as error:
         if not is_out_of_memory(error):
             raise
-    release_cached_memory(device)
+        release_cached_memory(device, error)
     if rows == 1:
         return SplitForward({}, np.ones(1, dtype=bool), 0, 0)
     half = rows // 2

@@ -56,7 +56,7 @@ def forward_peak_bytes(job, model, device, rows: int, length: int, since_bytes: 
     except Exception as error:
         if not is_out_of_memory(error):
             raise
-    release_cached_memory(device)
+        release_cached_memory(device, error)
     return math.inf
 
 

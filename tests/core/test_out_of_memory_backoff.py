@@ -171,3 +171,36 @@ def test_a_non_finite_output_becomes_the_rows_error_not_a_result(tmp_path, monke
     np.testing.assert_allclose(np.array([vectors[i] for i in kept]),
                                np.array([expected["embedding"][i].as_py() for i in kept]), atol=2e-5)
     assert "rerun with --dtype float32" in errors[broken[0]]
+
+
+def test_after_an_out_of_memory_error_its_tensors_are_freed_without_a_full_collection():
+    """The failed attempt's activations are held by its traceback's frames, here inside a cycle (a frame
+    that caught the error and re-raised it), which refcounting alone never frees: clearing the frames
+    frees them with the cyclic collector off."""
+    import gc
+    import weakref
+
+    import torch
+
+    from pipeline.core.device import release_cached_memory
+
+    held = []
+
+    def forward():
+        activations = torch.ones(1024, 1024)
+        held.append(weakref.ref(activations))
+        try:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except RuntimeError as error:
+            caught = error  # noqa: F841 (the frame now holds its own error: a cycle)
+            raise
+
+    gc.disable()
+    try:
+        try:
+            forward()
+        except RuntimeError as error:
+            release_cached_memory(torch.device("cpu"), error)
+            assert held[0]() is None, "the activations outlived the release"
+    finally:
+        gc.enable()
