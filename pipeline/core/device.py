@@ -266,8 +266,8 @@ def release_cached_memory(device: torch.device, error: BaseException) -> None:
     still references and return the allocator's free blocks to the device. The locals of the
     traceback's finished frames hold its tensors, and a frame that caught and re-raised the error
     holds the error itself: a cycle that only a full collection would find, about 0.1 s each time
-    in a real run (87 of them were half of a 20 s test). Clearing those frames frees the tensors
-    at once; the cycle left behind holds none."""
+    in a real run, once per split. Clearing those frames frees the tensors at once; the cycle left
+    behind holds none."""
     traceback.clear_frames(error.__traceback__)
     if device.type == "cuda":
         torch.cuda.empty_cache()

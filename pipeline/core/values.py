@@ -199,15 +199,22 @@ class Duration(Kind):
         return seconds
 
 
+def comma_separated(value) -> tuple[str, ...] | None:
+    """The non-empty, stripped parts of "a, b,c"; None for a list or tuple, which is already parts."""
+    if isinstance(value, (list, tuple)):
+        return None
+    return tuple(part.strip() for part in str(value).split(",") if part.strip())
+
+
 class Names(Kind):
     """Comma-separated names (a list too): offensive,hate."""
 
     metavar, toml_types, items, expected = "NAME,NAME,…", (list, str), (str,), "a list of strings or a string"
 
     def parse(self, value):
-        if isinstance(value, (list, tuple)):
+        names = comma_separated(value)
+        if names is None:
             return tuple(value)
-        names = tuple(part.strip() for part in str(value).split(",") if part.strip())
         if not names:
             raise ValueError(f"{value!r} names nothing; give comma-separated names")
         return names
@@ -219,10 +226,11 @@ class IntegerList(Kind):
     metavar, toml_types, items, expected = "N,N,…", (list, str), (int,), "a list of integers or a string"
 
     def parse(self, value):
-        if isinstance(value, (list, tuple)):
+        parts = comma_separated(value)
+        if parts is None:
             return tuple(value)
         try:
-            numbers = tuple(int(part) for part in str(value).split(",") if part.strip())
+            numbers = tuple(int(part) for part in parts)
         except ValueError:
             raise ValueError(f"{value!r} is not a comma-separated list of integers, e.g. 1024,2048,4096") from None
         if not numbers or min(numbers) < 1:

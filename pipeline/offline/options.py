@@ -17,6 +17,11 @@ from pipeline.core.settings import LONG_TEXT_MODES
 from pipeline.offline.config import RunConfig
 from pipeline.sample_data import SAMPLE_DIR
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 
 @dataclass(frozen=True)
 class RunOption:
@@ -115,8 +120,6 @@ def config_file_values(path: str, kinds: Mapping[str, tuple[values.Kind, bool]],
     options to (kind, repeats); keys in `other_keys` (another command's) are skipped, any other unknown key
     is an error. Its [storage] and [thresholds] tables become KEY=VALUE pairs. ValueError says what is
     wrong, naming the file and the key."""
-    import tomllib
-
     try:
         with open(path, "rb") as file:
             data = tomllib.load(file)
@@ -147,20 +150,24 @@ def config_file_values(path: str, kinds: Mapping[str, tuple[values.Kind, bool]],
 
 def keyword_value(name: str, option: RunOption, value):
     """An API keyword as the option takes it: True/False for a flag, a dict for KEY=VALUE pairs
-    (threshold={"toxic": 0.8}), a list for a repeatable option or for names (keep_columns=["label"])."""
-    if option.kind is FLAG and not isinstance(value, bool):
+    (threshold={"toxic": 0.8}), a list for a repeatable option; a list for any other option is its items
+    comma-separated, as the flag takes names (keep_columns=["label", "lang"])."""
+    if isinstance(option.kind, values.Flag) and not isinstance(value, bool):
         raise UsageError(f"{name}={value!r}: give True or False")
     if option.multiple:
         if isinstance(value, Mapping):
             return [f"{key}={item if isinstance(item, str) else json.dumps(item)}" for key, item in value.items()]
         return [value] if isinstance(value, str) else list(value)
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
     return value
 
 
 def resolve_run_options(given: Mapping, environ: Mapping[str, str]) -> dict:
-    """`run`'s options (and quiet, verbose) by parameter name from API keywords (`given`, a `config` file among them), then
-    LENGTHWISE_* variables, then the file, then defaults, as the CLI resolves its flags. A repeated
-    KEY=VALUE option given by keyword or variable overrides the file's table key by key."""
+    """`run`'s options (and quiet, verbose) by parameter name from API keywords (`given`, a `config`
+    file among them), then LENGTHWISE_* variables, then the file, then defaults, as the CLI resolves
+    its flags. A repeated KEY=VALUE option given by keyword or variable overrides the file's table key
+    by key."""
     options = {**RUN_OPTIONS, **LOG_LEVEL_OPTIONS}
     unknown = sorted(set(given) - set(options) - {"config"})
     if unknown:

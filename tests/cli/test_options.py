@@ -114,3 +114,9 @@ def test_the_api_imports_no_click():
     code = "import sys, pipeline.api; assert 'click' not in sys.modules, sorted(m for m in sys.modules if 'click' in m)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_list_keyword_is_the_flags_comma_separated_value():
+    given = {"input": "x", "output": "y", "keep_columns": ["label", "lang"], "flag_labels": ("toxic",)}
+    assert run_config_from(given, {})[0] == cli_config(["--input", "x", "--output", "y", "--keep-columns",
+                                                        "label,lang", "--flag-labels", "toxic"], {})
