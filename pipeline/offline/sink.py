@@ -51,14 +51,21 @@ def output_paths(output_dir: str, stem: str) -> tuple[str, str]:
 
 
 def parquet_writer_options(schema: pa.Schema) -> dict:
-    """How output files are encoded: dictionary pages only for text columns (ids, labels,
-    errors repeat; float vectors never do, and dictionary-encoding a 384-float embedding column
-    halved the one writer thread's rows/s), compressed with zstd (benchmarks/writer.py)."""
+    """How output files are encoded (benchmarks/writer.py, docs/performance.md "The output writer"):
+    dictionary pages only for text columns (ids, labels, errors repeat; float vectors never do, and
+    dictionary-encoding a 384-float embedding column halved the writer's rows/s); zstd for every
+    column but float vectors, which are stored uncompressed: zstd saved 8% of a MiniLM embedding's
+    bytes and cost the writer a third of its rows/s."""
     text = [field.name for field in schema
             if pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
             or pa.types.is_dictionary(field.type)
             or (pa.types.is_list(field.type) and pa.types.is_string(field.type.value_type))]
-    return {"compression": "zstd", "use_dictionary": text}
+    return {"compression": {field.name: "none" if is_float_vector(field.type) else "zstd" for field in schema},
+            "use_dictionary": text}
+
+
+def is_float_vector(kind: pa.DataType) -> bool:
+    return pa.types.is_fixed_size_list(kind) and pa.types.is_floating(kind.value_type)
 
 
 class StaleAttempt(Exception):
