@@ -425,7 +425,10 @@ def recorded_config(config: RunConfig) -> dict:
 def run_status(output: str, storage_options: dict) -> dict:
     """Shards done, failed and pending for the run recorded in `output`, overall and per
     worker, and the output's totals (rows, errors, truncated, flagged by label, as the run's
-    summary prints them), without a model: reads the manifest and the input listing (footers)."""
+    summary prints them), without a model: reads the manifest, the input listing (footers) and
+    one listing of the output. A done marker its output does not back counts pending, as a run
+    redoes it (`untrusted_shards`: why); one whose file was rewritten with the same rows counts
+    done (`changed_shards`: `verify` audits it)."""
     sink_fs, output_dir = fsspec.core.url_to_fs(output, **storage_options)
     if not sink_fs.exists(f"{manifest_root(sink_fs, output_dir.rstrip('/'))}/run.json"):
         raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
@@ -436,18 +439,32 @@ def run_status(output: str, storage_options: dict) -> dict:
     recorded_options = usable_recorded_options(config.get("storage_options", {}))
     shards = list_recorded_shards(config["input"], config, {**recorded_options, **storage_options})
     by_stem = {shard.stem: shard for shard in shards}
-    status_of = {stem: markers.get(stem, {}).get("status", "pending") for stem in by_stem}
+    listed = listed_outputs(sink_fs, output_dir.rstrip("/"))
+    untrusted = untrusted_done_markers(sink_fs, shards, markers, listed)
+    status_of = {stem: "pending" if stem in untrusted else markers.get(stem, {}).get("status", "pending")
+                 for stem in by_stem}
     locks = manifest.read_locks()
     return {
         **_shard_counts(list(by_stem), status_of, by_stem), "output": output,
         "failed_shards": [{"shard": markers[stem].get("input", stem), "error": markers[stem].get("error")}
                           for stem, state in status_of.items() if state == "failed"],
+        "untrusted_shards": [{"shard": by_stem[stem].url, "reason": reason} for stem, reason in untrusted.items()],
+        "changed_shards": [{"output": shown_path(sink_fs, listed[stem]["name"]), "bytes": listed[stem]["size"],
+                            "recorded_bytes": markers[stem]["bytes"], "rows": by_stem[stem].num_rows}
+                           for stem, state in status_of.items()
+                           if state == "done" and changed_since_commit(markers[stem], listed[stem])],
         "workers": _worker_status(shards, status_of, by_stem, config.get("num_shards", 1), locks,
                                   manifest.worker_summaries()),
-        "totals": output_totals(markers[stem] for stem in by_stem if stem in markers),
+        "totals": output_totals(markers[stem] for stem in by_stem if stem in markers and stem not in untrusted),
         "lock": next((lock for lock in locks if lock.get("count", 1) == 1), None),
         "locks": locks,
     }
+
+
+def changed_since_commit(marker: dict, found: dict) -> bool:
+    """Whether a trusted output file's size is not the one its marker recorded at the commit: rewritten
+    since with the same rows (recompressed, copied by a tool), which only `verify` audits."""
+    return marker.get("bytes") is not None and marker["bytes"] != found["size"]
 
 
 def _shard_counts(stems: list[str], status_of: dict[str, str], by_stem: dict[str, Shard]) -> dict:
