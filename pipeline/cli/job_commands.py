@@ -186,12 +186,19 @@ def status(output, storage_option, as_json) -> None:
     """How much of a run is done: shards done, failed and pending, rows done, and what the
     output holds (rows, errors, truncated, flagged by label), as the run's summary prints it.
 
-    Reads the run manifest and the footers of the input it records (as absolute URLs, so it
-    answers from any directory with only --output); loads no model. With --config, the job
-    file's `output` and [storage] are used and its other keys are skipped.
+    Reads the run manifest, the footers of the input it records (as absolute URLs, so it
+    answers from any directory with only --output) and one listing of the output; loads no
+    model. With --config, the job file's `output` and [storage] are used and its other keys are
+    skipped.
+
+    A shard marked done counts done only while its output file backs the marker: a file missing,
+    not readable Parquet, or whose footer has other rows (read only when its size is not the one
+    recorded at the commit) counts pending, as the next run redoes it. Only `verify` audits the
+    rows (ids, order, errors).
+
+    Exit 0 when every shard is done, 1 when not (pending or failed), 2 usage error, 4 storage error.
     """
     from pipeline.offline.manifest import run_status
-    from pipeline.offline.summary import totals_lines
 
     if not output:
         fail("no output directory; set --output (or `output` in the --config file)")
@@ -204,13 +211,28 @@ def status(output, storage_option, as_json) -> None:
         raise
     if as_json:
         click.echo(json.dumps(report, indent=2))
-        return
+    else:
+        print_status(report)
+    if report["done"] < report["shards"]:  # not complete: a sensor on `status` waits
+        sys.exit(exit_codes.SHARDS_FAILED)
+
+
+def print_status(report: dict) -> None:
+    """`status`'s text: the counts, the output's totals, then a line per shard that needs a look."""
+    from pipeline.offline.summary import totals_lines
+
     click.echo(f"{report['output']}: {report['done']} of {report['shards']} shards done, {report['failed']} failed, "
                f"{report['pending']} pending; {report['rows_done']:,} of {report['rows']:,} rows done")
     for line in totals_lines(report["totals"]):
         click.echo(line)
     for failed in report["failed_shards"]:
         click.echo(f"failed  {failed['shard']}: {failed['error']}")
+    for untrusted in report["untrusted_shards"]:
+        click.echo(f"not done  {untrusted['shard']}: marked done but {untrusted['reason']}; a run redoes it")
+    for changed in report["changed_shards"]:
+        click.echo(f"changed   {changed['output']}: rewritten since its commit ({changed['bytes']:,} bytes, its marker "
+                   f"records {changed['recorded_bytes']:,}) with the same {changed['rows']:,} rows; counted done, "
+                   "`lengthwise verify` audits its ids")
     workers = report["workers"]
     for setting in dict.fromkeys(w["last_batch_setting"] for w in workers if w["last_batch_setting"]):
         click.echo(f"batch setting   {setting} (the last run's)")

@@ -11,10 +11,11 @@ from pipeline.core.errors import UsageError
 from pipeline.offline.config import RunConfig
 from pipeline.offline.manifest import (
     RunManifest,
-    done_marker_problem,
     fingerprint_differences,
+    listed_outputs,
     pending,
     recorded_config,
+    untrusted_done_markers,
 )
 from pipeline.offline.reuse import recorded_dtype, recorded_long_text, remove_stale_hash_temporaries
 from pipeline.offline.sink import ShardSink
@@ -87,7 +88,8 @@ def pending_shards(shards: list[Shard], manifest: RunManifest, sink: ShardSink) 
     """The shards not yet done, in input order: failed ones are retried, and so is a shard whose
     done marker its output does not back (untrusted_done_markers)."""
     markers = manifest.shard_markers()
-    return pending_of(shards, markers, untrusted_done_markers(shards, markers, sink))
+    return pending_of(shards, markers, untrusted_done_markers(sink.fs, shards, markers,
+                                                              listed_outputs(sink.fs, sink.output_dir)))
 
 
 def pending_of(shards: list[Shard], markers: dict[str, dict], untrusted: dict[str, str]) -> list[Shard]:
@@ -95,18 +97,6 @@ def pending_of(shards: list[Shard], markers: dict[str, dict], untrusted: dict[st
     done = {stem for stem, marker in markers.items() if marker["status"] == "done" and stem not in untrusted}
     todo_stems = set(pending([s.stem for s in shards], done))
     return [shard for shard in shards if shard.stem in todo_stems]
-
-
-def untrusted_done_markers(shards: list[Shard], markers: dict[str, dict], sink: ShardSink) -> dict[str, str]:
-    """Stem → why its done marker is not backed by its output (a file deleted or replaced by hand, an input
-    shard rewritten since): such a shard is redone."""
-    done = [shard for shard in shards if markers.get(shard.stem, {}).get("status") == "done"]
-    if not done:
-        return {}
-    sizes = sink.output_bytes()
-    problems = {shard.stem: done_marker_problem(markers[shard.stem], shard.num_rows, sizes.get(shard.stem),
-                                                lambda stem=shard.stem: sink.output_rows(stem)) for shard in done}
-    return {stem: problem for stem, problem in problems.items() if problem}
 
 
 def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink: ShardSink,
@@ -125,11 +115,13 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
             + manifest.remove_stale_temporaries(stems)):
         log.info("removed temporary files of an interrupted run")
     markers = manifest.shard_markers()
-    untrusted = untrusted_done_markers(shards, markers, sink)
+    listed = listed_outputs(sink.fs, sink.output_dir)
+    untrusted = untrusted_done_markers(sink.fs, shards, markers, listed)
     for shard in shards:
         if shard.stem in untrusted:
             log.warning(f"{shard.url} is marked done but {untrusted[shard.stem]}; redoing it")
     manifest.clear_markers(list(untrusted))
+    sink.remove_outputs([stem for stem in untrusted if stem in listed])  # a folder in its place would take the commit
     if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:
         manifest.write_run(fingerprint, recorded_config(config))  # once for N workers: they all check it
     todo = pending_of(shards, markers, untrusted)  # one listing of the markers and the output, not two

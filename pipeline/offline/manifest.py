@@ -12,8 +12,11 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 
 import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.core.errors import RERUN, StorageError, UsageError, as_credentials_error, as_storage_error
@@ -45,19 +48,70 @@ def pending(shard_stems: list[str], done_stems: set[str]) -> list[str]:
     return [stem for stem in shard_stems if stem not in done_stems]
 
 
-def done_marker_problem(marker: dict, input_rows: int, output_bytes: int | None, output_rows) -> str | None:
-    """Why a done marker cannot be trusted, or None: it counts only with its output file, holding
-    the input shard's rows. `output_rows()` reads the output's footer, only when the file's size is
-    not the one the marker recorded (a marker from before sizes were recorded, or another file)."""
-    if output_bytes is None:
+def output_file_problem(marker: dict, found: dict | None, footer_rows: Callable[[], int]) -> str | None:
+    """Why a done shard's output file does not hold what its marker recorded, or None; cheap enough for a
+    `status` of 10,000 shards, and no audit (`verify` reads the ids). `found` is the file's entry in a
+    listing of the output (fsspec's info: name as shown, type, size; None: not listed). Its size is checked
+    against the `bytes` the marker recorded at the commit; only where they differ (a file rewritten since,
+    or a marker from before sizes) is `footer_rows()` asked for the footer's row count, never the data. A
+    file that is not Parquet (garbage, cut short, empty) or a folder in its place is a fault for a run to
+    repair, never an exception."""
+    if found is None:
         return "its output file is missing"
+    if found["type"] != "file":
+        return f"its output file {found['name']} is a folder, not a Parquet file"
+    if marker.get("bytes") == found["size"]:
+        return None
+    try:
+        rows = footer_rows()
+    except pa.ArrowException as error:
+        cause = str(error).splitlines()[0] if str(error) else "no message"
+        return f"its output file {found['name']} is not readable Parquet ({type(error).__name__}: {cause})"
+    if marker.get("rows") is not None and rows != marker["rows"]:
+        return f"its output file has {rows:,} rows and the input shard {marker['rows']:,}"
+    return None
+
+
+def done_marker_problem(marker: dict, input_rows: int, found: dict | None, footer_rows: Callable[[], int]) -> str | None:
+    """Why a done marker cannot be trusted, or None: it counts only with its output file, holding
+    the input shard's rows (output_file_problem)."""
     if marker.get("rows") is not None and marker["rows"] != input_rows:
         return f"it records {marker['rows']:,} rows and the input shard now has {input_rows:,}"
-    if marker.get("bytes") != output_bytes:
-        rows = output_rows()
-        if rows != input_rows:
-            return f"its output file has {rows:,} rows and the input shard {input_rows:,}"
-    return None
+    return output_file_problem({**marker, "rows": input_rows}, found, footer_rows)
+
+
+def listed_outputs(fs: fsspec.AbstractFileSystem, output_dir: str) -> dict[str, dict]:
+    """Shard stem → the listing's entry (fsspec's info) of each `STEM.parquet` below the output, a
+    folder of that name included: one listing for every shard, no request per shard."""
+    found = fs.find(output_dir, detail=True, withdirs=True)
+    return {relative[:-len(".parquet")]: info for path, info in found.items()
+            if (relative := path[len(output_dir) + 1:]).endswith(".parquet")
+            and not relative.rsplit("/", 1)[-1].startswith(".")}
+
+
+def footer_rows(fs: fsspec.AbstractFileSystem, path: str) -> int:
+    """The row count in a Parquet file's footer (the data is not read)."""
+    with fs.open(path, "rb") as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+def untrusted_done_markers(fs: fsspec.AbstractFileSystem, shards: list[Shard], markers: dict[str, dict],
+                           listed: dict[str, dict]) -> dict[str, str]:
+    """Stem → why its done marker is not backed by its output in `listed` (listed_outputs): a file
+    deleted, cut short or replaced by hand, a folder in its place, an input shard rewritten since.
+    Such a shard is not done: `status` counts it pending and a run redoes it."""
+    problems = {}
+    for shard in shards:
+        marker = markers.get(shard.stem, {})
+        if marker.get("status") != "done":
+            continue
+        found = listed.get(shard.stem)
+        path = found["name"] if found else None
+        shown = {**found, "name": shown_path(fs, path)} if found else None  # as the messages name it
+        problem = done_marker_problem(marker, shard.num_rows, shown, lambda: footer_rows(fs, path))
+        if problem:
+            problems[shard.stem] = problem
+    return problems
 
 
 def fingerprint_differences(recorded: dict, current: dict) -> list[str]:
@@ -371,7 +425,10 @@ def recorded_config(config: RunConfig) -> dict:
 def run_status(output: str, storage_options: dict) -> dict:
     """Shards done, failed and pending for the run recorded in `output`, overall and per
     worker, and the output's totals (rows, errors, truncated, flagged by label, as the run's
-    summary prints them), without a model: reads the manifest and the input listing (footers)."""
+    summary prints them), without a model: reads the manifest, the input listing (footers) and
+    one listing of the output. A done marker its output does not back counts pending, as a run
+    redoes it (`untrusted_shards`: why); one whose file was rewritten with the same rows counts
+    done (`changed_shards`: `verify` audits it)."""
     sink_fs, output_dir = fsspec.core.url_to_fs(output, **storage_options)
     if not sink_fs.exists(f"{manifest_root(sink_fs, output_dir.rstrip('/'))}/run.json"):
         raise UsageError(f"{output} has no lengthwise run (no {MANIFEST_DIR}/run.json); check --output")
@@ -382,18 +439,32 @@ def run_status(output: str, storage_options: dict) -> dict:
     recorded_options = usable_recorded_options(config.get("storage_options", {}))
     shards = list_recorded_shards(config["input"], config, {**recorded_options, **storage_options})
     by_stem = {shard.stem: shard for shard in shards}
-    status_of = {stem: markers.get(stem, {}).get("status", "pending") for stem in by_stem}
+    listed = listed_outputs(sink_fs, output_dir.rstrip("/"))
+    untrusted = untrusted_done_markers(sink_fs, shards, markers, listed)
+    status_of = {stem: "pending" if stem in untrusted else markers.get(stem, {}).get("status", "pending")
+                 for stem in by_stem}
     locks = manifest.read_locks()
     return {
         **_shard_counts(list(by_stem), status_of, by_stem), "output": output,
         "failed_shards": [{"shard": markers[stem].get("input", stem), "error": markers[stem].get("error")}
                           for stem, state in status_of.items() if state == "failed"],
+        "untrusted_shards": [{"shard": by_stem[stem].url, "reason": reason} for stem, reason in untrusted.items()],
+        "changed_shards": [{"output": shown_path(sink_fs, listed[stem]["name"]), "bytes": listed[stem]["size"],
+                            "recorded_bytes": markers[stem]["bytes"], "rows": by_stem[stem].num_rows}
+                           for stem, state in status_of.items()
+                           if state == "done" and changed_since_commit(markers[stem], listed[stem])],
         "workers": _worker_status(shards, status_of, by_stem, config.get("num_shards", 1), locks,
                                   manifest.worker_summaries()),
-        "totals": output_totals(markers[stem] for stem in by_stem if stem in markers),
+        "totals": output_totals(markers[stem] for stem in by_stem if stem in markers and stem not in untrusted),
         "lock": next((lock for lock in locks if lock.get("count", 1) == 1), None),
         "locks": locks,
     }
+
+
+def changed_since_commit(marker: dict, found: dict) -> bool:
+    """Whether a trusted output file's size is not the one its marker recorded at the commit: rewritten
+    since with the same rows (recompressed, copied by a tool), which only `verify` audits."""
+    return marker.get("bytes") is not None and marker["bytes"] != found["size"]
 
 
 def _shard_counts(stems: list[str], status_of: dict[str, str], by_stem: dict[str, Shard]) -> dict:

@@ -188,17 +188,6 @@ class ShardSink:
         self.committed_bytes[shard_index] = writer.bytes_written
         return path
 
-    def output_bytes(self) -> dict[str, int]:
-        """Shard stem → size of its committed output file, for every output file there is (one listing)."""
-        found = self.fs.find(self.output_dir, detail=True)
-        return {path[len(self.output_dir) + 1:-len(".parquet")]: info["size"] for path, info in found.items()
-                if path.endswith(".parquet") and not path.rsplit("/", 1)[-1].startswith(".")}
-
-    def output_rows(self, stem: str) -> int:
-        """The row count in a committed output's footer."""
-        with self.fs.open(output_paths(self.output_dir, stem)[0], "rb") as f:
-            return pq.ParquetFile(f).metadata.num_rows
-
     def abort(self, shard_index: int) -> None:
         writer = self._writers.pop(shard_index, None)
         if writer is not None:
@@ -220,11 +209,12 @@ class ShardSink:
         return len(stale)
 
     def remove_outputs(self, stems: list[str]) -> None:
-        """Delete these shards' committed outputs (for --overwrite: nothing old stays visible)."""
+        """Delete these shards' committed outputs, or a folder in an output's place (for --overwrite, and
+        before a shard whose output does not back its marker is redone: nothing old stays visible)."""
         for stem in stems:
             path = output_paths(self.output_dir, stem)[0]
             if self.fs.exists(path):
-                self.fs.rm(path)
+                self.fs.rm(path, recursive=True)
 
     def abort_all(self) -> None:
         for writer in self._writers.values():

@@ -219,8 +219,9 @@ def check_ids(check: ShardCheck, fs, final_path: str, id_column: str, storage_op
     try:
         differs_at = first_difference(input_ids(), output_ids(count_errors=True))
     except (pa.ArrowException, OSError, KeyError) as error:
-        check.problems.append(f"cannot read {output_url} ({type(error).__name__}: {error}); rerun the job with "
-                              "--overwrite")
+        redone = isinstance(error, (pa.ArrowException, IsADirectoryError))  # not Parquet, or a folder in its place
+        check.problems.append(f"cannot read {output_url} ({type(error).__name__}: {error}); rerun the job"
+                              + (": it redoes the shard" if redone else " with --overwrite"))
         return
     if differs_at is None:
         return
