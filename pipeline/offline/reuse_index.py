@@ -167,18 +167,32 @@ class ReuseIndex:
             matches.by_text[targets] = True
         return matches
 
+    def holds(self, id_hashes: np.ndarray, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Per row: whether the hash file of previous shard `shards` has `id_hashes` at row `rows`. Read with
+        the ids of the output rows a block copies from, it proves the output still lines up with its hashes."""
+        held = np.zeros(len(id_hashes), bool)
+        for positions, first, end, records in self.by_id.ranges(id_hashes):
+            for offset in range(int((end - first).max(initial=0))):  # an id yesterday had n times: n records
+                candidates = records[np.minimum(first + offset, len(records) - 1)]
+                here = ((first + offset < end) & (candidates["shard"] == shards[positions])
+                        & (candidates["row"] == rows[positions]))
+                held[positions[here]] = True
+        return held
+
     def close(self) -> None:
         self.by_id.close()
         self.by_text.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-NEW, EDITED, SAME, RETRY = 0, 1, 2, 3  # a row's id is not in the index; it is, with another text; both; an error
+# a row's id is not in the index; it is, with another text; both; an error; found, in a previous shard whose
+# results could not be proven theirs (set by reuse.py: the shard is skipped)
+NEW, EDITED, SAME, RETRY, SKIPPED = 0, 1, 2, 3, 4
 
 
 class RowMatches:
     """Per row of a block: the previous shard and row whose result it takes (-1: none), `kind` (NEW,
-    EDITED, SAME, RETRY: the same id and text had an error that may change on a retry), and
+    EDITED, SAME, RETRY: the same id and text had an error that may change on a retry, SKIPPED), and
     `by_text`: taken from a row with the same text under another id."""
 
     def __init__(self, shard: np.ndarray, row: np.ndarray, kind: np.ndarray):
@@ -188,3 +202,7 @@ class RowMatches:
     @property
     def reused(self) -> np.ndarray:
         return (self.kind == SAME) | self.by_text
+
+    def skip(self, rows: np.ndarray) -> None:
+        """These rows' previous shard is skipped: they are computed."""
+        self.kind[rows], self.by_text[rows] = SKIPPED, False

@@ -72,6 +72,18 @@ def test_a_duplicate_id_yesterday_is_matched_by_its_text_and_an_old_hash_file_re
     assert not (tmp_path / "index").exists()
 
 
+def test_holds_says_whether_a_hash_file_has_an_id_at_a_row(tmp_path):
+    """What proves yesterday's output still lines up with its hash file at a row copied from (an id twice
+    yesterday has a record for each of its rows)."""
+    index = build([[hash_batch([1, 2, 3], [10, 20, 30])], [hash_batch([3, 4, 3], [31, 40, 32])]], tmp_path)
+    ids = np.array([1, 2, 3, 3, 3, 3, 4, 2, 9], np.int64)
+    shards = np.array([0, 0, 0, 1, 1, 1, 1, 0, 0], np.int32)
+    rows = np.array([0, 1, 2, 0, 2, 1, 1, 2, 0], np.int32)
+    assert index.holds(ids, shards, rows).tolist() == [True, True, True, True, True, False, True, False, False]
+    assert index.holds(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)).tolist() == []
+    index.close()
+
+
 MILLION_ROWS_LOOKUP = """
 import sys, tracemalloc
 import numpy as np, pyarrow as pa
