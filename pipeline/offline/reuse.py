@@ -200,7 +200,7 @@ SKIP_ADVICE = "its rows are computed, not reused"
 
 
 def previous_shard_problem(marker: dict, output_bytes: int, output_rows: Callable[[], int],
-                           hash_rows: int) -> str | None:
+                           hashed_rows: int) -> str | None:
     """Why a previous shard's output cannot be trusted to line up with its text hashes, or None: its size
     is the one its done marker recorded at the commit (a marker from before sizes were recorded is not
     checked by size), and it has a row for every hash (`output_rows()` reads its footer, only once the
@@ -209,8 +209,8 @@ def previous_shard_problem(marker: dict, output_bytes: int, output_rows: Callabl
         return (f"it has {output_bytes:,} bytes and its done marker records {marker['bytes']:,} (rewritten since it "
                 "was committed?)")
     rows = output_rows()
-    if rows != hash_rows:
-        return f"it has {rows:,} rows and its text hashes {hash_rows:,}"
+    if rows != hashed_rows:
+        return f"it has {rows:,} rows and its text hashes {hashed_rows:,}"
     return None
 
 
@@ -220,7 +220,7 @@ def read_problem(what: str, error: Exception) -> str:
     return f"{what} unreadable ({type(error).__name__}: {first_line})"
 
 
-READ_ERRORS = (OSError, ValueError, pa.ArrowException)  # a truncated, garbled or vanished file
+READ_ERRORS = (OSError, pa.ArrowException)  # a truncated, garbled or vanished file
 
 
 class PreviousOutput:
@@ -244,10 +244,10 @@ class PreviousOutput:
         markers = {stem: m for stem, m in self.manifest.shard_markers().items() if m["status"] == "done"}
         self.stems: list[str] = sorted(stem for stem in markers if self.fs.exists(self._hashes_path(stem)))
         self.skipped: dict[int, str] = {}  # a previous shard's number → why its results are not reused
-        hash_rows = [self._check(number, markers[stem]) for number, stem in enumerate(self.stems)]
-        self.index = ReuseIndex(total_rows=sum(hash_rows), bucket_rows=bucket_rows)
+        hashed_rows = [self._check_shard(number, markers[stem]) for number, stem in enumerate(self.stems)]
+        self.index = ReuseIndex(total_rows=sum(hashed_rows), bucket_rows=bucket_rows)
         for number, stem in enumerate(self.stems):  # one hash file open at a time
-            if hash_rows[number]:
+            if hashed_rows[number]:
                 try:
                     with self.fs.open(self._hashes_path(stem), "rb") as f:
                         self.index.add_shard(number, pq.ParquetFile(f).iter_batches(HASH_BATCH_ROWS))
@@ -261,27 +261,26 @@ class PreviousOutput:
     def _hashes_path(self, stem: str) -> str:
         return hashes_path(self.manifest.root, stem)
 
-    def _check(self, number: int, marker: dict) -> int:
+    def _check_shard(self, number: int, marker: dict) -> int:
         """The rows of a previous shard's hash file (0 if it cannot be read); the shard is skipped where
         its output does not match its marker or its hashes (its rows are still indexed: found, and counted
         as skipped when computed)."""
         stem = self.stems[number]
         path, hashes = self._output_path(stem), self._hashes_path(stem)
         try:
-            with self.fs.open(hashes, "rb") as f:
-                hash_rows = pq.ParquetFile(f).metadata.num_rows
+            hashed_rows = self._footer_rows(hashes)
         except READ_ERRORS as error:
             self.skip(number, read_problem("its text hashes are", error), hashes)
             return 0
         try:
-            problem = previous_shard_problem(marker, self.fs.size(path), lambda: self._footer_rows(path), hash_rows)
+            problem = previous_shard_problem(marker, self.fs.size(path), lambda: self._footer_rows(path), hashed_rows)
         except FileNotFoundError:
             problem = "its output file is missing"
         except READ_ERRORS as error:
             problem = read_problem("its output file is", error)
         if problem is not None:
             self.skip(number, problem, path)
-        return hash_rows
+        return hashed_rows
 
     def _footer_rows(self, path: str) -> int:
         with self.fs.open(path, "rb") as f:
@@ -364,7 +363,7 @@ class PreviousOutput:
         if shard not in self._files:
             if len(self._files) >= self.KEPT_FILES:
                 self._files.pop(next(iter(self._files)))[0].close()
-            file = pq.ParquetFile(self.fs.open(f"{self.directory}/{self.stems[shard]}.parquet", "rb"))
+            file = pq.ParquetFile(self.fs.open(self._output_path(self.stems[shard]), "rb"))
             sizes = [file.metadata.row_group(i).num_rows for i in range(file.metadata.num_row_groups)]
             columns = ["id", *(name for name in file.schema_arrow.names if name not in self.fixed_columns)]
             self._files[shard] = (file, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), columns)
