@@ -57,10 +57,11 @@ def assert_equal_by_id(ours: dict, full: dict) -> None:
     assert not wrong, f"{len(wrong)} of {len(full)} rows hold another row's result, e.g. {wrong[:3]}"
 
 
-def rewrite_in_reverse_order(path) -> None:
-    """What a downstream sort or compaction does to a shard: the same rows, in another order."""
+def rewrite_in_order(path, order: np.ndarray | None = None) -> None:
+    """What a downstream sort or compaction does to a shard: the same rows, in another order (reversed
+    unless `order` is given)."""
     table = pq.read_table(path)
-    pq.write_table(table.take(pa.array(np.arange(table.num_rows)[::-1])), path)
+    pq.write_table(table.take(pa.array(np.arange(table.num_rows)[::-1] if order is None else order)), path)
 
 
 def reuse_warnings(caplog) -> list[str]:
@@ -98,7 +99,7 @@ def test_a_reused_output_rewritten_in_another_row_order_never_yields_another_row
     run(night1, tmp_path / "out1", tiny_encoder_path)
     output = tmp_path / "out1" / "part-00000.parquet"
     recorded = json.loads((tmp_path / "out1" / ".lengthwise" / "shards" / "part-00000.json").read_text())["bytes"]
-    rewrite_in_reverse_order(output)
+    rewrite_in_order(output)
     assert output.stat().st_size != recorded
 
     with caplog.at_level(logging.WARNING, logger="pipeline"):
@@ -116,14 +117,17 @@ def test_a_reused_output_rewritten_in_another_row_order_never_yields_another_row
 @pytest.mark.slow
 def test_a_rewrite_of_the_size_its_marker_records_is_caught_by_its_ids(tmp_path, sample_table, tiny_encoder_path,
                                                                       caplog):
-    """The id check holds alone: the rewritten file's size is recorded in its marker, as if it matched by chance.
-    Ids unchanged tonight (found by id) or regenerated (found by text): neither copies another row's result."""
+    """The id check holds alone: two rows of a shard swapped, the rewritten file's size recorded in its marker,
+    as if it matched by chance. Ids unchanged tonight (found by id) or regenerated (found by text): neither
+    copies another row's result."""
     for regenerated_ids in (True, False):
         case = tmp_path / f"regenerated-{regenerated_ids}"
         night1, night2 = yesterday_and_tonight(case, sample_table, shards=2, regenerated_ids=regenerated_ids)
         run(night1, case / "out1", tiny_encoder_path)
         output = case / "out1" / "part-00001.parquet"
-        rewrite_in_reverse_order(output)
+        swapped = np.arange(ROWS_PER_SHARD)
+        swapped[[3, 11]] = swapped[[11, 3]]
+        rewrite_in_order(output, swapped)
         marker_path = case / "out1" / ".lengthwise" / "shards" / "part-00001.json"
         marker = json.loads(marker_path.read_text())
         marker_path.write_text(json.dumps({**marker, "bytes": output.stat().st_size}))
