@@ -12,7 +12,9 @@ previous shard go into a `ReuseIndex` (offline/reuse_index.py: sorted runs on lo
 a row, memory bounded by its bucket size), keyed by (id hash, text hash) and by text hash. A row
 moved to another shard or a renamed partition is found all the same, and a text seen yesterday
 under another id too. The results are then read from the previous outputs shard by shard, a
-Parquet row group at a time (the last few kept).
+Parquet row group at a time (the last few kept), and copied only once proven their rows' (see
+PreviousOutput): a downstream sort or compaction of yesterday's output keeps its row count, not its
+alignment with the hash files.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import hashlib
 import logging
 import re
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 import fsspec
@@ -32,7 +34,13 @@ import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError
 from pipeline.core.retry import retry_transient
-from pipeline.offline.manifest import MANIFEST_DIR, RunManifest, fingerprint_differences, remove_temporaries
+from pipeline.offline.manifest import (
+    MANIFEST_DIR,
+    RunManifest,
+    fingerprint_differences,
+    remove_temporaries,
+    shown_path,
+)
 from pipeline.offline.reuse_index import (
     BUCKET_ROWS,
     EDITED,
@@ -42,6 +50,7 @@ from pipeline.offline.reuse_index import (
     PERMANENT_ERROR,
     RETRY,
     RETRYABLE_ERROR,
+    SKIPPED,
     ReuseIndex,
     RowMatches,
 )
@@ -187,9 +196,39 @@ def recorded_long_text(previous: str, storage_options: dict) -> str | None:
     return recorded and recorded["fingerprint"].get("long_text", "truncate")
 
 
+SKIP_ADVICE = "its rows are computed, not reused"
+
+
+def previous_shard_problem(marker: dict, output_bytes: int, output_rows: Callable[[], int],
+                           hashed_rows: int) -> str | None:
+    """Why a previous shard's output cannot be trusted to line up with its text hashes, or None: its size
+    is the one its done marker recorded at the commit (a marker from before sizes were recorded is not
+    checked by size), and it has a row for every hash (`output_rows()` reads its footer, only once the
+    size is right). A rewrite of the same size is caught later, by the ids of the rows copied from it."""
+    if marker.get("bytes") is not None and marker["bytes"] != output_bytes:
+        return (f"it has {output_bytes:,} bytes and its done marker records {marker['bytes']:,} (rewritten since it "
+                "was committed?)")
+    rows = output_rows()
+    if rows != hashed_rows:
+        return f"it has {rows:,} rows and its text hashes {hashed_rows:,}"
+    return None
+
+
+def read_problem(what: str, error: Exception) -> str:
+    """`its output file is unreadable (ArrowInvalid: …)`, one line."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{what} unreadable ({type(error).__name__}: {first_line})"
+
+
+READ_ERRORS = (OSError, pa.ArrowException)  # a truncated, garbled or vanished file
+
+
 class PreviousOutput:
-    """Yesterday's output (--reuse): its done shards with an output and a text-hash file of as many
-    rows, indexed by id and text (`index`), and their results read by row group on demand."""
+    """Yesterday's output (--reuse): its done shards with a text-hash file, indexed by id and text (`index`),
+    and their results read by row group on demand. A result is copied only once it is proven its row's:
+    the shard's output has the size its done marker recorded and a row for every hash, and the id at each
+    row copied from is the one its hash file has there. A shard that fails either (or cannot be read) is
+    skipped with a warning: its rows are computed and counted `skipped`."""
 
     KEPT_FILES = 8
     KEPT_ROW_GROUPS = 16
@@ -200,43 +239,108 @@ class PreviousOutput:
         self.directory = directory.rstrip("/")
         self.manifest = RunManifest(self.fs, self.directory)
         self.fixed_columns = {"id", *keep_columns}  # taken from today's input, never from yesterday
-        done = sorted(stem for stem, m in self.manifest.shard_markers().items() if m["status"] == "done")
-        counted = {stem: rows for stem in done if (rows := self._hash_rows(stem)) is not None}
-        self.stems: list[str] = list(counted)  # a previous shard's number in the index → its stem
-        self.index = ReuseIndex(total_rows=sum(counted.values()), bucket_rows=bucket_rows)
-        for number, stem in enumerate(self.stems):  # one hash file open at a time
-            with self.fs.open(hashes_path(self.manifest.root, stem), "rb") as f:
-                self.index.add_shard(number, pq.ParquetFile(f).iter_batches(HASH_BATCH_ROWS))
-        self.index.finish()
         self._files: dict[int, tuple[pq.ParquetFile, np.ndarray, list[str]]] = {}
         self._groups: dict[tuple[int, int], pa.Table] = {}
+        markers = {stem: m for stem, m in self.manifest.shard_markers().items() if m["status"] == "done"}
+        self.stems: list[str] = sorted(stem for stem in markers if self.fs.exists(self._hashes_path(stem)))
+        self.skipped: dict[int, str] = {}  # a previous shard's number → why its results are not reused
+        hashed_rows = [self._check_shard(number, markers[stem]) for number, stem in enumerate(self.stems)]
+        self.index = ReuseIndex(total_rows=sum(hashed_rows), bucket_rows=bucket_rows)
+        for number, stem in enumerate(self.stems):  # one hash file open at a time
+            if hashed_rows[number]:
+                try:
+                    with self.fs.open(self._hashes_path(stem), "rb") as f:
+                        self.index.add_shard(number, pq.ParquetFile(f).iter_batches(HASH_BATCH_ROWS))
+                except READ_ERRORS as error:  # its rows indexed so far are found, and computed
+                    self.skip(number, read_problem("its text hashes are", error), self._hashes_path(stem))
+        self.index.finish()
 
-    def _hash_rows(self, stem: str) -> int | None:
-        """The rows of a previous shard's hash file, if its output is there with as many rows (from the footers)."""
-        path, hashes = f"{self.directory}/{stem}.parquet", hashes_path(self.manifest.root, stem)
-        if not self.fs.exists(path) or not self.fs.exists(hashes):
-            return None
-        with self.fs.open(hashes, "rb") as f:
-            hash_rows = pq.ParquetFile(f).metadata.num_rows
+    def _output_path(self, stem: str) -> str:
+        return f"{self.directory}/{stem}.parquet"
+
+    def _hashes_path(self, stem: str) -> str:
+        return hashes_path(self.manifest.root, stem)
+
+    def _check_shard(self, number: int, marker: dict) -> int:
+        """The rows of a previous shard's hash file (0 if it cannot be read); the shard is skipped where
+        its output does not match its marker or its hashes (its rows are still indexed: found, and counted
+        as skipped when computed)."""
+        stem = self.stems[number]
+        path, hashes = self._output_path(stem), self._hashes_path(stem)
+        try:
+            hashed_rows = self._footer_rows(hashes)
+        except READ_ERRORS as error:
+            self.skip(number, read_problem("its text hashes are", error), hashes)
+            return 0
+        try:
+            problem = previous_shard_problem(marker, self.fs.size(path), lambda: self._footer_rows(path), hashed_rows)
+        except FileNotFoundError:
+            problem = "its output file is missing"
+        except READ_ERRORS as error:
+            problem = read_problem("its output file is", error)
+        if problem is not None:
+            self.skip(number, problem, path)
+        return hashed_rows
+
+    def _footer_rows(self, path: str) -> int:
         with self.fs.open(path, "rb") as f:
-            output_rows = pq.ParquetFile(f).metadata.num_rows
-        if output_rows != hash_rows:
-            log.warning(f"--reuse: {path} and its text hashes disagree on the row count; its rows are not reused")
-            return None
-        return hash_rows
+            return pq.ParquetFile(f).metadata.num_rows
 
-    def rows(self, shards: np.ndarray, rows: np.ndarray) -> pa.Table:
-        """The previous outputs' id and result columns at (shard, row), in that order: fetched shard by shard,
-        a Parquet row group at a time."""
+    def skip(self, number: int, problem: str, path: str | None = None) -> None:
+        """Reuse nothing more of previous shard `number`, saying why once."""
+        if number in self.skipped:
+            return
+        self.skipped[number] = problem
+        shown = shown_path(self.fs, path or self._output_path(self.stems[number]))
+        log.warning(f"--reuse: {shown}: {problem}; {SKIP_ADVICE}")
+        entry = self._files.pop(number, None)
+        if entry is not None:
+            entry[0].close()
+        for key in [key for key in self._groups if key[0] == number]:
+            del self._groups[key]
+
+    def take_results(self, matches: RowMatches, ids: pa.Array) -> pa.Table | None:
+        """The previous id and result columns of a block's reused rows (`matches.reused`, in block order),
+        each proven its row's. Updates `matches`: a row found in a skipped shard, or in one found out now
+        (unreadable, or an id at a copied row that is not its hash file's), is SKIPPED; a row whose id only
+        shares its 64-bit hash with yesterday's row is NEW."""
+        if self.skipped:
+            matches.skip(np.flatnonzero(matches.reused & np.isin(matches.shard, list(self.skipped))))
+        reused = np.flatnonzero(matches.reused)
         parts, order = [], []
-        for shard in np.unique(shards).tolist():
-            positions = np.flatnonzero(shards == shard)
-            parts.append(self._shard_rows(shard, rows[positions]))
-            order.append(positions)
+        for shard in np.unique(matches.shard[reused]).tolist():
+            positions = reused[matches.shard[reused] == shard]
+            table = self._proven_rows(shard, matches, positions, ids)
+            if table is None:
+                matches.skip(positions)
+                continue
+            parts.append(table)
+            order.append(positions[matches.reused[positions]])
+        if not parts:
+            return None
         table = pa.concat_tables(parts, promote_options="permissive") if len(parts) > 1 else parts[0]
-        inverse = np.empty(len(shards), np.int64)
-        inverse[np.concatenate(order)] = np.arange(len(shards))
-        return table.take(pa.array(inverse))
+        return table.take(pa.array(np.argsort(np.concatenate(order), kind="stable")))
+
+    def _proven_rows(self, shard: int, matches: RowMatches, positions: np.ndarray, ids: pa.Array) -> pa.Table | None:
+        """Previous shard `shard`'s rows at `positions` of the block, or None where the shard is skipped now."""
+        rows = matches.row[positions]
+        try:
+            table = self._shard_rows(shard, rows)
+        except READ_ERRORS as error:
+            self.skip(shard, read_problem("its output file is", error))
+            return None
+        previous_ids = table["id"].to_pylist()
+        same_id = np.array([a == b for a, b in zip(previous_ids, ids.take(pa.array(positions)).to_pylist())], bool)
+        check = np.flatnonzero(matches.by_text[positions] | ~same_id)
+        held = self.index.holds(np.fromiter((id_hash(previous_ids[i]) for i in check.tolist()), np.int64, len(check)),
+                                np.full(len(check), shard, np.int32), rows[check])
+        if not held.all():
+            self.skip(shard, "its rows no longer line up with its text hashes (rewritten in another order since it "
+                             "was committed?)")
+            return None
+        collided = ~same_id & ~matches.by_text[positions]  # a 64-bit id hash collision: compute those rows
+        matches.kind[positions[collided]] = NEW
+        return table.filter(pa.array(~collided))
 
     def _shard_rows(self, shard: int, rows: np.ndarray) -> pa.Table:
         file, group_starts, columns = self._file(shard)
@@ -259,7 +363,7 @@ class PreviousOutput:
         if shard not in self._files:
             if len(self._files) >= self.KEPT_FILES:
                 self._files.pop(next(iter(self._files)))[0].close()
-            file = pq.ParquetFile(self.fs.open(f"{self.directory}/{self.stems[shard]}.parquet", "rb"))
+            file = pq.ParquetFile(self.fs.open(self._output_path(self.stems[shard]), "rb"))
             sizes = [file.metadata.row_group(i).num_rows for i in range(file.metadata.num_row_groups)]
             columns = ["id", *(name for name in file.schema_arrow.names if name not in self.fixed_columns)]
             self._files[shard] = (file, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), columns)
@@ -284,17 +388,9 @@ def reuse_block(block: RowBlock, previous: PreviousOutput) -> RowBlock:
     hashes = hash_rows(block.ids, block.texts)
     has_text = hashes.text_hashes.is_valid().to_numpy(zero_copy_only=False)
     matches = previous.index.match(hashes.id_hashes, hashes.text_hashes.fill_null(0).to_numpy(), has_text)
+    results = previous.take_results(matches, block.ids)
     mask = matches.reused
-    results = None
-    if mask.any():
-        results = previous.rows(matches.shard[mask], matches.row[mask])
-        today_ids = block.ids.filter(pa.array(mask))
-        same_id = np.array([a == b for a, b in zip(results["id"].to_pylist(), today_ids.to_pylist())], bool)
-        collided = ~same_id & ~matches.by_text[mask]  # a 64-bit id hash collision: compute those rows
-        if collided.any():
-            rows = np.flatnonzero(mask)[collided]
-            mask[rows], matches.kind[rows], matches.by_text[rows] = False, NEW, False
-            results = results.filter(pa.array(~collided))
+    if results is not None:
         results = results.drop_columns(["id"])
     texts = pc.if_else(pa.array(mask), pa.scalar(None, block.texts.type), block.texts)
     return replace(block, texts=texts, reuse=ReusedRows(hashes, mask, results, matches))
@@ -303,8 +399,9 @@ def reuse_block(block: RowBlock, previous: PreviousOutput) -> RowBlock:
 @dataclass
 class ReuseCounts:
     """What --reuse did with one shard's rows: reused (by id and text, or by text under another id), and
-    why the others were computed (new: an id yesterday had not; edited: another text; a row without a text
-    is neither). `sources`: previous shard → rows reused from it by id."""
+    why the others were computed (new: an id yesterday had not; edited: another text; skipped: found in a
+    previous shard whose results could not be proven theirs; a row without a text is none of these).
+    `sources`: previous shard → rows reused from it by id."""
 
     reused: int = 0
     by_text: int = 0
@@ -312,6 +409,7 @@ class ReuseCounts:
     edited: int = 0
     retried: int = 0
     fixed: int = 0
+    skipped: int = 0
     sources: dict = field(default_factory=dict)
 
     def add(self, reused: ReusedRows, errors: pa.Array) -> None:
@@ -324,6 +422,7 @@ class ReuseCounts:
         retried = matches.kind == RETRY
         self.retried += int(retried.sum())
         self.fixed += int((retried & errors.is_null().to_numpy(zero_copy_only=False)).sum())
+        self.skipped += int((matches.kind == SKIPPED).sum())
         by_id = reused.mask & ~matches.by_text
         for shard, rows in zip(*np.unique(matches.shard[by_id], return_counts=True)):
             self.sources[int(shard)] = self.sources.get(int(shard), 0) + int(rows)

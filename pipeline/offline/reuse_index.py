@@ -7,17 +7,26 @@ buckets of at most `bucket_rows` rows; each bucket is a sorted array of keys and
 holds one hash-file batch, then one bucket, at a time: memory follows `bucket_rows`, not the table.
 On disk: 25 bytes a row by id (8 key, 8 text hash, 4 shard, 4 row, 1 status) and 16 by text (8 key,
 4 shard, 4 row), so 41 bytes a row; 100M rows take 4.1 GB of local temporary disk.
+
+The folder (`$TMPDIR/lengthwise-reuse-PID-XXXXXXXX`) is leased: its `owner.lock` is locked (flock) by the
+process that built it while the index lives, and the kernel drops the lock when that process dies, even by
+SIGKILL. Each new index first removes the folders whose lease is free: those killed runs left behind.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
+
+from pipeline.core.units import format_bytes
 
 ID_RECORD = np.dtype([("text_hash", "<i8"), ("shard", "<i4"), ("row", "<i4"), ("status", "i1")])
 TEXT_RECORD = np.dtype([("shard", "<i4"), ("row", "<i4")])
@@ -25,6 +34,13 @@ OK, PERMANENT_ERROR, RETRYABLE_ERROR = 0, 1, 2  # a previous row's status: reuse
 BUCKET_ROWS = 1 << 20  # rows a bucket holds at most: ~41 MB while it is sorted
 MAX_BUCKET_BITS = 12
 HASH_BATCH_ROWS = 1 << 16
+INDEX_PREFIX = "lengthwise-reuse-"
+LEASE_FILE = "owner.lock"
+# a folder without a lease (an older lengthwise's, or one killed in the instant before it took its lease) is
+# removed once older than this; no index lives without its lease longer than that instant
+UNLEASED_AGE_S = 24 * 3600
+
+log = logging.getLogger(__name__)
 
 
 def bucket_bits(total_rows: int, bucket_rows: int) -> int:
@@ -104,11 +120,76 @@ class SortedRuns:
         self._maps.clear()
 
 
+def take_lease(folder: str) -> int:
+    """Lock `folder`'s lease for this process (the descriptor holds it); locked before it takes its name,
+    so that no other process ever sees this folder with a free lease while this one lives."""
+    temporary = f"{folder}/{LEASE_FILE}.{os.getpid()}.tmp"
+    descriptor = os.open(temporary, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(descriptor, f"pid {os.getpid()}\n".encode())
+    os.rename(temporary, f"{folder}/{LEASE_FILE}")
+    return descriptor
+
+
+def lease_is_free(folder: str) -> bool | None:
+    """Whether the process that leased `folder` is gone; None where it has no lease."""
+    try:
+        descriptor = os.open(f"{folder}/{LEASE_FILE}", os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(descriptor)
+    return True
+
+
+def is_abandoned(folder: str, now: float) -> bool:
+    """An index folder a killed run left: its lease is free, or it has none and is older than UNLEASED_AGE_S."""
+    free = lease_is_free(folder)
+    return free if free is not None else now - os.path.getmtime(folder) > UNLEASED_AGE_S
+
+
+def remove_abandoned_indexes(temporary_dir: str) -> tuple[int, int]:
+    """Delete the index folders killed runs left in `temporary_dir` (another user's are not ours to
+    check); how many went, and their bytes."""
+    removed = removed_bytes = 0
+    now = time.time()
+    for entry in os.scandir(temporary_dir):
+        if not entry.name.startswith(INDEX_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if not is_abandoned(entry.path, now):
+                continue
+            size = sum(os.path.getsize(os.path.join(top, name)) for top, _, names in os.walk(entry.path)
+                       for name in names)
+        except OSError:  # another user's folder, or one removed meanwhile
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed, removed_bytes = removed + 1, removed_bytes + size
+    return removed, removed_bytes
+
+
+def leased_index_folder() -> tuple[str, int]:
+    """A new index folder in the temporary folder, leased (the lease's descriptor), once those killed runs
+    left are gone."""
+    temporary_dir = tempfile.gettempdir()
+    removed, removed_bytes = remove_abandoned_indexes(temporary_dir)
+    if removed:
+        log.info(f"--reuse: removed {removed} index folder(s) killed runs left in {temporary_dir} "
+                 f"({format_bytes(removed_bytes)})")
+    folder = tempfile.mkdtemp(prefix=f"{INDEX_PREFIX}{os.getpid()}-")
+    return folder, take_lease(folder)
+
+
 class ReuseIndex:
-    """Yesterday's rows by (id hash, text hash) and by text hash, with the previous shard each is in."""
+    """Yesterday's rows by (id hash, text hash) and by text hash, with the previous shard each is in;
+    by default in a leased temporary folder (see the module's docstring)."""
 
     def __init__(self, folder: str | None = None, total_rows: int = 0, bucket_rows: int = BUCKET_ROWS):
-        self.folder = folder or tempfile.mkdtemp(prefix="lengthwise-reuse-")
+        self.folder, self._lease = (folder, None) if folder else leased_index_folder()
         bits = bucket_bits(total_rows, bucket_rows)
         self.by_id = SortedRuns(f"{self.folder}/by-id", ID_RECORD, bits)
         self.by_text = SortedRuns(f"{self.folder}/by-text", TEXT_RECORD, bits)
@@ -167,18 +248,35 @@ class ReuseIndex:
             matches.by_text[targets] = True
         return matches
 
+    def holds(self, id_hashes: np.ndarray, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Per row: whether the hash file of previous shard `shards` has `id_hashes` at row `rows`. Read with
+        the ids of the output rows a block copies from, it proves the output still lines up with its hashes."""
+        held = np.zeros(len(id_hashes), bool)
+        for positions, first, end, records in self.by_id.ranges(id_hashes):
+            for offset in range(int((end - first).max(initial=0))):  # an id yesterday had n times: n records
+                candidates = records[np.minimum(first + offset, len(records) - 1)]
+                here = ((first + offset < end) & (candidates["shard"] == shards[positions])
+                        & (candidates["row"] == rows[positions]))
+                held[positions[here]] = True
+        return held
+
     def close(self) -> None:
         self.by_id.close()
         self.by_text.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+        if self._lease is not None:  # released only once the folder is gone
+            os.close(self._lease)
+            self._lease = None
 
 
-NEW, EDITED, SAME, RETRY = 0, 1, 2, 3  # a row's id is not in the index; it is, with another text; both; an error
+# a row's id is not in the index; it is, with another text; both; an error; found, in a previous shard whose
+# results could not be proven theirs (set by reuse.py: the shard is skipped)
+NEW, EDITED, SAME, RETRY, SKIPPED = 0, 1, 2, 3, 4
 
 
 class RowMatches:
     """Per row of a block: the previous shard and row whose result it takes (-1: none), `kind` (NEW,
-    EDITED, SAME, RETRY: the same id and text had an error that may change on a retry), and
+    EDITED, SAME, RETRY: the same id and text had an error that may change on a retry, SKIPPED), and
     `by_text`: taken from a row with the same text under another id."""
 
     def __init__(self, shard: np.ndarray, row: np.ndarray, kind: np.ndarray):
@@ -188,3 +286,7 @@ class RowMatches:
     @property
     def reused(self) -> np.ndarray:
         return (self.kind == SAME) | self.by_text
+
+    def skip(self, rows: np.ndarray) -> None:
+        """These rows' previous shard is skipped: they are computed."""
+        self.kind[rows], self.by_text[rows] = SKIPPED, False

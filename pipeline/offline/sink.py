@@ -372,7 +372,8 @@ class WindowWriter:
         summary.computed_rows = summary.rows - summary.reused_rows
         summary.reuse = {"reused_by_text": sum(c.by_text for c in reuse), "moved": sum(c.moved for c in reuse),
                          "new": sum(c.new for c in reuse), "edited": sum(c.edited for c in reuse),
-                         "retried": sum(c.retried for c in reuse), "fixed": sum(c.fixed for c in reuse)} if reuse else {}
+                         "retried": sum(c.retried for c in reuse), "fixed": sum(c.fixed for c in reuse),
+                         "skipped": sum(c.skipped for c in reuse)} if reuse else {}
         if self.count_flagged is not None:
             summary.flagged_rows = sum(c.flagged_rows or 0 for c in committed)
             summary.truncated_unflagged_rows = sum(c.truncated_unflagged_rows for c in committed)

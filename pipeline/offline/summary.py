@@ -23,7 +23,8 @@ class RunSummary:
     reused_rows: int = 0  # --reuse: rows whose result was copied from the previous output (id and text unchanged)
     computed_rows: int = 0  # rows written by this run that were not reused (new, edited, or without --reuse)
     reuse: dict = field(default_factory=dict)  # --reuse: reused_by_text, moved (of the reused); new, edited, retried,
-    # fixed (of the computed: ids yesterday had not; ids with another text; rows whose error may change, and those it did)
+    # fixed, skipped (of the computed: ids yesterday had not; ids with another text; rows whose error may change, and
+    # those it did; rows found in a previous shard whose results could not be proven theirs)
     reuse_warning: str = ""  # --reuse matched under 10% of the rows: why it may be
     deduplicated_rows: int = 0  # --dedupe: rows that copied the result of the same text earlier in their window
     error_rows: int = 0
@@ -141,11 +142,14 @@ class RunSummary:
 
 def reuse_line(reused: int, computed: int, counts: dict) -> str:
     """`reused 25,900 rows (2,700 moved, 12 by text under another id); computed 1,370: 540 new, 1,350 edited, …`"""
+    skipped = counts.get("skipped", 0)
+    without_text = computed - counts["new"] - counts["edited"] - counts["retried"] - skipped
     return (f"reused          {reused:,} rows from the previous output ({counts['moved']:,} moved from another "
             f"shard, {counts['reused_by_text']:,} by text under another id); {computed:,} computed: "
             f"{counts['new']:,} new, {counts['edited']:,} edited, {counts['retried']:,} retried after an error "
-            f"({counts['fixed']:,} fixed), {computed - counts['new'] - counts['edited'] - counts['retried']:,} "
-            "without a text")
+            f"({counts['fixed']:,} fixed), "
+            + (f"{skipped:,} from a skipped previous shard (see its warning), " if skipped else "")
+            + f"{without_text:,} without a text")
 
 
 LOW_REUSE_SHARE = 0.10

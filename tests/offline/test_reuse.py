@@ -228,7 +228,8 @@ def test_a_night_in_a_new_partition_reuses_every_unchanged_row_and_recomputes_ex
     assert summary["rows"] == full["rows"] == rows
     assert summary["computed_rows"] == 3 + 2 + null_texts  # edited, new, null texts
     assert summary["reused_rows"] == rows - summary["computed_rows"]
-    assert summary["reuse"] == {"reused_by_text": 1, "moved": 10, "new": 2, "edited": 3, "retried": 0, "fixed": 0}
+    assert summary["reuse"] == {"reused_by_text": 1, "moved": 10, "new": 2, "edited": 3, "retried": 0, "fixed": 0,
+                                "skipped": 0}
     assert not summary["reuse_warning"]
 
     ours, theirs = read_output(tmp_path / "out2"), read_output(tmp_path / "full")

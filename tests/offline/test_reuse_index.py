@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +71,76 @@ def test_a_duplicate_id_yesterday_is_matched_by_its_text_and_an_old_hash_file_re
     assert found.kind.tolist() == [SAME, SAME, EDITED] and found.row.tolist() == [2, 0, -1]
     index.close()
     assert not (tmp_path / "index").exists()
+
+
+def test_holds_says_whether_a_hash_file_has_an_id_at_a_row(tmp_path):
+    """What proves yesterday's output still lines up with its hash file at a row copied from (an id twice
+    yesterday has a record for each of its rows)."""
+    index = build([[hash_batch([1, 2, 3], [10, 20, 30])], [hash_batch([3, 4, 3], [31, 40, 32])]], tmp_path)
+    ids = np.array([1, 2, 3, 3, 3, 3, 4, 2, 9], np.int64)
+    shards = np.array([0, 0, 0, 1, 1, 1, 1, 0, 0], np.int32)
+    rows = np.array([0, 1, 2, 0, 2, 1, 1, 2, 0], np.int32)
+    assert index.holds(ids, shards, rows).tolist() == [True, True, True, True, True, False, True, False, False]
+    assert index.holds(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)).tolist() == []
+    index.close()
+
+
+HELD_INDEX = """
+import sys, time
+from pipeline.offline.reuse_index import ReuseIndex
+index = ReuseIndex()
+print(index.folder, flush=True)
+time.sleep(120)
+"""
+
+
+def start_holder(temporary_dir) -> tuple[subprocess.Popen, str]:
+    """A real process that builds an index in `temporary_dir` and holds it."""
+    import os
+
+    process = subprocess.Popen([sys.executable, "-c", HELD_INDEX], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "TMPDIR": str(temporary_dir)})
+    return process, process.stdout.readline().strip()
+
+
+def test_the_index_a_killed_run_left_is_removed_by_the_next_and_a_live_ones_is_kept(tmp_path, monkeypatch, caplog):
+    import logging
+    import os
+    import signal
+    import tempfile
+    import time
+
+    temporary_dir = tmp_path / "tmp"
+    temporary_dir.mkdir()
+    killed, killed_folder = start_holder(temporary_dir)
+    live, live_folder = start_holder(temporary_dir)
+    try:
+        (Path(killed_folder) / "by-id" / "0000.keys").write_bytes(b"\0" * 4096)  # what it had written so far
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        old, young = temporary_dir / "lengthwise-reuse-old1234", temporary_dir / "lengthwise-reuse-new1234"
+        for unleased in (old, young):  # an older lengthwise's folders: no lease, judged by age
+            (unleased / "by-id").mkdir(parents=True)
+        os.utime(old, (time.time() - 30 * 24 * 3600,) * 2)  # a month old; the young one just made
+        (temporary_dir / "lengthwise-reuse-a-file").write_text("not a folder: left alone")
+
+        monkeypatch.setattr(tempfile, "tempdir", str(temporary_dir))
+        with caplog.at_level(logging.INFO, logger="pipeline"):
+            index = ReuseIndex()
+        assert Path(index.folder).name.startswith(f"lengthwise-reuse-{os.getpid()}-")
+        assert sorted(p.name for p in temporary_dir.iterdir()) == sorted(
+            [Path(live_folder).name, Path(index.folder).name, young.name, "lengthwise-reuse-a-file"])
+        assert f"--reuse: removed 2 index folder(s) killed runs left in {temporary_dir} (4 KiB)" in caplog.text
+        second = ReuseIndex()  # one of this process's own is live too
+        assert Path(index.folder).exists() and Path(second.folder).exists()
+        index.close()
+        second.close()
+        assert not Path(index.folder).exists()
+    finally:
+        live.kill()
+        live.wait()
+    ReuseIndex().close()
+    assert sorted(p.name for p in temporary_dir.iterdir()) == sorted([young.name, "lengthwise-reuse-a-file"])
 
 
 MILLION_ROWS_LOOKUP = """
