@@ -33,7 +33,14 @@ from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_colu
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
 from pipeline.core.textcut import encode_long_text, text_cut_for
 
-CHUNK_ROWS = 256  # texts per pool task: large enough to amortise IPC, small enough to spread
+# texts per pool task: at least the first, so that handing results over (the pool's one manager thread unpickles
+# each, holding the GIL) costs little a row; at most the second; within that, 4 tasks per worker of each submit
+CHUNK_ROWS = (256, 2048)
+
+
+def chunk_rows_for(rows: int, workers: int, bounds: tuple[int, int] = CHUNK_ROWS) -> int:
+    """Rows per pool task for a submit of `rows` texts to `workers` processes."""
+    return max(bounds[0], min(bounds[1], -(-rows // (4 * max(1, workers)))))
 # anything but whitespace, control characters (NUL, …) and invisible format characters (zero-width
 # spaces and joiners, word joiner, byte-order mark, soft hyphen, direction marks)
 VISIBLE_CHARACTER = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e"
@@ -338,12 +345,12 @@ class TokenizerPool:
     the waiting `result` with BrokenProcessPool instead of hanging the run.
     """
 
-    def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int = CHUNK_ROWS,
+    def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, wait: bool = True):
         """`wait` False starts the workers and returns at once, so they come up while the
         caller loads the model; `ready()` (or the first `submit`) then sees them up."""
         self.spec = spec
-        self.chunk_rows = chunk_rows
+        self.chunk_rows, self.workers = chunk_rows, workers  # chunk_rows None: chunk_rows_for each submit
         self._executor = None
         self._spec_file = None
         self._starting = None  # (readiness futures, start time, timeout) until seen up
@@ -396,8 +403,9 @@ class TokenizerPool:
         """Tokenize `texts` (and hash the rows, given their `ids`) in chunks; an Arrow array's chunks
         go to the workers as compact Arrow buffers and become Python values there."""
         self.ready()
-        chunks = [(chunk_of(texts, i, self.chunk_rows), None if ids is None else chunk_of(ids, i, self.chunk_rows))
-                  for i in range(0, len(texts), self.chunk_rows)]
+        step = self.chunk_rows or chunk_rows_for(len(texts), self.workers)
+        chunks = [(chunk_of(texts, i, step), None if ids is None else chunk_of(ids, i, step))
+                  for i in range(0, len(texts), step)]
         if self._executor is None:
             return [encode_texts(chunk, ids=chunk_ids) for chunk, chunk_ids in chunks]
         return [self._executor.submit(encode_texts, chunk, None, None, chunk_ids) for chunk, chunk_ids in chunks]
