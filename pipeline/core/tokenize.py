@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import glob
+import itertools
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -26,11 +27,20 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
+from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
 from pipeline.core.textcut import encode_long_text, text_cut_for
 
-CHUNK_ROWS = 256  # texts per pool task: large enough to amortise IPC, small enough to spread
+# texts per pool task: at least the first, so that handing results over (the pool's one manager thread unpickles
+# each, holding the GIL) costs little a row; at most the second; within that, 4 tasks per worker of each submit
+CHUNK_ROWS = (256, 2048)
+
+
+def chunk_rows_for(rows: int, workers: int, bounds: tuple[int, int] = CHUNK_ROWS) -> int:
+    """Rows per pool task for a submit of `rows` texts to `workers` processes."""
+    return max(bounds[0], min(bounds[1], -(-rows // (4 * max(1, workers)))))
 # anything but whitespace, control characters (NUL, …) and invisible format characters (zero-width
 # spaces and joiners, word joiner, byte-order mark, soft hyphen, direction marks)
 VISIBLE_CHARACTER = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e"
@@ -61,6 +71,7 @@ class EncodedRows:
     encode_s: float  # worker time spent tokenizing
     cut_tokens: np.ndarray | None = None  # int64, tokens truncation cut off each row (None: nothing cut)
     segments: RowSegments | None = None  # --long-text split: the segments of rows longer than max_length
+    hashes: HashColumns | None = None  # the rows' id and text hashes, where their ids were given
 
     @property
     def lengths(self) -> np.ndarray:
@@ -166,12 +177,19 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
-def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = None) -> EncodedRows:
+def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec | None = None,
+                 ids: Sequence | pa.Array | None = None) -> EncodedRows:
     """Tokenize one chunk of texts with `tokenizer` prepared by `spec` (default: this
     process's, set by _init_worker; the online batcher passes its own). A long text is
-    tokenized from a prefix that keeps the same tokens (pipeline/core/textcut.py)."""
+    tokenized from a prefix that keeps the same tokens (pipeline/core/textcut.py). Arrow
+    arrays become Python values here, in the worker; with `ids`, the rows' hashes are
+    computed here too (`EncodedRows.hashes`)."""
     started = time.perf_counter()
     tokenizer, spec = tokenizer or _worker_tokenizer, spec or _worker_spec
+    texts = texts.to_pylist() if isinstance(texts, pa.Array) else texts
+    hashes = None
+    if ids is not None:
+        hashes = hash_columns(ids.to_pylist() if isinstance(ids, pa.Array) else ids, texts)
     checked = [check_text(value) for value in texts]
     errors = [error for _, error in checked]
     good_positions = np.flatnonzero(np.array([e is None for e in errors], dtype=bool))
@@ -197,7 +215,8 @@ def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = N
     if spec.segment_length:
         raw = {int(position): checked[position][0] for position in good_positions if errors[position] is None}
         segments = _split_long_rows(tokenizer, spec, raw, truncated)
-    return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens, segments)
+    return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens, segments,
+                       hashes)
 
 
 def _split_long_rows(tokenizer, spec: TokenizerSpec, texts: dict, truncated: np.ndarray) -> RowSegments:
@@ -253,11 +272,21 @@ def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
         token_ids=np.concatenate([p.token_ids for p in parts]) if parts else np.zeros(0, np.int32),
         offsets=np.concatenate([[0], np.cumsum(lengths)]),
         truncated=np.concatenate([p.truncated for p in parts]) if parts else np.zeros(0, bool),
-        errors=[e for p in parts for e in p.errors],
+        errors=list(itertools.chain.from_iterable(p.errors for p in parts)),
         encode_s=sum(p.encode_s for p in parts),
         cut_tokens=np.concatenate([p.full_lengths - p.lengths for p in parts]) if parts else np.zeros(0, np.int64),
         segments=concat_segments([p.segments for p in parts]) if parts and parts[0].segments is not None else None,
+        hashes=concat_hash_columns([p.hashes for p in parts]) if parts and all(p.hashes is not None for p in parts)
+        else None,
     )
+
+
+def chunk_of(values: Sequence | pa.Array, start: int, rows: int) -> Sequence | pa.Array:
+    """Rows start:start+rows; an Arrow slice copied into buffers of its own (a slice pickles the
+    whole array it views)."""
+    if isinstance(values, pa.Array):
+        return pa.concat_arrays([values.slice(start, rows)])
+    return values[start:start + rows]
 
 
 START_TIMEOUT_S = 120.0  # a worker imports numpy and tokenizers and rebuilds the tokenizer: seconds
@@ -316,12 +345,12 @@ class TokenizerPool:
     the waiting `result` with BrokenProcessPool instead of hanging the run.
     """
 
-    def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int = CHUNK_ROWS,
+    def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, wait: bool = True):
         """`wait` False starts the workers and returns at once, so they come up while the
         caller loads the model; `ready()` (or the first `submit`) then sees them up."""
         self.spec = spec
-        self.chunk_rows = chunk_rows
+        self.chunk_rows, self.workers = chunk_rows, workers  # chunk_rows None: chunk_rows_for each submit
         self._executor = None
         self._spec_file = None
         self._starting = None  # (readiness futures, start time, timeout) until seen up
@@ -370,12 +399,16 @@ class TokenizerPool:
                     f"`if __name__ == \"__main__\":` (its error is above); or set tokenize_workers=0 "
                     f"(--tokenize-workers 0) to tokenize in this process")
 
-    def submit(self, texts: list) -> list:
+    def submit(self, texts: Sequence | pa.Array, ids: pa.Array | None = None) -> list:
+        """Tokenize `texts` (and hash the rows, given their `ids`) in chunks; an Arrow array's chunks
+        go to the workers as compact Arrow buffers and become Python values there."""
         self.ready()
-        chunks = [texts[i:i + self.chunk_rows] for i in range(0, len(texts), self.chunk_rows)]
+        step = self.chunk_rows or chunk_rows_for(len(texts), self.workers)
+        chunks = [(chunk_of(texts, i, step), None if ids is None else chunk_of(ids, i, step))
+                  for i in range(0, len(texts), step)]
         if self._executor is None:
-            return [encode_texts(chunk) for chunk in chunks]
-        return [self._executor.submit(encode_texts, chunk) for chunk in chunks]
+            return [encode_texts(chunk, ids=chunk_ids) for chunk, chunk_ids in chunks]
+        return [self._executor.submit(encode_texts, chunk, None, None, chunk_ids) for chunk, chunk_ids in chunks]
 
     def result(self, pending: list) -> EncodedRows:
         return concat_encoded([p if self._executor is None else p.result() for p in pending])

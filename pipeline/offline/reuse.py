@@ -19,7 +19,7 @@ alignment with the hash files.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import logging
 import re
 import uuid
@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError
 from pipeline.core.retry import retry_transient
+from pipeline.core.row_hashes import HashColumns, hash_columns, id_hash
 from pipeline.offline.manifest import (
     MANIFEST_DIR,
     RunManifest,
@@ -55,7 +56,6 @@ from pipeline.offline.reuse_index import (
     RowMatches,
 )
 from pipeline.offline.source import RowBlock, Shard
-from pipeline.offline.summary import id_hash
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,6 @@ RETRYABLE_ERRORS = ("out of memory", "the model gave a non-finite output")
 HASH_TEMPORARY = re.compile(r"(?P<stem>.+)\.hashes\.[0-9a-f]{12}\.tmp")  # [DIR/]STEM.hashes.ATTEMPT.tmp
 
 
-def text_hash(value) -> int | None:
-    """A stable 64-bit hash of a row's text (str or bytes); None for a null text."""
-    if value is None:
-        return None
-    data = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else bytes(value)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
-
-
 @dataclass
 class RowHashes:
     """One block's id and text hashes (`text_hashes` null where the text is, or the id is, null)."""
@@ -84,11 +76,12 @@ class RowHashes:
 
 
 def hash_rows(ids: pa.Array, texts: pa.Array) -> RowHashes:
-    id_values = ids.to_pylist()
-    id_hashes = np.fromiter((id_hash(v) if v is not None else 0 for v in id_values), np.int64, len(id_values))
-    text_hashes = pa.array([text_hash(t) if i is not None else None for i, t in zip(id_values, texts.to_pylist())],
-                           pa.int64())
-    return RowHashes(id_hashes, text_hashes)
+    return row_hashes(hash_columns(ids.to_pylist(), texts.to_pylist()))
+
+
+def row_hashes(columns: HashColumns) -> RowHashes:
+    """Hash columns (a tokenizer worker's) as a block's RowHashes."""
+    return RowHashes(columns.id_hashes, pa.array(columns.text_hashes, pa.int64(), mask=~columns.has_text_hash))
 
 
 @dataclass
@@ -112,10 +105,13 @@ def remove_stale_hash_temporaries(manifest: RunManifest, stems: list[str]) -> in
     return remove_temporaries(manifest.fs, f"{manifest.root}/{HASHES_DIR}", HASH_TEMPORARY, stems)
 
 
-def error_status(error: str | None) -> int:
-    if error is None:
-        return OK
-    return RETRYABLE_ERROR if error.startswith(RETRYABLE_ERRORS) else PERMANENT_ERROR
+def error_statuses(errors: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """Each row's status for the text-hash file, column-wise: OK without an error, RETRYABLE_ERROR for
+    one a retry may fix (RETRYABLE_ERRORS), else PERMANENT_ERROR."""
+    retryable = pc.fill_null(functools.reduce(pc.or_, [pc.starts_with(errors, prefix) for prefix in RETRYABLE_ERRORS]),
+                             False)
+    status = pc.if_else(retryable, pa.scalar(RETRYABLE_ERROR, pa.int8()), pa.scalar(PERMANENT_ERROR, pa.int8()))
+    return pc.if_else(pc.is_null(errors), pa.scalar(OK, pa.int8()), status)
 
 
 class TextHashSink:
@@ -128,7 +124,7 @@ class TextHashSink:
     def write(self, shard_index: int, shard: Shard, block: RowBlock, errors: pa.Array) -> None:
         """Hash one block's rows, with each row's status: OK, an error a retry may fix, or one it cannot."""
         hashes = block.reuse.hashes if block.reuse is not None else hash_rows(block.ids, block.texts)
-        status = pa.array([error_status(error) for error in errors.to_pylist()], pa.int8())
+        status = error_statuses(errors)
         if shard_index not in self._writers:
             final = hashes_path(self.root, shard.stem)
             temp = f"{final}.{uuid.uuid4().hex[:12]}.tmp"

@@ -278,9 +278,9 @@ class ShardCounts:
         if "flagged" in table.column_names:
             unflagged = pc.and_(table["truncated"], pc.invert(pc.fill_null(table["flagged"], True)))
             self.truncated_unflagged_rows += int(pc.sum(unflagged).as_py() or 0)
-        for error in table["error"].to_pylist():
-            if error is not None:
-                self.error_reasons[error] = self.error_reasons.get(error, 0) + 1
+        if self.error_rows:
+            for count in pc.value_counts(table["error"].drop_null()).to_pylist():
+                self.error_reasons[count["values"]] = self.error_reasons.get(count["values"], 0) + count["counts"]
         if count_flagged is not None:
             rows, by_label = count_flagged(table)
             self.flagged_rows = (self.flagged_rows or 0) + rows
@@ -347,7 +347,10 @@ class WindowWriter:
                 self.manifest.mark(shard.stem, "done", input=shard.url, host=socket.gethostname(), pid=os.getpid(),
                                    bytes=self.sink.committed_bytes[block.shard_index], **counts.marker_keys(),
                                    **({"attempt": self.sink.attempt} if self.sink.attempt else {}))
-            self.ids.add(block.ids.to_pylist())
+            if block.reuse is not None:  # the hashes the workers (or --reuse) made; a null id is not counted
+                self.ids.add_hashes(block.reuse.hashes.id_hashes[block.ids.is_valid().to_numpy(zero_copy_only=False)])
+            else:
+                self.ids.add(block.ids.to_pylist())
             valid = window.valid[positions]
             self.row_stats.add(window.encoded.full_lengths[positions][valid], window.encoded.errors[positions])
         self.times.write += time.perf_counter() - started

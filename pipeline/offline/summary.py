@@ -5,7 +5,6 @@ Pure bookkeeping (no torch), so engines can merge the summaries of several shard
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -14,6 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.core.findings import diagnosis_lines
+from pipeline.core.row_hashes import id_hash
 from pipeline.core.segments import MAX_SEGMENTS_PER_ROW
 
 
@@ -258,11 +258,6 @@ class RowStats:
 
     def top_reasons(self) -> dict:
         return top_counts(self.reasons, TOP_ERROR_REASONS)
-
-
-def id_hash(value) -> int:
-    """A stable 64-bit hash of an id value (type included: 1 and "1" differ)."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 class IdTracker:

@@ -19,7 +19,7 @@ import pyarrow as pa
 from pipeline.core.forward import StageTimes
 from pipeline.core.segments import segment_groups
 from pipeline.core.tokenize import EncodedRows, TokenizerPool
-from pipeline.offline.reuse import ReusedRows, hash_rows
+from pipeline.offline.reuse import ReusedRows, hash_rows, row_hashes
 from pipeline.offline.source import RowBlock
 
 
@@ -231,11 +231,12 @@ def window_parts(window: Window, min_rows: int) -> list[WindowPart]:
 
 
 def tokenize_windows(pool: TokenizerPool, windows: Iterable[list[RowBlock]], times: StageTimes) -> Iterator[Window]:
-    """Tokenized windows; the next window is submitted before the current one is handed on."""
+    """Tokenized windows; the next window is submitted before the current one is handed on. The
+    workers also hash the rows of blocks that --reuse has not hashed already (`_finish_tokenizing`)."""
     in_flight = None
     for blocks in windows:
-        texts = [text for block in blocks for text in block.texts.to_pylist()]
-        submitted = (blocks, pool.submit(texts))
+        submitted = (blocks, [handle for block in blocks
+                              for handle in pool.submit(block.texts, block.ids if block.reuse is None else None)])
         if in_flight is not None:
             yield _finish_tokenizing(pool, in_flight, times)
         in_flight = submitted
@@ -244,11 +245,21 @@ def tokenize_windows(pool: TokenizerPool, windows: Iterable[list[RowBlock]], tim
 
 
 def _finish_tokenizing(pool: TokenizerPool, in_flight, times: StageTimes) -> Window:
-    """The window's encoded rows; a row with a null id is an error whatever its text."""
-    blocks, handle = in_flight
-    encoded = pool.result(handle)
+    """The window's encoded rows, and each block's hashes from the workers (`block.reuse`, with
+    no row reused: what dedupe, the id count and the text-hash file read); a row with a null id
+    is an error whatever its text."""
+    blocks, handles = in_flight
+    encoded = pool.result(handles)
     times.tokenize += encoded.encode_s
-    null_ids = np.concatenate([b.ids.is_null().to_numpy(zero_copy_only=False) for b in blocks])
+    if encoded.hashes is not None:
+        blocks, start = list(blocks), 0
+        for index, block in enumerate(blocks):
+            if block.reuse is None:
+                hashes = row_hashes(encoded.hashes.slice(start, start + block.num_rows))
+                blocks[index] = dataclasses.replace(block, reuse=ReusedRows(hashes, np.zeros(block.num_rows, bool),
+                                                                            None))
+            start += block.num_rows
+    null_ids = np.concatenate([b.ids.is_null().to_numpy(zero_copy_only=False) for b in blocks]) if blocks else []
     for row in np.flatnonzero(null_ids):
         encoded.errors[row] = "id is null"
     return Window(blocks, encoded)

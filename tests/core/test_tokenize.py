@@ -130,3 +130,13 @@ def test_setup_steps_add_up_to_the_setup_time():
     clock.add("model load", 0.25)  # a step timed twice adds up
     assert clock.breakdown(1.2) == {"model load": 0.75, "batch plan": 0.25, "other": 0.2}
     assert clock.breakdown(0.5)["other"] == 0.0  # never negative
+
+
+def test_pool_tasks_spread_each_submit_over_the_workers_within_their_bounds():
+    from pipeline.core.tokenize import chunk_rows_for
+
+    assert chunk_rows_for(65_536, 13) == 1_261  # a GPU window: 4 tasks a worker
+    assert chunk_rows_for(8_192, 2) == 1_024  # a CPU window on 2 cores
+    assert chunk_rows_for(8_192, 16) == 256  # never so small that handing results over costs much a row
+    assert chunk_rows_for(1_000_000, 2) == 2_048
+    assert chunk_rows_for(10, 0) == 256

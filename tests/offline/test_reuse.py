@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.offline.config import RunConfig
 from pipeline.engines.local import run_job
-from pipeline.offline.reuse import RowHashes, ReusedRows, merge_reused, text_hash
+from pipeline.core.row_hashes import text_hash
+from pipeline.offline.reuse import RowHashes, ReusedRows, merge_reused
 from pipeline.offline.verify import verify_output
 
 
