@@ -88,7 +88,8 @@ def segment_cut(token_spans: list[tuple[int, int]], token_words: list, budget: i
         return boundary, boundary
     following = max(cut - overlap, (cut + 1) // 2)
     word_start = following  # the next segment starts at a word's first token, unless that word began this one
-    while word_start > 0 and token_words[word_start] is not None and token_words[word_start] == token_words[word_start - 1]:
+    while 0 < word_start < cut and token_words[word_start] is not None and \
+            token_words[word_start] == token_words[word_start - 1]:
         word_start -= 1
     following = word_start or following
     return reach, max(token_spans[following][0] if following < cut else reach, start + 1)

@@ -70,6 +70,14 @@ def test_a_word_is_never_cut_unless_it_alone_is_longer_than_a_segment():
     assert text[3:end] == "cdef" and following == 7  # one word longer than the segment: cut where its tokens stop
 
 
+def test_a_prefix_that_is_one_token_of_one_word_ends_its_segment():
+    """A chunk of a text without spaces that WordPiece reads as one [UNK]: the segment is the chunk,
+    the next starts after it (it raised IndexError looking for the next word's first token)."""
+    text = "a" * 1000
+    assert segment_cut([(0, 100)], [0], 30, 100, len(text), text, 0, 4) == (100, 100)
+    assert segment_cut([(100, 200)], [0], 30, 200, len(text), text, 100, 0) == (200, 200)
+
+
 def test_groups_fold_to_their_maximum_and_token_weighted_mean():
     rows = np.array([4, 4, 4, 9, 9])
     owners, starts = segment_groups(rows)
