@@ -180,15 +180,17 @@ def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = N
     lengths = np.zeros(len(texts), dtype=np.int64)
     truncated = np.zeros(len(texts), dtype=bool)
     lengths[good_positions] = [len(e.ids) for e in encodings]
-    truncated[good_positions] = [bool(e.overflowing) for e in encodings]
+    truncated[good_positions] = [bool(e.overflowing) or share < 1 for e, share in zip(encodings, shares)]
     content = np.array([len(e.ids) - sum(e.special_tokens_mask) for e in encodings], dtype=np.int64)
     overflow = np.array([sum(len(o.ids) - sum(o.special_tokens_mask) for o in e.overflowing) for e in encodings],
                         dtype=np.int64)  # the overflow pieces repeat the special tokens
     cut_tokens = np.zeros(len(texts), dtype=np.int64)  # of a prefix: estimated from its tokens per character
     estimated = np.rint((content + overflow) / np.array(shares, dtype=float)).astype(np.int64)
     cut_tokens[good_positions] = estimated - content
-    for position in good_positions[content <= _prompt_content_tokens(tokenizer, spec)]:
-        errors[position] = "text has no tokens"  # only special (and prompt) tokens, e.g. U+FFFD alone
+    for index in np.flatnonzero(content <= _prompt_content_tokens(tokenizer, spec)):
+        position = good_positions[index]  # only special (and prompt) tokens, e.g. U+FFFD alone
+        errors[position] = "text has no tokens" if shares[index] == 1 else "text has no tokens in its first " \
+            f"{text_cut_for(spec.tokenizer_json, spec.max_length).last_cut_chars:,} characters, the most a row is read"
         lengths[position] = truncated[position] = cut_tokens[position] = 0
     kept = [encodings[i] for i, position in enumerate(good_positions) if errors[position] is None]
     token_ids = np.fromiter((t for e in kept for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
