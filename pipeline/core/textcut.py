@@ -64,6 +64,23 @@ def text_cut_for(tokenizer_json: str, max_length: int) -> TextCut:
                    LAST_CUT_SHARE * first_cut)
 
 
+@dataclass(frozen=True)
+class WordLimit:
+    """WordPiece's limit: a word of more than `max_chars` characters becomes the one token `unk_id`."""
+
+    unk_id: int
+    max_chars: int
+
+
+@functools.lru_cache(maxsize=8)
+def word_limit_for(tokenizer_json: str) -> WordLimit | None:
+    """The word limit of a WordPiece tokenizer (its max_input_chars_per_word); None for the
+    other models, which read a word of any length (BPE, Unigram) or have no length limit (WordLevel)."""
+    model = json.loads(tokenizer_json)["model"]
+    unk_id = (model.get("vocab") or {}).get(model.get("unk_token")) if model.get("type") == "WordPiece" else None
+    return None if unk_id is None else WordLimit(unk_id, model.get("max_input_chars_per_word", 100))
+
+
 def collapses_runs(spec: dict) -> bool:
     """Whether runs of ZERO_TOKEN_RUN characters can be collapsed without changing a token: the
     BERT normalizer with clean_text (whitespace becomes a space, controls are removed), a
@@ -126,3 +143,12 @@ def encode_long_text(tokenizer, text: str, cut: TextCut):
         if whole or chars >= cut.last_cut_chars or keeps_full_tokens(encoding, len(prefix), cut.added_token_chars):
             return encoding, 1.0 if whole else len(prefix) / len(text)
         chars = min(2 * chars, cut.last_cut_chars)
+
+
+def has_long_word(encoding, limit: WordLimit) -> bool:
+    """Whether a word of more than limit.max_chars characters became one unknown token in
+    `encoding`: WordPiece gives such a word one [UNK] spanning all of it (an [UNK] for a short
+    word it cannot piece spans that word, no more)."""
+    ids = encoding.ids
+    return limit.unk_id in ids and any(token == limit.unk_id and end - start > limit.max_chars
+                                       for token, (start, end) in zip(ids, encoding.offsets))

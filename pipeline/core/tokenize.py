@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
-from pipeline.core.textcut import encode_long_text, text_cut_for
+from pipeline.core.textcut import encode_long_text, has_long_word, text_cut_for, word_limit_for
 
 CHUNK_ROWS = 256  # texts per pool task: large enough to amortise IPC, small enough to spread
 # anything but whitespace, control characters (NUL, …) and invisible format characters (zero-width
@@ -199,12 +199,25 @@ def encode_texts(texts: Sequence, tokenizer=None, spec: TokenizerSpec | None = N
     if spec.segment_length:
         raw = {int(position): checked[position][0] for position in good_positions if errors[position] is None}
         segments = _split_long_rows(tokenizer, spec, raw, truncated)
+    truncated[_rows_with_long_words(spec, token_ids, offsets, encodings, good_positions)] = True  # a row that fit
     return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens, segments)
+
+
+def _rows_with_long_words(spec: TokenizerSpec, token_ids: np.ndarray, offsets: np.ndarray, encodings: list,
+                          good_positions: np.ndarray) -> list[int]:
+    """The rows with a word WordPiece read as one [UNK] for its length (part of the text the model
+    never sees); only rows with an [UNK] among their tokens are looked at."""
+    limit = word_limit_for(spec.tokenizer_json)
+    if limit is None:
+        return []
+    unknown = np.unique(np.searchsorted(offsets, np.flatnonzero(token_ids == limit.unk_id), side="right") - 1)
+    return [int(row) for row in unknown if has_long_word(encodings[np.searchsorted(good_positions, row)], limit)]
 
 
 def _split_long_rows(tokenizer, spec: TokenizerSpec, texts: dict, truncated: np.ndarray) -> RowSegments:
     """The segments of the truncated rows among `texts` (position → text); a row split whole is
-    no longer truncated (it stays so when MAX_SEGMENTS_PER_ROW stopped it)."""
+    no longer truncated (it stays so when MAX_SEGMENTS_PER_ROW stopped it, or a segment has a word
+    WordPiece read as one [UNK] for its length)."""
     segments = empty_segments(len(truncated))
     for position, text in texts.items():
         segments.row_chars[position] = len(text)
@@ -213,11 +226,12 @@ def _split_long_rows(tokenizer, spec: TokenizerSpec, texts: dict, truncated: np.
         return segments
     overhead = len(tokenizer.encode(prepare_text(spec, "")).ids)  # the specials and the prompt
     chunk_chars = text_cut_for(spec.tokenizer_json, spec.max_length).first_cut_chars
+    limit = word_limit_for(spec.tokenizer_json)
     token_ids, lengths, rows, spans = [], [], [], []
     for position in long_rows:
         encodings, row_spans, capped = split_text(tokenizer, lambda span: prepare_text(spec, span),
                                                   texts[int(position)], spec.segment_length, chunk_chars, overhead)
-        truncated[position] = capped
+        truncated[position] = capped or (limit is not None and any(has_long_word(e, limit) for e in encodings))
         token_ids += [e.ids for e in encodings]
         lengths += [len(e.ids) for e in encodings]
         rows += [position] * len(encodings)

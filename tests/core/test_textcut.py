@@ -11,10 +11,12 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 
 from pipeline.core.textcut import (
     TextCut,
+    WordLimit,
     collapse_runs,
     encode_long_text,
     text_cut_for,
     text_prefix,
+    word_limit_for,
 )
 from tests.conftest import run_one_huge_row
 from pipeline.core.tokenize import encode_texts, load_tokenizer_spec, prepare_text
@@ -109,8 +111,9 @@ def test_rows_near_the_first_cut_give_the_ids_of_uncut_tokenization(minilm_path)
     for row, text in enumerate(texts):
         full = reference.encode(prepare_text(spec, text))
         assert encoded.token_ids[encoded.offsets[row]:encoded.offsets[row + 1]].tolist() == full.ids, row
-        assert encoded.truncated[row] == bool(full.overflowing) and encoded.errors[row] is None
-    assert encoded.truncated.tolist() == [True] * 8 + [False]  # a 27,756-character word is one [UNK]
+        long_word = text.startswith("x")  # one [UNK] for the whole word: marked, though nothing overflowed
+        assert encoded.truncated[row] == (bool(full.overflowing) or long_word) and encoded.errors[row] is None
+    assert encoded.truncated.tolist() == [True] * 9  # the last: a 27,756-character word, one [UNK]
     # a cut row's length before truncation is estimated from its prefix: within 2% for an even text
     full = reference.encode(prepare_text(spec, words))
     full_length = 2 + sum(len(piece.ids) - sum(piece.special_tokens_mask) for piece in [full, *full.overflowing])
@@ -158,6 +161,26 @@ def test_a_text_with_no_tokens_in_its_last_cut_says_how_far_it_was_read(minilm_p
     assert encoded.errors == ["text has no tokens in its first 74,016 characters, the most a row is read"] * 2 + \
         ["text has no tokens"]
     assert encoded.lengths.tolist() == [0, 0, 0] and encoded.truncated.tolist() == [False, False, False]
+
+
+def test_a_word_wordpiece_reads_as_one_unk_for_its_length_marks_its_row_truncated(minilm_path, sample_table):
+    """BERT's WordPiece makes a word of more than 100 characters (max_input_chars_per_word) one
+    [UNK]: the row's result would silently miss it. An [UNK] for a short unknown word is not
+    marked, nor are CJK characters (a word each), nor any row of the shipped sample."""
+    spec = load_tokenizer_spec(minilm_path, max_length=128)
+    tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+    assert word_limit_for(spec.tokenizer_json) == WordLimit(tokenizer.token_to_id("[UNK]"), 100)
+    texts = ["a fine row", "see " + "x" * 101 + " here", "see " + "x" * 100 + " here", "\U0001f642" * 101,
+             "hello\U0001f642world, \U0001f642", "\u6771" * 120, "caf\u00e9 " + "na\u00efve" * 20,
+             "caf\u00e9 " + "na\u00efve" * 21]  # 100 and 105 characters, as the normalizer leaves them
+    encoded = encode_texts(texts, tokenizer, spec)
+    assert encoded.truncated.tolist() == [False, True, False, True, False, False, False, True]
+    assert encoded.errors == [None] * len(texts)
+    sample = sample_table["text"].to_pylist()
+    overflowed = [bool(tokenizer.encode(text).overflowing) for text in sample]
+    assert encode_texts(sample, tokenizer, spec).truncated.tolist() == overflowed and 0 < sum(overflowed)
+    assert word_limit_for(byte_level_tokenizer().to_str()) is None  # BPE and Unigram read a word of any length
+    assert word_limit_for(metaspace_tokenizer().to_str()) is None
 
 
 @pytest.mark.slow

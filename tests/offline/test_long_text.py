@@ -134,6 +134,15 @@ def test_a_row_stops_at_the_segment_cap_and_stays_truncated(split_spec):
     assert len(encoded.segments) == MAX_SEGMENTS_PER_ROW and encoded.truncated.tolist() == [True]
 
 
+def test_a_long_word_in_any_segment_keeps_its_row_truncated(split_spec):
+    """A word of more than 100 characters past the first window is one [UNK] in its segment (WordPiece's
+    max_input_chars_per_word): the row, split whole, stays `truncated`; one without such a word does not;
+    a row that fits with such a word is marked and not split."""
+    texts = [BENIGN * 6 + "x" * 150 + " " + BENIGN, BENIGN * 8, "fits, but " + "x" * 150]
+    encoded = encode(split_spec, texts)
+    assert set(encoded.segments.row.tolist()) == {0, 1} and encoded.truncated.tolist() == [True, False, True]
+
+
 @pytest.mark.parametrize("character", ["a", "\U0001f642", "\u6771"])
 def test_a_run_without_spaces_splits_within_the_segment_cap_and_its_characters(split_spec, character):
     """3 M characters and no space (one [UNK] word for ASCII and emoji, a word a character for CJK): read a
