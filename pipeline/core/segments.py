@@ -7,7 +7,8 @@ tokens; a sentence longer than that is cut into token windows at word boundaries
 an eighth of the segment (SEGMENT_OVERLAP_SHARE), so no token is judged only at a window's edge.
 The text is read a bounded prefix at a time (`chunk_chars`: the text cut's first prefix, a few
 segments' worth), so a 5 MB text costs a segment's memory, never the text's; a row gets at most
-MAX_SEGMENTS_PER_ROW segments and stays `truncated` beyond them.
+MAX_SEGMENTS_PER_ROW segments and stays `truncated` beyond them, or beyond the characters that many
+chunks span (a text without spaces, a run of zero-token characters: its time is bounded too).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def segment_cut(token_spans: list[tuple[int, int]], token_words: list, budget: i
         return boundary, boundary
     following = max(cut - overlap, (cut + 1) // 2)
     word_start = following  # the next segment starts at a word's first token, unless that word began this one
-    while word_start > 0 and token_words[word_start] is not None and token_words[word_start] == token_words[word_start - 1]:
+    while 0 < word_start < cut and token_words[word_start] is not None and \
+            token_words[word_start] == token_words[word_start - 1]:
         word_start -= 1
     following = word_start or following
     return reach, max(token_spans[following][0] if following < cut else reach, start + 1)
@@ -113,10 +115,11 @@ def split_text(tokenizer, prepare, text: str, segment_length: int, chunk_chars: 
     `overhead_tokens`: the special and prompt tokens every segment has."""
     budget = max(1, segment_length - overhead_tokens)
     overlap = segment_length // SEGMENT_OVERLAP_SHARE
+    read_chars = MAX_SEGMENTS_PER_ROW * chunk_chars  # what 256 segments can span; also bounds zero-token runs
     encodings, spans = [], []
     start = _next_visible(text, 0)
     while start < len(text):
-        if len(encodings) == MAX_SEGMENTS_PER_ROW:
+        if len(encodings) == MAX_SEGMENTS_PER_ROW or start >= read_chars:
             return encodings, spans, True
         chunk_end = min(len(text), start + chunk_chars)
         token_spans, words = content_tokens(tokenizer.encode(text[start:chunk_end]), start)

@@ -35,17 +35,19 @@ WORDS_PAST_THE_LAST_KEPT_TOKEN = 2  # the cut changes at most the prefix's last 
 # texts whose tokens might fit this many are tokenized whole, so their length before truncation (the
 # diagnosis's p99, what a --max-length covering the data needs) is exact up to the positions common encoders take
 COUNTED_TOKENS = 512
+LAST_CUT_SHARE = 8  # the longest prefix tokenized is this many first cuts: no row costs more, whatever its spacing
 
 
 @dataclass(frozen=True)
 class TextCut:
     """How a tokenizer's long texts are cut: `first_cut_chars`, the first prefix tried (texts this
     short or shorter are tokenized whole, as before); whether zero-token runs collapse; the
-    longest added token, in characters."""
+    longest added token, in characters; `last_cut_chars`, the longest prefix ever tokenized."""
 
     first_cut_chars: int
     collapse_runs: bool
     added_token_chars: int
+    last_cut_chars: int
 
 
 @functools.lru_cache(maxsize=8)
@@ -58,7 +60,25 @@ def text_cut_for(tokenizer_json: str, max_length: int) -> TextCut:
     added = [added["content"] for added in spec.get("added_tokens") or []]
     longest = max((len(token) for token in tokens + added), default=1)
     first_cut = (max(max_length, COUNTED_TOKENS) + WORDS_PAST_THE_LAST_KEPT_TOKEN) * longest
-    return TextCut(first_cut, collapses_runs(spec), max((len(token) for token in added), default=0))
+    return TextCut(first_cut, collapses_runs(spec), max((len(token) for token in added), default=0),
+                   LAST_CUT_SHARE * first_cut)
+
+
+@dataclass(frozen=True)
+class WordLimit:
+    """WordPiece's limit: a word of more than `max_chars` characters becomes the one token `unk_id`."""
+
+    unk_id: int
+    max_chars: int
+
+
+@functools.lru_cache(maxsize=8)
+def word_limit_for(tokenizer_json: str) -> WordLimit | None:
+    """The word limit of a WordPiece tokenizer (its max_input_chars_per_word); None for the
+    other models, which read a word of any length (BPE, Unigram) or have no length limit (WordLevel)."""
+    model = json.loads(tokenizer_json)["model"]
+    unk_id = (model.get("vocab") or {}).get(model.get("unk_token")) if model.get("type") == "WordPiece" else None
+    return None if unk_id is None else WordLimit(unk_id, model.get("max_input_chars_per_word", 100))
 
 
 def collapses_runs(spec: dict) -> bool:
@@ -113,11 +133,22 @@ def keeps_full_tokens(encoding, prefix_chars: int, added_token_chars: int) -> bo
 def encode_long_text(tokenizer, text: str, cut: TextCut):
     """(encoding, the share of the text it was tokenized from) of a text longer than
     cut.first_cut_chars: a prefix of it once that keeps full tokenization's tokens, else the
-    whole (collapsed) text, share 1.0."""
+    whole (collapsed) text, share 1.0; but never more than cut.last_cut_chars of it, where a
+    text the check cannot pass (one word, a run of zero-token characters) is cut, share below 1:
+    a truncated row, whether or not its tokens overflow."""
     chars = cut.first_cut_chars
     while True:
         prefix, whole = text_prefix(text, chars, cut.collapse_runs)
         encoding = tokenizer.encode(prefix)
-        if whole or keeps_full_tokens(encoding, len(prefix), cut.added_token_chars):
+        if whole or chars >= cut.last_cut_chars or keeps_full_tokens(encoding, len(prefix), cut.added_token_chars):
             return encoding, 1.0 if whole else len(prefix) / len(text)
-        chars *= 2
+        chars = min(2 * chars, cut.last_cut_chars)
+
+
+def has_long_word(encoding, limit: WordLimit) -> bool:
+    """Whether a word of more than limit.max_chars characters became one unknown token in
+    `encoding`: WordPiece gives such a word one [UNK] spanning all of it (an [UNK] for a short
+    word it cannot piece spans that word, no more)."""
+    ids = encoding.ids
+    return limit.unk_id in ids and any(token == limit.unk_id and end - start > limit.max_chars
+                                       for token, (start, end) in zip(ids, encoding.offsets))

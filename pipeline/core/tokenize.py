@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
-from pipeline.core.textcut import encode_long_text, text_cut_for
+from pipeline.core.textcut import encode_long_text, has_long_word, text_cut_for, word_limit_for
 
 # texts per pool task: at least the first, so that handing results over (the pool's one manager thread unpickles
 # each, holding the GIL) costs little a row; at most the second; within that, 4 tasks per worker of each submit
@@ -198,15 +198,17 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
     lengths = np.zeros(len(texts), dtype=np.int64)
     truncated = np.zeros(len(texts), dtype=bool)
     lengths[good_positions] = [len(e.ids) for e in encodings]
-    truncated[good_positions] = [bool(e.overflowing) for e in encodings]
+    truncated[good_positions] = [bool(e.overflowing) or share < 1 for e, share in zip(encodings, shares)]
     content = np.array([len(e.ids) - sum(e.special_tokens_mask) for e in encodings], dtype=np.int64)
     overflow = np.array([sum(len(o.ids) - sum(o.special_tokens_mask) for o in e.overflowing) for e in encodings],
                         dtype=np.int64)  # the overflow pieces repeat the special tokens
     cut_tokens = np.zeros(len(texts), dtype=np.int64)  # of a prefix: estimated from its tokens per character
     estimated = np.rint((content + overflow) / np.array(shares, dtype=float)).astype(np.int64)
     cut_tokens[good_positions] = estimated - content
-    for position in good_positions[content <= _prompt_content_tokens(tokenizer, spec)]:
-        errors[position] = "text has no tokens"  # only special (and prompt) tokens, e.g. U+FFFD alone
+    for index in np.flatnonzero(content <= _prompt_content_tokens(tokenizer, spec)):
+        position = good_positions[index]  # only special (and prompt) tokens, e.g. U+FFFD alone
+        errors[position] = "text has no tokens" if shares[index] == 1 else "text has no tokens in its first " \
+            f"{text_cut_for(spec.tokenizer_json, spec.max_length).last_cut_chars:,} characters, the most a row is read"
         lengths[position] = truncated[position] = cut_tokens[position] = 0
     kept = [encodings[i] for i, position in enumerate(good_positions) if errors[position] is None]
     token_ids = np.fromiter((t for e in kept for t in e.ids), dtype=np.int32, count=int(lengths.sum()))
@@ -215,13 +217,26 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
     if spec.segment_length:
         raw = {int(position): checked[position][0] for position in good_positions if errors[position] is None}
         segments = _split_long_rows(tokenizer, spec, raw, truncated)
+    truncated[_rows_with_long_words(spec, token_ids, offsets, encodings, good_positions)] = True  # a row that fit
     return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens, segments,
                        hashes)
 
 
+def _rows_with_long_words(spec: TokenizerSpec, token_ids: np.ndarray, offsets: np.ndarray, encodings: list,
+                          good_positions: np.ndarray) -> list[int]:
+    """The rows with a word WordPiece read as one [UNK] for its length (part of the text the model
+    never sees); only rows with an [UNK] among their tokens are looked at."""
+    limit = word_limit_for(spec.tokenizer_json)
+    if limit is None:
+        return []
+    unknown = np.unique(np.searchsorted(offsets, np.flatnonzero(token_ids == limit.unk_id), side="right") - 1)
+    return [int(row) for row in unknown if has_long_word(encodings[np.searchsorted(good_positions, row)], limit)]
+
+
 def _split_long_rows(tokenizer, spec: TokenizerSpec, texts: dict, truncated: np.ndarray) -> RowSegments:
     """The segments of the truncated rows among `texts` (position → text); a row split whole is
-    no longer truncated (it stays so when MAX_SEGMENTS_PER_ROW stopped it)."""
+    no longer truncated (it stays so when MAX_SEGMENTS_PER_ROW stopped it, or a segment has a word
+    WordPiece read as one [UNK] for its length)."""
     segments = empty_segments(len(truncated))
     for position, text in texts.items():
         segments.row_chars[position] = len(text)
@@ -230,11 +245,12 @@ def _split_long_rows(tokenizer, spec: TokenizerSpec, texts: dict, truncated: np.
         return segments
     overhead = len(tokenizer.encode(prepare_text(spec, "")).ids)  # the specials and the prompt
     chunk_chars = text_cut_for(spec.tokenizer_json, spec.max_length).first_cut_chars
+    limit = word_limit_for(spec.tokenizer_json)
     token_ids, lengths, rows, spans = [], [], [], []
     for position in long_rows:
         encodings, row_spans, capped = split_text(tokenizer, lambda span: prepare_text(spec, span),
                                                   texts[int(position)], spec.segment_length, chunk_chars, overhead)
-        truncated[position] = capped
+        truncated[position] = capped or (limit is not None and any(has_long_word(e, limit) for e in encodings))
         token_ids += [e.ids for e in encodings]
         lengths += [len(e.ids) for e in encodings]
         rows += [position] * len(encodings)

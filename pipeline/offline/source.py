@@ -141,13 +141,19 @@ TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 def is_text_type(type_: pa.DataType) -> bool:
     """A string or binary type, or a dictionary of one (pandas categoricals, Spark's dictionary
-    pages read back by pyarrow), which the reader decodes."""
-    return (type_.value_type if pa.types.is_dictionary(type_) else type_) in TEXT_TYPES
+    pages read back by pyarrow), which the reader decodes; or `null`, the type pandas writes for
+    an all-None column, read as null strings (each row an error, as a null text is)."""
+    return pa.types.is_null(type_) or (type_.value_type if pa.types.is_dictionary(type_) else type_) in TEXT_TYPES
 
 
 def plain_column(column: pa.Array) -> pa.Array:
     """A dictionary-encoded column as the plain array of its values; any other column as it is."""
     return column.dictionary_decode() if pa.types.is_dictionary(column.type) else column
+
+
+def text_values(column: pa.Array) -> pa.Array:
+    """A text column as plain strings or binaries: a `null`-typed one as that many null strings."""
+    return pa.nulls(len(column), pa.string()) if pa.types.is_null(column.type) else plain_column(column)
 
 
 @dataclass(frozen=True)
@@ -316,7 +322,7 @@ def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str
         kept = {name: pa.array([partition[name]] * record_batch.num_rows, pa.string()) if name in partition
                 else record_batch.column(name) for name in keep_columns}
         pending = RowBlock(shard_index, first_row, plain_column(record_batch.column(id_column)),
-                           plain_column(record_batch.column(text_column)), False, kept=kept)
+                           text_values(record_batch.column(text_column)), False, kept=kept)
         first_row += record_batch.num_rows
     if first_row != shard.num_rows:
         raise ShardError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")

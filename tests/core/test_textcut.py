@@ -9,7 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
-from pipeline.core.textcut import TextCut, collapse_runs, encode_long_text, text_cut_for, text_prefix
+from pipeline.core.textcut import (
+    TextCut,
+    WordLimit,
+    collapse_runs,
+    encode_long_text,
+    text_cut_for,
+    text_prefix,
+    word_limit_for,
+)
 from tests.conftest import run_one_huge_row
 from pipeline.core.tokenize import encode_texts, load_tokenizer_spec, prepare_text
 
@@ -60,7 +68,7 @@ def test_a_prefix_keeps_exactly_the_tokens_of_full_tokenization(family, minilm_t
         tokenizer.enable_truncation(max_length)
         real = text_cut_for(tokenizer.to_str(), max_length)
         for first_cut in (1, 3, 10, 40):
-            cut = TextCut(first_cut, real.collapse_runs, real.added_token_chars)
+            cut = TextCut(first_cut, real.collapse_runs, real.added_token_chars, last_cut_chars=10 ** 6)
             for _ in range(120):
                 text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 40)))
                 encoding, share = encode_long_text(tokenizer, text, cut)
@@ -72,7 +80,7 @@ def test_a_prefix_keeps_exactly_the_tokens_of_full_tokenization(family, minilm_t
 
 def test_the_cut_settings_of_the_tokenizer_families(minilm_tokenizer):
     # "telecommunications", 18 characters; [MASK]; at least COUNTED_TOKENS tokens whole
-    assert text_cut_for(minilm_tokenizer.to_str(), 256) == TextCut(514 * 18, True, 6)
+    assert text_cut_for(minilm_tokenizer.to_str(), 256) == TextCut(514 * 18, True, 6, 8 * 514 * 18)
     assert text_cut_for(minilm_tokenizer.to_str(), 1024).first_cut_chars == 1026 * 18
     byte_level = text_cut_for(byte_level_tokenizer().to_str(), 8)
     metaspace = text_cut_for(metaspace_tokenizer().to_str(), 8)
@@ -103,8 +111,9 @@ def test_rows_near_the_first_cut_give_the_ids_of_uncut_tokenization(minilm_path)
     for row, text in enumerate(texts):
         full = reference.encode(prepare_text(spec, text))
         assert encoded.token_ids[encoded.offsets[row]:encoded.offsets[row + 1]].tolist() == full.ids, row
-        assert encoded.truncated[row] == bool(full.overflowing) and encoded.errors[row] is None
-    assert encoded.truncated.tolist() == [True] * 8 + [False]  # a 27,756-character word is one [UNK]
+        long_word = text.startswith("x")  # one [UNK] for the whole word: marked, though nothing overflowed
+        assert encoded.truncated[row] == (bool(full.overflowing) or long_word) and encoded.errors[row] is None
+    assert encoded.truncated.tolist() == [True] * 9  # the last: a 27,756-character word, one [UNK]
     # a cut row's length before truncation is estimated from its prefix: within 2% for an even text
     full = reference.encode(prepare_text(spec, words))
     full_length = 2 + sum(len(piece.ids) - sum(piece.special_tokens_mask) for piece in [full, *full.overflowing])
@@ -121,4 +130,70 @@ def test_a_50_mb_text_runs_under_a_memory_cap(tmp_path, tiny_encoder_path):
     assert peak_rss_kib < 2 << 20, f"peak resident set {peak_rss_kib / 2 ** 20:.2f} GiB"
     output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     assert output["id"].to_pylist() == [1, 2, 3] and output["error"].to_pylist() == [None, None, None]
+    assert output["truncated"].to_pylist() == [False, True, False]
+
+
+RUNS_WITHOUT_SPACES = {"ascii": "a", "emoji": "\U0001f642", "cjk": "\u6771"}  # BERT: one word, one word, a word each
+
+
+@pytest.mark.parametrize("kind", list(RUNS_WITHOUT_SPACES))
+def test_a_run_without_spaces_is_tokenized_from_at_most_the_last_cut_and_marked(kind, minilm_path):
+    """2 MB of one character and no space: the prefix check never passes for one word, so it was
+    tokenized whole (~85 bytes a character for ASCII, ~340 for emoji; 20 MB took 2 GB and a
+    minute) and came back one [UNK], `truncated = false`. Now it stops at the last cut, truncated."""
+    spec = load_tokenizer_spec(minilm_path, max_length=128)
+    tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+    cut = text_cut_for(spec.tokenizer_json, 128)
+    assert cut.last_cut_chars == 8 * cut.first_cut_chars == 74_016
+    text = RUNS_WITHOUT_SPACES[kind] * 2_000_000
+    encoding, share = encode_long_text(tokenizer, text, cut)
+    assert round(share * len(text)) <= cut.last_cut_chars
+    encoded = encode_texts(["first", text, "last"], tokenizer, spec)
+    assert encoded.truncated.tolist() == [False, True, False] and encoded.errors == [None, None, None]
+    assert encoded.lengths.tolist()[1] == (3 if kind != "cjk" else 128)  # [CLS] [UNK] [SEP], or 126 characters
+
+
+def test_a_text_with_no_tokens_in_its_last_cut_says_how_far_it_was_read(minilm_path):
+    """U+FFFD gives BERT no token and is no whitespace to collapse: past the last cut it is not read on."""
+    spec = load_tokenizer_spec(minilm_path, max_length=128)
+    texts = ["\ufffd" * 200_000, "\ufffd" * 100_000 + " words after it", "\ufffd"]
+    encoded = encode_texts(texts, Tokenizer.from_str(spec.tokenizer_json), spec)
+    assert encoded.errors == ["text has no tokens in its first 74,016 characters, the most a row is read"] * 2 + \
+        ["text has no tokens"]
+    assert encoded.lengths.tolist() == [0, 0, 0] and encoded.truncated.tolist() == [False, False, False]
+
+
+def test_a_word_wordpiece_reads_as_one_unk_for_its_length_marks_its_row_truncated(minilm_path, sample_table):
+    """BERT's WordPiece makes a word of more than 100 characters (max_input_chars_per_word) one
+    [UNK]: the row's result would silently miss it. An [UNK] for a short unknown word is not
+    marked, nor are CJK characters (a word each), nor any row of the shipped sample."""
+    spec = load_tokenizer_spec(minilm_path, max_length=128)
+    tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+    assert word_limit_for(spec.tokenizer_json) == WordLimit(tokenizer.token_to_id("[UNK]"), 100)
+    texts = ["a fine row", "see " + "x" * 101 + " here", "see " + "x" * 100 + " here", "\U0001f642" * 101,
+             "hello\U0001f642world, \U0001f642", "\u6771" * 120, "caf\u00e9 " + "na\u00efve" * 20,
+             "caf\u00e9 " + "na\u00efve" * 21]  # 100 and 105 characters, as the normalizer leaves them
+    encoded = encode_texts(texts, tokenizer, spec)
+    assert encoded.truncated.tolist() == [False, True, False, True, False, False, False, True]
+    assert encoded.errors == [None] * len(texts)
+    sample = sample_table["text"].to_pylist()
+    overflowed = [bool(tokenizer.encode(text).overflowing) for text in sample]
+    assert encode_texts(sample, tokenizer, spec).truncated.tolist() == overflowed and 0 < sum(overflowed)
+    assert word_limit_for(byte_level_tokenizer().to_str()) is None  # BPE and Unigram read a word of any length
+    assert word_limit_for(metaspace_tokenizer().to_str()) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ascii", "emoji"])
+def test_a_20_mb_run_without_spaces_runs_under_700_mb(tmp_path, tiny_encoder_path, kind):
+    """20 MB of one character and no space through a real `lengthwise run`: it peaked at 1.9-2.0 GB
+    and took 60-190 s, and its row got a meaningless result with `truncated = false`. The tokenizer
+    worker now stays under 100 MiB; the run's peak is the main process holding the text, as with
+    spaces (20 MB of emoji with spaces: 691 MiB; non-ASCII costs it ~40 MiB more than ASCII)."""
+    text = RUNS_WITHOUT_SPACES[kind] * (20_000_000 // len(RUNS_WITHOUT_SPACES[kind].encode()))
+    finished, peak_rss_kib = run_one_huge_row(tmp_path, tiny_encoder_path, text)
+    cap_mib = {"ascii": 700, "emoji": 750}[kind]
+    assert peak_rss_kib < cap_mib << 10, f"peak resident set {peak_rss_kib / 2 ** 10:.0f} MiB"
+    output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
+    assert output["error"].to_pylist() == [None, None, None]
     assert output["truncated"].to_pylist() == [False, True, False]

@@ -70,6 +70,14 @@ def test_a_word_is_never_cut_unless_it_alone_is_longer_than_a_segment():
     assert text[3:end] == "cdef" and following == 7  # one word longer than the segment: cut where its tokens stop
 
 
+def test_a_prefix_that_is_one_token_of_one_word_ends_its_segment():
+    """A chunk of a text without spaces that WordPiece reads as one [UNK]: the segment is the chunk,
+    the next starts after it (it raised IndexError looking for the next word's first token)."""
+    text = "a" * 1000
+    assert segment_cut([(0, 100)], [0], 30, 100, len(text), text, 0, 4) == (100, 100)
+    assert segment_cut([(100, 200)], [0], 30, 200, len(text), text, 100, 0) == (200, 200)
+
+
 def test_groups_fold_to_their_maximum_and_token_weighted_mean():
     rows = np.array([4, 4, 4, 9, 9])
     owners, starts = segment_groups(rows)
@@ -124,6 +132,30 @@ def test_a_row_stops_at_the_segment_cap_and_stays_truncated(split_spec):
     text = "word " * (40 * MAX_SEGMENTS_PER_ROW)
     encoded = encode(split_spec, [text])
     assert len(encoded.segments) == MAX_SEGMENTS_PER_ROW and encoded.truncated.tolist() == [True]
+
+
+def test_a_long_word_in_any_segment_keeps_its_row_truncated(split_spec):
+    """A word of more than 100 characters past the first window is one [UNK] in its segment (WordPiece's
+    max_input_chars_per_word): the row, split whole, stays `truncated`; one without such a word does not;
+    a row that fits with such a word is marked and not split."""
+    texts = [BENIGN * 6 + "x" * 150 + " " + BENIGN, BENIGN * 8, "fits, but " + "x" * 150]
+    encoded = encode(split_spec, texts)
+    assert set(encoded.segments.row.tolist()) == {0, 1} and encoded.truncated.tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("character", ["a", "\U0001f642", pytest.param("\u6771", marks=pytest.mark.slow)])
+def test_a_run_without_spaces_splits_within_the_segment_cap_and_its_characters(split_spec, character):
+    """3 M characters and no space (one [UNK] word for ASCII and emoji, a word a character for CJK): read a
+    first cut at a time, at most MAX_SEGMENTS_PER_ROW of them, truncated. CJK takes 4 s: each of its 256
+    segments tokenizes a first cut of 9,252 tokens again."""
+    from pipeline.core.textcut import text_cut_for
+
+    chunk_chars = text_cut_for(split_spec.tokenizer_json, split_spec.max_length).first_cut_chars
+    encoded = encode(split_spec, ["first", character * 3_000_000])
+    segments = encoded.segments
+    assert encoded.truncated.tolist() == [False, True] and encoded.errors == [None, None]
+    assert 0 < (segments.row == 1).sum() <= MAX_SEGMENTS_PER_ROW
+    assert segments.spans[:, 1].max() <= MAX_SEGMENTS_PER_ROW * chunk_chars
 
 
 # ── settings and fingerprint ──────────────────────────────────────────────────────────────
@@ -313,3 +345,18 @@ def test_duplicate_long_rows_each_fold_their_own_segments_and_short_duplicates_a
     assert scores[0] == pytest.approx(scores[2], abs=1e-6) and scores[1] == scores[3]
     assert output["segments"].to_pylist()[0] == output["segments"].to_pylist()[2] > 1
     assert summary.deduplicated_rows == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("character", ["a", "\U0001f642"])
+def test_a_20_mb_run_without_spaces_splits_under_700_mb(tmp_path, tiny_encoder_path, character):
+    """20 MB of one character and no space with `--long-text split`: it peaked at 1.9-2.0 GB and took
+    60-190 s, and reported `segments 1, truncated false` for one [UNK]. The cap for emoji is the one
+    of `test_a_20_mb_run_without_spaces_runs_under_700_mb`: the main process holds the text."""
+    text = character * (20_000_000 // len(character.encode()))
+    finished, peak_rss_kib = run_one_huge_row(tmp_path, tiny_encoder_path, text, "--long-text", "split")
+    cap_mib = 700 if character.isascii() else 750
+    assert peak_rss_kib < cap_mib << 10, f"peak resident set {peak_rss_kib / 2 ** 10:.0f} MiB"
+    output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
+    assert output["error"].to_pylist() == [None, None, None] and output["truncated"].to_pylist() == [False, True, False]
+    assert 1 < output["segments"][1].as_py() <= MAX_SEGMENTS_PER_ROW

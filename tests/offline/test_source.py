@@ -73,6 +73,66 @@ def test_a_dictionary_of_large_strings_in_an_arrow_stream_is_read_as_plain_strin
     assert block.texts.to_pylist() == ["x", None, "x", "y"]
 
 
+def write_all_null_texts(path, writer: str) -> None:
+    """A shard whose text column is all null, typed `null`: as pyarrow writes `pa.nulls(n)` and
+    pandas an all-None object column."""
+    if writer == "pandas":
+        pandas = pytest.importorskip("pandas")
+        pandas.DataFrame({"id": ["a", "b", "c"], "text": [None, None, None]}).to_parquet(path)
+    else:
+        pq.write_table(pa.table({"id": ["a", "b", "c"], "text": pa.nulls(3)}), path)
+
+
+@pytest.mark.parametrize("writer", ["pyarrow", "pandas"])
+def test_a_text_column_of_type_null_is_read_as_null_strings(tmp_path, writer):
+    """It was a shard problem (`text column 'text' is null, not a string`) on every rerun; null
+    texts are row errors."""
+    write_all_null_texts(tmp_path / "nulls.parquet", writer)
+    assert pq.read_schema(tmp_path / "nulls.parquet").field("text").type == pa.null()
+    [shard] = list_shards([str(tmp_path)], "id", "text")
+    assert shard.problem is None and shard.num_rows == 3
+    blocks = list(read_blocks([shard], "id", "text", block_rows=2))
+    assert [(b.num_rows, b.texts.type, b.failure) for b in blocks] == [(2, pa.string(), None), (1, pa.string(), None)]
+    assert [t for b in blocks for t in b.texts.to_pylist()] == [None] * 3
+    assert [i for b in blocks for i in b.ids.to_pylist()] == ["a", "b", "c"]
+
+
+def test_null_typed_columns_of_an_arrow_stream_are_read_as_nulls(tmp_path):
+    from pipeline.offline.source import ARROW_SUFFIX, Shard
+
+    path = tmp_path / f"data-00000-of-00001{ARROW_SUFFIX}"
+    table = pa.table({"id": pa.nulls(2), "text": pa.nulls(2)})
+    with pa.ipc.new_stream(path, table.schema) as writer:
+        writer.write_table(table)
+    [block] = read_blocks([Shard(str(path), "data-00000-of-00001", 2)], "id", "text", block_rows=10)
+    assert block.failure is None and block.texts.type == pa.string() and block.texts.to_pylist() == [None, None]
+    assert block.ids.type == pa.null() and block.ids.null_count == 2  # an id of any type; null ids are row errors
+
+
+@pytest.mark.slow
+def test_shards_with_null_typed_text_or_ids_commit_every_row_as_an_error(tmp_path, tiny_encoder_path):
+    """A night's shard that pandas wrote from an all-None text column failed on every rerun; now
+    each of its rows has `text is null`, a shard of null-typed ids `id is null`, and all commit."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    source = tmp_path / "night-in"
+    write_shards(source, TABLE, [10])
+    write_all_null_texts(source / "part-00001.parquet", "pandas")
+    pq.write_table(pa.table({"id": pa.nulls(2), "text": ["some text", "more text"]}), source / "part-00002.parquet")
+    output = tmp_path / "night-out"
+    summary = CliRunner().invoke(cli, ["run", "--input", str(source), "--output", str(output), "--model",
+                                       tiny_encoder_path, "--tokenize-workers", "0", "--dtype", "float32",
+                                       "--compile", "off", "--no-progress"])
+    assert summary.exit_code == 0, summary.output
+    nulls, null_ids = (pq.read_table(output / f"part-0000{i}.parquet") for i in (1, 2))
+    assert nulls["id"].to_pylist() == ["a", "b", "c"] and nulls["error"].to_pylist() == ["text is null"] * 3
+    assert null_ids["id"].null_count == 2 and null_ids["error"].to_pylist() == ["id is null"] * 2
+    assert pq.read_table(output / "part-00000.parquet")["error"].to_pylist() == [None] * 10
+    assert "15 rows in 3 done shard(s) (5 with errors" in summary.output, summary.output
+
+
 @pytest.mark.slow
 def test_a_run_over_dictionary_columns_writes_what_a_run_over_plain_ones_does(tmp_path, tiny_encoder_path):
     from tests.conftest import run_to_table
