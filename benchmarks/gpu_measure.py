@@ -1,22 +1,48 @@
-"""What the GPU check's steps measure with, shared: the rows (repeated, written, read back),
-sentence-transformers loaded and timed, a matmul peak, the attention kernel a forward ran. torch and pyarrow are imported inside
+"""What the GPU check's steps measure with, shared: the rows (made distinct, written, read back),
+sentence-transformers loaded and timed, a matmul peak, the attention kernel a forward ran, each
+batch's clock in a run, what the host and the weights are. torch and pyarrow are imported inside
 the functions, as in `gpu_check.py` (spawned tokenizer workers import these modules again)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import json
+import shutil
+import struct
+import subprocess
 import time
 from pathlib import Path
 
 from gpu_report import encode_padded_tokens, sdpa_kernel
 
 
-def repeat_rows(table, times: int):
-    """`table` `times` over, with ids made unique (`id#k`), so that device time dominates."""
+def rotated_words(text: str, turns: int) -> str:
+    """`text` with its words rotated by `turns` (0: unchanged): another text of the same words,
+    so of the same word-piece tokens (a tokenizer splits within whitespace-separated words)."""
+    words = text.split()
+    if turns == 0 or not words:
+        return text
+    turns %= len(words)
+    return " ".join(words[turns:] + words[:turns])
+
+
+def distinct_rows(table, times: int):
+    """`table` `times` over, the k-th copy's words rotated by k and ids made unique (`id#k`),
+    every text that came before (or null) dropped: rows no run can copy from another, so
+    lengthwise and sentence-transformers compute every one. Returns (rows, dropped)."""
     import pyarrow as pa
 
-    ids = [str(value) for value in table["id"].to_pylist()]
-    texts = table["text"].to_pylist()
-    return pa.table({"id": [f"{value}#{k}" for k in range(times) for value in ids], "text": texts * times})
+    ids, texts = [str(value) for value in table["id"].to_pylist()], table["text"].to_pylist()
+    seen, kept_ids, kept_texts = set(), [], []
+    for turns in range(times):
+        for row_id, text in zip(ids, texts):
+            variant = rotated_words(text, turns) if text is not None else None
+            if variant is not None and variant not in seen:
+                seen.add(variant)
+                kept_ids.append(f"{row_id}#{turns}")
+                kept_texts.append(variant)
+    return pa.table({"id": kept_ids, "text": kept_texts}), len(ids) * times - len(kept_ids)
 
 
 def write_rows(table, directory: Path) -> str:
@@ -52,6 +78,30 @@ def sentence_transformer(model_path: str, device, dtype, attention: str | None =
 
     kwargs = {"dtype": dtype, **({"attn_implementation": attention} if attention else {})}
     return SentenceTransformer(model_path, device=str(device), model_kwargs=kwargs)
+
+
+BEFORE_CLOCK_MODULES = ("transformers", "sentence_transformers", "torch.profiler", "pipeline.engines.local",
+                        "pipeline.runtime.model", "pipeline.core.probe")
+
+
+def import_before_clock() -> None:
+    """Import what the steps import, so their seconds come out of no step's deadline."""
+    for name in BEFORE_CLOCK_MODULES:
+        importlib.import_module(name)
+
+
+def warm_up(device) -> float:
+    """Seconds to start the device's runtime (the CUDA context, cuBLAS) with a small matmul:
+    paid before the check's clock starts, so no step's deadline is spent on it."""
+    import torch
+
+    started = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.init()
+    a = torch.ones(64, 64, device=device)
+    (a @ a).sum().item()
+    synchronize(device)
+    return round(time.perf_counter() - started, 2)
 
 
 def synchronize(device) -> None:
@@ -124,3 +174,82 @@ def sdpa_kernels(job, model, device) -> dict:
         seen["padded" if padded else "unpadded"] = {"kernel": kind, "events": attention[:12]}
     print(f"  SDPA kernel: {seen['padded']['kernel']} with padding, {seen['unpadded']['kernel']} without", flush=True)
     return seen
+
+
+@contextlib.contextmanager
+def batch_clock():
+    """Each batch's (clock, rows) as the device loop of `run` hands its outputs back, in a list
+    this yields: the steady rate is read off it (`gpu_report.steady_span`). It wraps the
+    runner's `run_on_device`, which still does all the work."""
+    import pipeline.offline.runner as runner
+
+    original, ends = runner.run_on_device, []
+
+    def clocked(*args, **kwargs):
+        for item, result in original(*args, **kwargs):
+            if result is not None:  # a batch (window parts pass with None)
+                ends.append((time.perf_counter(), len(item.rows)))
+            yield item, result
+
+    runner.run_on_device = clocked
+    try:
+        yield ends
+    finally:
+        runner.run_on_device = original
+
+
+SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I64": "int64",
+                      "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def stored_weight_dtypes(model_path: str) -> dict | None:
+    """Tensors per stored dtype in the model folder's safetensors files, read off their headers
+    (8 bytes of length, then JSON) without loading a weight; None without such files."""
+    files = sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []
+    if not files:
+        return None
+    counts: dict = {}
+    for path in files:
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                dtype = SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"])
+                counts[dtype] = counts.get(dtype, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def compiler_version(command: str = "g++") -> str | None:
+    """The first line of `command --version` (torch's compile builds C++ with it), None if absent."""
+    if shutil.which(command) is None:
+        return None
+    try:
+        completed = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return completed.stdout.split("\n")[0] or None
+
+
+@contextlib.contextmanager
+def forward_token_cap(cap_tokens: int):
+    """On a CPU, where no memory cap exists: a forward of more than `cap_tokens` padded tokens
+    raises torch.OutOfMemoryError, so the split, the lowered limits and the accounting run."""
+    import torch
+
+    import pipeline.core.forward as shared_forward
+
+    original = shared_forward.forward_splitting_on_oom
+
+    def capped(forward, input_ids, attention_mask, device, max_rows=None):
+        def forward_under_cap(ids, mask):
+            if ids.numel() > cap_tokens:
+                raise torch.OutOfMemoryError(f"induced: {ids.numel()} tokens over the {cap_tokens}-token cap")
+            return forward(ids, mask)
+        return original(forward_under_cap, input_ids, attention_mask, device, max_rows)
+
+    shared_forward.forward_splitting_on_oom = capped
+    try:
+        yield
+    finally:
+        shared_forward.forward_splitting_on_oom = original

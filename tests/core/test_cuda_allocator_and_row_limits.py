@@ -118,3 +118,30 @@ def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_pat
     _, choice = settle_compile(auto.model, auto.batch, loaded.choice, loaded.job, loaded.model, 5_000_000)
     assert choice.reason == "eager: 5,000,000 tokens are too few to try a compile (1000 s on this device)"
     assert len(trials) == 1
+
+
+def test_a_cuda_peak_measurement_runs_no_full_garbage_collection(monkeypatch):
+    """The allocator's peak stats are reset before each run, so a collection measures nothing;
+    a full gc.collect() before every probe measurement cost ~15 s of a GPU lease."""
+    import gc
+
+    from pipeline.core.device import measure_peak_bytes
+
+    collections, stats = [], {"allocated": 100, "reserved": 200, "peak_allocated": 100, "peak_reserved": 200}
+
+    def run():
+        stats.update(peak_allocated=160, peak_reserved=264)
+
+    monkeypatch.setattr(gc, "collect", lambda *generation: collections.append(generation) or 0)
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: stats.update(peak_allocated=stats["allocated"],
+                                                         peak_reserved=stats["reserved"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: stats["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["peak_allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: stats["peak_reserved"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 2000))
+    assert measure_peak_bytes(run, torch.device("cuda", 0)) == 64  # reserved above reserved-before
+    assert collections == []
