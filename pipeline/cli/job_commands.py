@@ -27,7 +27,7 @@ from pipeline.core import exit_codes, values
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.offline.config import RunConfig
 from pipeline.offline.options import model_or_default, parse_storage_options, run_config
-from pipeline.engines.execute import execute_run
+from pipeline.engines.execute import check_run_paths, execute_run
 
 
 @click.command(epilog=f"\b\nExit codes:\n{exit_codes.exit_codes_help()}")
@@ -151,6 +151,7 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
     try:
         config = RunConfig.of(output="", model=model_or_default(model), use_plan_cache=not no_plan_cache,
                               **{**settings, "probe": True})  # the plan is what `plan` shows
+        check_run_paths(config)
         memory_plan = open_runtime(config.model, config.batch).plan
     except UsageError as error:
         fail(str(error))
@@ -168,6 +169,7 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
         config = RunConfig.of(input=tuple(inputs), output="", model=model_or_default(model), progress=False,
                               storage_options=parse_storage_options(storage_option),
                               use_plan_cache=not no_plan_cache, **settings)
+        check_run_paths(config)
         found = estimate_run(config, sample_rows, window_s)
     except UsageError as error:
         fail(str(error))

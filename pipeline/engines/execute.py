@@ -1,5 +1,6 @@
 """Run a RunConfig on its engine, diagnose what limited it and write --summary-json: what the
-CLI's `run` and `pipeline.api.run` both call."""
+CLI's `run` and `pipeline.api.run` both call. Every path a run writes besides its output is
+checked first against what it reads and its output (`check_run_paths`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from pipeline.core.errors import UsageError, as_storage_error
 from pipeline.offline.config import RunConfig
+from pipeline.offline.locations import check_written_paths
 
 
 def execute_run(config: RunConfig):
@@ -17,6 +19,7 @@ def execute_run(config: RunConfig):
 
     from pipeline.offline.machine import machine_load
 
+    check_run_paths(config)
     before = machine_load()
     if config.engine == "ray":
         if config.num_shards > 1:
@@ -36,6 +39,23 @@ def execute_run(config: RunConfig):
     if config.summary_json:
         write_summary_json(summary, config.summary_json)
     return summary
+
+
+def written_paths(config: RunConfig) -> list[tuple[str, str | None]]:
+    """Every path a run (or `plan`) writes besides its output shards, by the flag that names it; a
+    flag that writes a path is one line here."""
+    return [("--summary-json", config.summary_json), ("--plan-cache", config.batch.plan_cache)]
+
+
+def read_paths(config: RunConfig) -> dict[str, list[str | None]]:
+    """What a run reads, by flag: no path it writes may lie there."""
+    return {"--input": list(config.source.input), "--reuse": [config.reuse], "--model": [config.model.model]}
+
+
+def check_run_paths(config: RunConfig) -> None:
+    """Refuse (exit 2, nothing written) a path the run writes that lies in what it reads or in its
+    output (only a name starting with `.` directly in the output is allowed, as OUT/.summary.json)."""
+    check_written_paths(written_paths(config), read_paths(config), config.output, config.source.storage_options)
 
 
 def write_summary_json(summary, path: str) -> None:

@@ -1,6 +1,8 @@
-"""Where a run reads and writes, checked before anything is written: input and output may not
+"""Where a command reads and writes, checked before anything is written: input and output may not
 overlap (an output inside its input is read back as input on the next run; an output equal to
-its input renames every result over its input shard), and no location carries credentials.
+its input renames every result over its input shard), no other path a command writes (a summary,
+a CSV, a plot, a plan cache) lies in what it reads or in the output, and no location carries
+credentials.
 
 A location is compared as (store, path parts): local paths with symlinks and `..` resolved, URLs
 by their filesystem and bucket/prefix, a glob by its folder before the first wildcard.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -23,10 +25,11 @@ MANIFEST_DIR = ".lengthwise"  # an output's manifest: hidden, so readers of the 
 LEGACY_MANIFEST_DIR = "_lengthwise"  # where outputs made before the rename keep theirs
 
 
-def location_parts(url: str, storage_options: dict) -> tuple[str, tuple[str, ...]]:
-    """(store, path parts) of a directory, file or glob: what two locations are compared by."""
+def location_parts(url: str, storage_options: dict, literal: bool = False) -> tuple[str, tuple[str, ...]]:
+    """(store, path parts) of a directory, file or glob: what two locations are compared by.
+    `literal`: a path to write, whose wildcard characters are part of its name, not a pattern."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    if any(ch in path for ch in GLOB_CHARACTERS):
+    if not literal and any(ch in path for ch in GLOB_CHARACTERS):
         path = path[:min(path.index(ch) for ch in GLOB_CHARACTERS if ch in path)].rpartition("/")[0] or "/"
     if isinstance(fs, LocalFileSystem):
         path = os.path.realpath(path)
@@ -60,6 +63,77 @@ def overlap_problem(inputs: Iterable[str], output: str, storage_options: dict) -
             return (f"the input {redact_url(url)} is inside --output {redact_url(output)}: its shards would be "
                     f"overwritten and listed as outputs; choose an --output outside the input")
     return None
+
+
+def same_location(first: str, second: str, storage_options: dict) -> bool:
+    """Whether two locations are one, through symlinks, `..` and a trailing slash (False when
+    either is not a location fsspec knows: opening it says what is wrong)."""
+    try:
+        return location_parts(first, storage_options) == location_parts(second, storage_options)
+    except (ImportError, ValueError, OSError):
+        return False
+
+
+def written_path_problem(flag: str, path: str, inputs: Mapping[str, Iterable[str]], output: str | None,
+                         storage_options: dict) -> str | None:
+    """Why `path`, which `flag` writes, may not be written: it is an input (by flag: --input, --reuse,
+    --model, --compare), or lies inside one or inside `output`. The one place allowed inside the output
+    is an entry directly in it whose name starts with `.` (readers of the output skip it), but not the
+    manifest. None when the path is apart from all of them."""
+    try:
+        written = location_parts(path, storage_options, literal=True)
+    except (ImportError, ValueError, OSError):  # not a location fsspec knows: writing it says so
+        return None
+    shown = f"{flag} {redact_url(path)}"
+    for input_flag, urls in inputs.items():
+        named = "the input" if input_flag == "--input" else input_flag
+        for url in urls:
+            try:
+                read = location_parts(url, storage_options)
+            except (ImportError, ValueError, OSError):  # reading it says what is wrong with it
+                continue
+            if read == written:
+                return f"{shown} is {named} {redact_url(url)}: writing it would destroy it; choose a path outside it"
+            if contains(read, written):
+                return (f"{shown} is inside {named} {redact_url(url)}: it could replace what is read there, or be "
+                        f"read as it; choose a path outside it")
+    if output:
+        try:
+            out = location_parts(output, storage_options)
+        except (ImportError, ValueError, OSError):  # the output check says so
+            return None
+        if contains(out, written) and not is_hidden_entry_of(out, written):
+            where = "--output" if written == out else "inside --output"
+            return (f"{shown} is {where} {redact_url(output)}: readers of the output, or the run's own "
+                    f"records, would take it for theirs; choose a path outside it, or directly in it a name "
+                    f"starting with `.` ({redact_url(output.rstrip('/'))}/.{hidden_name(flag, written, out)})")
+    return None
+
+
+def is_hidden_entry_of(output: tuple[str, tuple[str, ...]], written: tuple[str, tuple[str, ...]]) -> bool:
+    """Whether `written` is directly in `output` with a name starting with `.`, other than the manifest's:
+    where the output's readers (pyarrow, datasets, Spark) and `verify` look past it."""
+    name = written[1][-1] if len(written[1]) == len(output[1]) + 1 else ""
+    return name.startswith(".") and name != MANIFEST_DIR
+
+
+def hidden_name(flag: str, written: tuple[str, tuple[str, ...]], output: tuple[str, tuple[str, ...]]) -> str:
+    """The name, without its leading `.`, that a refusal suggests for `written` in the output: its own
+    (`_summary.json` → `summary.json`), else the flag's where it has none apart from the output or the manifest's."""
+    name = written[1][-1].lstrip("_.") if written != output else ""
+    return name if name and name != MANIFEST_DIR.lstrip(".") else flag.lstrip("-")
+
+
+def check_written_paths(written: Iterable[tuple[str, str | None]], inputs: Mapping[str, Iterable[str | None]],
+                        output: str | None, storage_options: dict) -> None:
+    """Refuse (UsageError, before anything is written) the first path a command would write that is an
+    input, lies inside one or inside the output (`written_path_problem`). `written`: (flag, path) of each
+    path the command writes, None where it is not given; `inputs`: flag → what it reads."""
+    named_inputs = {flag: [url for url in urls if url] for flag, urls in inputs.items()}
+    for flag, path in written:
+        problem = path and written_path_problem(flag, str(path), named_inputs, output, storage_options)
+        if problem:
+            raise UsageError(problem)
 
 
 def has_userinfo(url: str) -> bool:

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import UsageError
 from pipeline.core.retry import retry_transient
 from pipeline.core.row_hashes import HashColumns, hash_columns, id_hash
+from pipeline.offline.locations import same_location
 from pipeline.offline.manifest import (
     MANIFEST_DIR,
     RunManifest,
@@ -164,8 +165,7 @@ def check_reusable(previous: str, output: str, storage_options: dict, fingerprin
     """--reuse names another lengthwise output made with the same fingerprint; else a usage error
     (exit 2) saying what differs."""
     fs, previous_dir = fsspec.core.url_to_fs(previous, **storage_options)
-    output_fs, output_dir = fsspec.core.url_to_fs(output, **storage_options)
-    if (fs.unstrip_protocol(previous_dir.rstrip("/")) == output_fs.unstrip_protocol(output_dir.rstrip("/"))):
+    if same_location(previous, output, storage_options):  # also through a symlink or `d/../d`
         raise UsageError(f"--reuse {previous} is --output itself; name yesterday's output (a rerun into the same "
                          "output resumes without --reuse)")
     recorded = RunManifest(fs, previous_dir.rstrip("/")).read_run(REUSE_ADVICE)

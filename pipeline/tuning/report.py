@@ -3,7 +3,8 @@ and its settings JSON, draw the plot and compare with an earlier CSV, and hand b
 the command prints. The CLI parses, calls and prints; it never touches the files itself.
 
 Files the user named are checked before the levels run (an earlier CSV that is not one, a
-plot without matplotlib): a usage error then costs nothing.
+plot without matplotlib, a path to write that lies in what the test reads): a usage error then
+costs nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.findings import diagnosis_lines
+from pipeline.core.settings import ModelSettings
+from pipeline.offline.locations import check_written_paths
 from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 from pipeline.tuning import levels as analysis
 
@@ -39,6 +42,8 @@ def run_sweep_report(config: SweepConfig, comparison: Comparison, plot: str | No
     """The offline sweep: levels on the device, the CSV, the saved recommendation, the comparison."""
     from pipeline.tuning.sweep import run_sweep
 
+    check_level_test_paths(config.out, plot, config.batch.plan_cache, config.source.input, config.model, comparison,
+                           config.source.storage_options)
     previous = analysis.read_sweep_csv(comparison.path) if comparison.path else None
     if plot:
         analysis.check_plot_available()
@@ -62,6 +67,8 @@ def run_loadtest_report(config: OnlineLoadtestConfig, comparison: Comparison, pl
     """The online batcher's load test: levels of Poisson arrivals, the CSV, the comparison."""
     from pipeline.tuning import loadtest as online
 
+    check_level_test_paths(config.out, plot, config.batcher.batch.plan_cache, config.source.input,
+                           config.batcher.model, comparison, config.source.storage_options)
     previous = analysis.read_sweep_csv(comparison.path, online.OnlineLevelResult) if comparison.path else None
     if plot:
         analysis.check_plot_available()
@@ -79,6 +86,15 @@ def run_loadtest_report(config: OnlineLoadtestConfig, comparison: Comparison, pl
              f"{fixed['duration_s']:g} s per level")
     return finish_level_test(lines, report.levels, config.vary, report.recommendation.level, config.out, plot,
                              title, online.ONLINE_MEASURES, previous, comparison)
+
+
+def check_level_test_paths(out: str, plot: str | None, plan_cache: str | None, inputs: Sequence[str],
+                           model: ModelSettings, comparison: Comparison, storage_options: dict) -> None:
+    """Refuse (a usage error, before any level runs) a path the test writes (the CSV, OUT.json beside it,
+    the plot, the plan cache) that lies in what it reads: the input, the model, the --compare CSV."""
+    written = [("--out", out), ("--out", f"{out}.json"), ("--plot", plot), ("--plan-cache", plan_cache)]
+    read = {"--input": list(inputs), "--model": [model.model], "--compare": [comparison.path]}
+    check_written_paths(written, read, None, storage_options)
 
 
 def write_level_files(out: str, levels: Sequence, settings: dict, result_type: type = analysis.LevelResult) -> None:
