@@ -174,17 +174,17 @@ def moto_endpoint() -> str:
     server.stop()
 
 
-def run_one_huge_row(tmp_path: Path, model: str, text: str, *extra: str, cap_bytes: int = 6 << 30):
+def _peak_of_one_run(folder: Path, model: str, text: str, extra: tuple[str, ...], cap_bytes: int):
     """A real `lengthwise run` (a subprocess capped at `cap_bytes` of address space) over three rows, the
     middle one `text`; returns the finished process and the run's peak resident set in KiB."""
     import resource
     import subprocess
     import sys
 
-    source = tmp_path / "in"
-    source.mkdir()
+    source = folder / "in"
+    source.mkdir(parents=True)
     pq.write_table(pa.table({"id": [1, 2, 3], "text": ["first row", text, "last row"]}), source / "part-00000.parquet")
-    command = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(source), "--output", str(tmp_path / "out"),
+    command = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(source), "--output", str(folder / "out"),
                "--model", model, "--tokenize-workers", "1", "--max-length", "128", "--device", "cpu",
                "--dtype", "float32", "--compile", "off", "--no-progress", *extra]
     peak = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
@@ -197,3 +197,13 @@ def run_one_huge_row(tmp_path: Path, model: str, text: str, *extra: str, cap_byt
                               capture_output=True, text=True, timeout=600, preexec_fn=limit_memory)
     assert finished.returncode == 0, finished.stderr[-3000:]
     return finished, int(finished.stdout.split("peak_rss_kib")[-1])
+
+
+def run_one_huge_row(tmp_path: Path, model: str, text: str, *extra: str, cap_bytes: int = 6 << 30):
+    """`lengthwise run` over three rows, the middle one `text`, and the same run with a short middle row;
+    returns the first run's finished process (its output in `tmp_path / "out"`) and what its peak resident set exceeded the second's by, in
+    KiB. The difference is what the one row cost: the rest (torch, the model, the pool) is 490-620 MiB by
+    machine, which an absolute cap would measure instead."""
+    _, short_rows_peak = _peak_of_one_run(tmp_path / "short", model, "a short row", extra, cap_bytes)
+    finished, peak = _peak_of_one_run(tmp_path, model, text, extra, cap_bytes)
+    return finished, peak - short_rows_peak

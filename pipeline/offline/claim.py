@@ -9,13 +9,12 @@ import time
 from pipeline.core.device import DTYPES, dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.offline.config import RunConfig
+from pipeline.offline.done_markers import listed_outputs, untrusted_done_markers
 from pipeline.offline.manifest import (
     RunManifest,
     fingerprint_differences,
-    listed_outputs,
     pending,
     recorded_config,
-    untrusted_done_markers,
 )
 from pipeline.offline.reuse import recorded_dtype, recorded_long_text, remove_stale_hash_temporaries
 from pipeline.offline.sink import ShardSink

@@ -175,3 +175,8 @@ def _folders_between(root: str, path: str) -> list[str]:
     """The folders strictly below `root` that hold `path`."""
     below = path[len(root) + 1:].split("/")[:-1] if path.startswith(root + "/") else []
     return [f"{root}/{'/'.join(below[:depth])}" for depth in range(1, len(below) + 1)]
+
+
+def shown_path(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """`path` as the user wrote it: with its protocol (s3://…) unless it is a local file."""
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)

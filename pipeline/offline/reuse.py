@@ -35,13 +35,12 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import UsageError
 from pipeline.core.retry import retry_transient
 from pipeline.core.row_hashes import HashColumns, hash_columns, id_hash
-from pipeline.offline.locations import same_location
+from pipeline.offline.locations import same_location, shown_path
 from pipeline.offline.manifest import (
     MANIFEST_DIR,
     RunManifest,
     fingerprint_differences,
     remove_temporaries,
-    shown_path,
 )
 from pipeline.offline.reuse_index import (
     BUCKET_ROWS,

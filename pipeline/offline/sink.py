@@ -28,7 +28,8 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import StorageError, UsageError, as_storage_error
 from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
-from pipeline.offline.manifest import RunManifest, shown_path
+from pipeline.offline.locations import shown_path
+from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import ReuseCounts, TextHashSink, merge_reused
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RowStats, RunSummary, add_counts, top_counts

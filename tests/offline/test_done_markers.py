@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.engines.local import run_job
-from pipeline.offline.manifest import done_marker_problem, output_file_problem
+from pipeline.offline.done_markers import done_marker_problem, output_file_problem
 from tests.offline.test_reliability import config_for, read_outputs, three_shards  # noqa: F401 (a fixture)
 
 
