@@ -3,7 +3,9 @@
 The driver claims the output (lock, fingerprint, pending shards) as a local run does, then
 feeds the pending shards, longest first, to K actors. Each actor loads the model once and
 runs the shard runner on one shard at a time, reading its input and writing its output
-itself: no rows travel through Ray's object store, only shards, summaries and id hashes. An
+itself: no rows travel through Ray's object store, only shards, summaries and id hashes. The
+driver keeps one more shard queued on each actor, which reads and tokenizes that shard's first
+window while the current one runs, so the device does not wait for a shard's start. An
 actor that dies at any moment (while loading the model, mid-shard, while committing: node
 lost, OOM-killed) is replaced, and its shard handed to another actor, at most
 MAX_SHARD_ATTEMPTS times; actors are replaced at most MAX_SHARD_ATTEMPTS × K times a run. The
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_SHARD_ATTEMPTS = 3  # a shard whose actor died this many times is failed, as a bad shard is
+SHARDS_PER_ACTOR = 2  # in an actor's hands at once: one running, the next starting (its first window tokenizing)
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"  # warns about token auth on every start
 
 
@@ -79,6 +82,8 @@ class ShardWorker:
         except Exception as error:
             self.start_error = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {error}"
         self.setup_s = time.perf_counter() - started
+        self.turn = threading.Lock()  # one shard at a time through the device and the writer
+        self.last_run_ended = 0.0  # time.time() when the shard before ended
 
     def where(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "setup_s": round(self.setup_s, 2),
@@ -86,16 +91,24 @@ class ShardWorker:
 
     def run_shard(self, shard: Shard, attempt: str) -> dict:
         """Run one shard to its committed output (or its failure marker) as attempt `attempt`;
-        its summary as a dict and its rows' id hashes."""
-        started = time.perf_counter()
-        sink = ShardSink(self.config.output, self.config.source.storage_options, attempt)
-        manifest = RunManifest(sink.fs, sink.output_dir)
-        summary = RunSummary(shards=1, output=self.config.output)
-        ids = IdTracker()
-        self.runner.run([shard], sink, manifest, summary, started, ids)
-        summary.wall_s = time.perf_counter() - started
+        its summary as a dict, its rows' id hashes, and whether it started before the shard ahead of
+        it ended. The call for the next shard comes while one runs (a threaded actor, SHARDS_PER_ACTOR):
+        it reads and tokenizes its first window at once, then waits its turn."""
+        begun = self.runner.start([shard])
+        with self.turn:
+            started = time.perf_counter()
+            started_early = begun.started_at < self.last_run_ended
+            sink = ShardSink(self.config.output, self.config.source.storage_options, attempt)
+            manifest = RunManifest(sink.fs, sink.output_dir)
+            summary = RunSummary(shards=1, output=self.config.output)
+            ids = IdTracker()
+            try:
+                self.runner.run([shard], sink, manifest, summary, started, ids, begun)
+            finally:
+                self.last_run_ended = time.time()
+            summary.wall_s = time.perf_counter() - started
         return {"summary": dataclasses.asdict(summary), "id_hashes": ids.hashes(),
-                "committed": bool(sink.committed)}
+                "committed": bool(sink.committed), "started_early": started_early}
 
 
 def run_on_ray(config: RunConfig) -> RunSummary:
@@ -249,18 +262,22 @@ class ActorPool:
         # one bar, the driver's; a tokenizer pool from the actor's share of its node's CPUs
         self.config = config.with_settings(progress=False, tokenize_workers=layout.tokenize_workers,
                                            torch_threads=layout.threads)
-        self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **self.options)
+        self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0,
+                                                           max_concurrency=SHARDS_PER_ACTOR, **self.options)
         self.replacements_left = self.count * MAX_SHARD_ATTEMPTS
         self.actors: dict = {}  # actor slot → its current actor
+        self.generation: collections.Counter = collections.Counter()  # actor slot → actors launched in it
         self.starting: dict = {}  # object ref of `where` → actor slot, while its model loads
         self.start_errors: dict[str, int] = {}  # a Python exception from loading the model → actors it stopped
         self.last_death = ""
         self.run_token = uuid.uuid4().hex[:8]  # this driver's attempts: RUN.1, RUN.2, …
         self.attempts_made = 0
         self.where: dict[int, dict] = {}  # actor slot → pid, host, setup time
-        self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0, "forward_s": 0.0})
+        self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0, "forward_s": 0.0,
+                                                      "started_early": 0})
 
     def _launch(self, slot: int) -> None:
+        self.generation[slot] += 1
         self.actors[slot] = self.actor_class.remote(self.config)
         self.starting[self.actors[slot].where.remote()] = slot
 
@@ -304,12 +321,13 @@ class ActorPool:
         return slot
 
     def _dispatch(self, slot: int, shard: Shard, manifest: RunManifest, running: dict) -> None:
-        """Grant `shard` to a new attempt (the fence), then hand it to the actor in `slot`."""
+        """Grant `shard` to a new attempt (the fence), then hand it to the actor in `slot` (its next
+        shard, if it runs one: it starts reading and tokenizing it at once)."""
         self.attempts_made += 1
         token = f"{self.run_token}.{self.attempts_made}"
         manifest.grant_attempt(shard.stem, token)
         log.info(f"actor {slot} (pid {self.where[slot]['pid']}) took {shard.url} (attempt {token})")
-        running[self.actors[slot].run_shard.remote(shard, token)] = (slot, shard, time.perf_counter())
+        running[self.actors[slot].run_shard.remote(shard, token)] = (slot, self.generation[slot], shard)
 
     def run(self, todo: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             progress: bool) -> None:
@@ -320,30 +338,35 @@ class ActorPool:
         ids, committed = IdTracker(), []
         for slot in range(self.count):
             self._launch(slot)
-        idle: list[int] = []
-        running: dict = {}  # object ref → (actor slot, shard, dispatched at)
+        held: dict[int, int] = {}  # slot of a loaded actor → the shards in its hands
+        running: dict = {}  # object ref → (actor slot, its actor's generation, shard)
         bar = tqdm(total=sum(shard.num_rows for shard in todo), unit="rows", file=sys.stderr, disable=not progress,
                    dynamic_ncols=True, smoothing=0.1)
         try:
             while queue or running:
-                while queue and idle:
-                    shard = queue.popleft()
+                # every actor one shard first, then its next one (least held first)
+                while queue and held and min(held.values()) < SHARDS_PER_ACTOR:
+                    shard, slot = queue.popleft(), min(held, key=held.get)
                     attempts[shard.stem] += 1
-                    self._dispatch(idle.pop(), shard, manifest, running)
+                    held[slot] += 1
+                    self._dispatch(slot, shard, manifest, running)
                 if not running and not self.starting:  # every actor died and none may replace it
                     self._fail_left(queue, manifest, summary)
                     break
                 finished = wait_for_one(ray, [*self.starting, *running])
                 if finished in self.starting:
                     if (started := self._started(finished)) is not None:
-                        idle.append(started)
+                        held[started] = 0
                     continue
-                slot, shard, _ = running.pop(finished)
+                slot, generation, shard = running.pop(finished)
+                current = generation == self.generation[slot]  # not a shard of an actor replaced already
                 try:
                     result = ray.get(finished)
                 except ray.exceptions.RayActorError as error:
                     self._lost(slot, shard, attempts, queue, manifest, summary, error)
-                    self._replace(slot, f"died running {shard.url}: {first_line(error)}")
+                    if current:  # its other shard comes back lost too, and finds the slot replaced
+                        held.pop(slot, None)
+                        self._replace(slot, f"died running {shard.url}: {first_line(error)}")
                     continue
                 except ray.exceptions.RayTaskError as error:  # not a bad shard: storage, a bug or a bad setting
                     if isinstance(error.cause, StorageError):
@@ -358,8 +381,9 @@ class ActorPool:
                 stats["rows"] += result["summary"]["rows"]
                 stats["busy_s"] += result["summary"]["wall_s"]  # the actor's own time on the shard
                 stats["forward_s"] += result["summary"]["stage_s"].get("forward", 0.0)
+                stats["started_early"] += result["started_early"]
                 bar.update(shard.num_rows)
-                idle.append(slot)
+                held[slot] -= 1
         finally:
             bar.close()
             for actor in self.actors.values():

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -50,18 +51,30 @@ from pipeline.offline.config import RunConfig
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import PreviousOutput, mark_reused
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
-from pipeline.offline.source import Shard, read_blocks
+from pipeline.offline.source import RowBlock, Shard, read_blocks
 from pipeline.offline.summary import IdTracker, RunSummary, low_reuse_warning
 from pipeline.offline.windows import (
     Window,
     WindowPart,
     dedupe_windows,
     group_into_windows,
+    submit_window,
     tokenize_windows,
     window_parts,
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StartedShards:
+    """Shards whose first window is read and with the tokenizer pool before their `run` begins
+    (`ShardRunner.start`): a Ray actor starts its next shard so while the current one runs."""
+    times: StageTimes  # the run's stage times, the first window's read included
+    windows: Iterator[list[RowBlock]]  # the windows after the first
+    first: tuple[list[RowBlock], list] | None  # the first window and its pool handles; None: no rows
+    pool: TokenizerPool  # the pool that holds `first`
+    started_at: float  # time.time() when `start` began
 
 
 class ShardRunner:
@@ -79,18 +92,38 @@ class ShardRunner:
         self.window_rows = config.window_rows or auto_window_rows(runtime.batch.max_batch_rows)
         self.tokenize_workers = tokenize_workers_for(config.tokenize_workers, self.loaded.choice.device.type)
         self._previous: PreviousOutput | None = None
+        self._previous_lock = threading.Lock()  # a Ray actor's next shard starts while the current one runs
         check_kept_columns(config.keep_columns, self.loaded.job.output_schema(self.loaded.model).names,
                            [f.name for f in self._split_fields()])
         if keep_pool and self._started_pool is None:
             self._started_pool = TokenizerPool(self.loaded.tokenizer, self.tokenize_workers, wait=False)
 
+    def start(self, shards: list[Shard]) -> StartedShards:
+        """Read the first window of `shards` and hand it to the kept tokenizer pool (`keep_pool`) now,
+        for a later `run(shards, …, begun=…)`; safe while another `run` of this runner goes on."""
+        started_at, times = time.time(), StageTimes()
+        pool = self._started_pool or TokenizerPool(self.loaded.tokenizer, self.tokenize_workers, wait=False)
+        self._started_pool = pool
+        windows = self._windows(shards, times)
+        first = next(windows, None)
+        return StartedShards(times, windows, first and submit_window(pool, first), pool, started_at)
+
+    def _windows(self, shards: list[Shard], times: StageTimes) -> Iterator[list[RowBlock]]:
+        """The shards' rows in windows of row blocks, with --reuse's rows marked."""
+        config = self.config
+        blocks = timed(read_blocks(shards, config.source.id_column, config.source.text_column, self.window_rows,
+                                   config.source.storage_options, config.keep_columns), times, "read")
+        grouped = group_into_windows(blocks, self.window_rows)
+        return mark_reused(grouped, self._previous_output()) if config.reuse else grouped
+
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
-            started: float, ids: IdTracker | None = None) -> None:
+            started: float, ids: IdTracker | None = None, begun: StartedShards | None = None) -> None:
         """Read, tokenize, batch, forward and write `shards`, adding to `summary`. Time before
-        this call (since `started`) counts as setup; `ids` collects the written rows' id hashes."""
+        this call (since `started`) counts as setup; `ids` collects the written rows' id hashes;
+        `begun`: the shards' first window, started already (`start`)."""
         config, loaded = self.config, self.loaded
         job, model, device = loaded.job, loaded.model, loaded.choice.device
-        times = StageTimes()
+        times = begun.times if begun else StageTimes()
         summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
         summary.dtype_reason = loaded.choice.dtype_reason
         summary.long_text = "split" if loaded.tokenizer.segment_length else "truncate"
@@ -114,12 +147,11 @@ class ShardRunner:
                 times.setup = time.perf_counter() - started
                 summary.setup_steps = self.clock.breakdown(times.setup)
                 self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
-                blocks = timed(read_blocks(shards, config.source.id_column, config.source.text_column, self.window_rows,
-                                           config.source.storage_options, config.keep_columns), times, "read")
-                grouped = group_into_windows(blocks, self.window_rows)
-                if config.reuse:
-                    grouped = mark_reused(grouped, self._previous_output())
-                windows = tokenize_windows(pool, grouped, times)
+                if begun is None:
+                    windows = tokenize_windows(pool, self._windows(shards, times), times)
+                else:  # a pool replaced since (a failed run stops its own) gets the first window again
+                    first = begun.first if begun.pool is pool or not begun.first else submit_window(pool, begun.first[0])
+                    windows = tokenize_windows(pool, begun.windows, times, first)
                 if config.dedupe:
                     windows = dedupe_windows(windows)
                 feeder = DeviceFeeder(device)
@@ -181,13 +213,16 @@ class ShardRunner:
     def _previous_output(self) -> PreviousOutput:
         """--reuse: yesterday's output and its index, built once for every `run` of this runner (a Ray
         actor's shards share it); removed when the runner goes."""
-        if self._previous is None:
-            started = time.perf_counter()
-            config = self.config
-            self._previous = PreviousOutput(config.reuse, config.source.storage_options, config.keep_columns)
-            weakref.finalize(self, self._previous.close)
-            log.info(f"--reuse: indexed {self._previous.index.rows:,} rows of {len(self._previous.stems)} shard(s) "
-                     f"of {self.config.reuse} in {time.perf_counter() - started:.2f}s")
+        with self._previous_lock:
+            return self._index_previous_output() if self._previous is None else self._previous
+
+    def _index_previous_output(self) -> PreviousOutput:
+        started = time.perf_counter()
+        config = self.config
+        self._previous = PreviousOutput(config.reuse, config.source.storage_options, config.keep_columns)
+        weakref.finalize(self, self._previous.close)
+        log.info(f"--reuse: indexed {self._previous.index.rows:,} rows of {len(self._previous.stems)} shard(s) "
+                 f"of {self.config.reuse} in {time.perf_counter() - started:.2f}s")
         return self._previous
 
     def close(self) -> None:

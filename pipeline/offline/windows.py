@@ -230,13 +230,19 @@ def window_parts(window: Window, min_rows: int) -> list[WindowPart]:
     return parts
 
 
-def tokenize_windows(pool: TokenizerPool, windows: Iterable[list[RowBlock]], times: StageTimes) -> Iterator[Window]:
-    """Tokenized windows; the next window is submitted before the current one is handed on. The
-    workers also hash the rows of blocks that --reuse has not hashed already (`_finish_tokenizing`)."""
-    in_flight = None
+def submit_window(pool: TokenizerPool, blocks: list[RowBlock]) -> tuple[list[RowBlock], list]:
+    """Hand a window's texts to the tokenizer pool, with the ids of the blocks --reuse has not hashed
+    (the workers hash those rows too): the window and its pending handles."""
+    return blocks, [handle for block in blocks
+                    for handle in pool.submit(block.texts, block.ids if block.reuse is None else None)]
+
+
+def tokenize_windows(pool: TokenizerPool, windows: Iterable[list[RowBlock]], times: StageTimes,
+                     in_flight: tuple[list[RowBlock], list] | None = None) -> Iterator[Window]:
+    """Tokenized windows; the next window is submitted before the current one is handed on.
+    `in_flight`: a first window submitted already (`submit_window`), ahead of `windows`."""
     for blocks in windows:
-        submitted = (blocks, [handle for block in blocks
-                              for handle in pool.submit(block.texts, block.ids if block.reuse is None else None)])
+        submitted = submit_window(pool, blocks)
         if in_flight is not None:
             yield _finish_tokenizing(pool, in_flight, times)
         in_flight = submitted

@@ -226,6 +226,22 @@ def test_an_actor_killed_mid_shard_loses_nothing(tmp_path, ray_cluster, longer_r
 
 
 @pytest.mark.slow
+def test_a_ray_actor_starts_its_next_shard_before_the_current_one_commits(tmp_path, ray_cluster, longer_rows,
+                                                                         longer_reference, tiny_encoder_path):
+    write_shards(tmp_path / "in", longer_rows, [400] * 6)
+    args = ray_args(tmp_path / "in", tmp_path / "out", tiny_encoder_path, *SLOW_SETTINGS,
+                    "--summary-json", str(tmp_path / "s.json"))
+    args[args.index("--workers") + 1] = "1"
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    [worker] = json.loads((tmp_path / "s.json").read_text())["workers"]
+    # the driver keeps the next shard queued on the actor, which reads and tokenizes its first window while the
+    # shard ahead of it still runs: every shard after the first
+    assert (worker["shards"], worker["rows"], worker["started_early"]) == (6, 2400, 5)
+    assert_equal_outputs(read_outputs(tmp_path / "out"), longer_reference)
+
+
+@pytest.mark.slow
 def test_a_killed_driver_is_resumed_by_a_rerun(tmp_path, ray_cluster, longer_rows, longer_reference, tiny_encoder_path):
     write_shards(tmp_path / "in", longer_rows, [400] * 6)
     args = ray_args(tmp_path / "in", tmp_path / "out", tiny_encoder_path, *SLOW_SETTINGS)
