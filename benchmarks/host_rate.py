@@ -157,7 +157,7 @@ class ZeroForwardJob:
     def __init__(self, job, shapes: dict):
         self._job, self._shapes, self._zeros = job, shapes, {}
 
-    def forward(self, model, input_ids, attention_mask, padded=True):
+    def forward(self, model, input_ids, attention_mask, padded=True, packing=None):
         """Zeros of the batch's rows, sliced from one buffer: as outputs a device copied into
         host memory by DMA, they cost the host no CPU to make."""
         import torch

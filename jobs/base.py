@@ -29,9 +29,10 @@ class Job(Protocol):
         to load_pretrained (allow_pickle, trust_remote_code)."""
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                padded: bool = True) -> dict[str, torch.Tensor]:
+                padded: bool = True, packing: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Per-row float32 outputs of one batch, each shaped (rows, …); `padded` False says, from
-        the host, that no row of the batch has padding (see `model_attention_mask`)."""
+        the host, that no row of the batch has padding (see `model_attention_mask`); `packing`: the
+        batch's packed layout from the host, for the unpadded forward (`pipeline.core.unpadded.PackedBatch`)."""
 
     def agreement(self, reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
                   strict: bool = False, model: torch.nn.Module | None = None) -> tuple[bool, str]:

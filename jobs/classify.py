@@ -29,10 +29,10 @@ class ClassifyJob:
     def load(self, model_path, device, dtype, prompt_tokens: int = 0, **loading):
         return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype, **loading)
 
-    def forward(self, model, input_ids, attention_mask, padded: bool = True):
+    def forward(self, model, input_ids, attention_mask, padded: bool = True, packing=None):
         unpadded = getattr(model, "unpadded", None)  # where `--unpad` settled on one (pipeline/core/unpadded.py)
         if padded and unpadded is not None:
-            logits = unpadded.logits(input_ids, attention_mask).float()
+            logits = unpadded.logits(input_ids, attention_mask, packing).float()
         else:
             mask = model_attention_mask(model, attention_mask, padded)
             logits = model(input_ids=input_ids, attention_mask=mask).logits.float()

@@ -81,9 +81,10 @@ class SentenceEmbedder(torch.nn.Module):
 
     unpadded = None  # the encoder's unpadded forward, where `--unpad` settled on one (pipeline/core/unpadded.py)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, padded: bool = True) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, padded: bool = True,
+                packing=None) -> torch.Tensor:
         if padded and self.unpadded is not None:
-            hidden = self.unpadded.last_hidden_state(input_ids, attention_mask)
+            hidden = self.unpadded.last_hidden_state(input_ids, attention_mask, packing)
         else:
             mask = model_attention_mask(self.encoder, attention_mask, padded)
             hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
@@ -107,8 +108,8 @@ class EmbedJob:
             encoder.pooler = NoPooler()
         return SentenceEmbedder(encoder, recipe, prompt_tokens).eval()
 
-    def forward(self, model, input_ids, attention_mask, padded: bool = True):
-        return {"embedding": model(input_ids, attention_mask, padded)}
+    def forward(self, model, input_ids, attention_mask, padded: bool = True, packing=None):
+        return {"embedding": model(input_ids, attention_mask, padded, packing)}
 
     def agreement(self, reference, candidate, strict: bool = False, model=None) -> tuple[bool, str]:
         """Whether `candidate` outputs are as good as `reference`: cosine ≥ MIN_COSINE on every row

@@ -32,6 +32,19 @@ def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded
     return input_ids, attention_mask.astype(np.int64)
 
 
+def packed_layout(lengths: np.ndarray, padded_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The unpadded forward's layout of right-padded rows of `lengths`, built on the host so that
+    the device is never asked for it (a sync): each real token's position in the flat
+    (rows × padded_length) batch (int64, row by row) and each row's offset in the packed tokens
+    ((rows + 1,) int32: 0, l0, l0 + l1, …)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    row_of_token = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    positions = np.arange(int(offsets[-1]), dtype=np.int64) - offsets[:-1][row_of_token]
+    return row_of_token * padded_length + positions, offsets
+
+
 def has_padding(lengths: np.ndarray, padded_length: int) -> bool:
     """Whether a batch of rows of `lengths` padded to `padded_length` holds any padding: known on
     the host, so the device never has to be asked (a sync) whether its mask may be dropped."""
@@ -225,7 +238,7 @@ class ReadyBatch:
 
     rows: np.ndarray  # positions in the encoded rows (of `window`, if any)
     padded_length: int
-    tensors: list[torch.Tensor]  # input ids and attention mask, on their way to the device
+    tensors: list[torch.Tensor]  # input ids, attention mask (and its packed layout), on their way to the device
     copied: object  # the CUDA event of their copy, or None
     real_tokens: int
     padded_tokens: int
@@ -257,20 +270,24 @@ class BatchLimits:
 
 def collate_batches(encoded: EncodedRows, rows: np.ndarray, max_batch_tokens: int | None, max_batch_rows: int,
                     max_length: int, limits: BatchLimits, pad_token_id: int, feeder: DeviceFeeder,
-                    times: StageTimes | None = None, window: object = None) -> Iterator[ReadyBatch]:
+                    times: StageTimes | None = None, window: object = None,
+                    packed: bool = False) -> Iterator[ReadyBatch]:
     """Plan `rows` of `encoded` into batches (longest first, padded to the device's multiple)
-    and collate each for the device."""
+    and collate each for the device; `packed`: with its packed layout (`packed_layout`), for a
+    model that runs padded batches unpadded."""
     lengths = encoded.lengths[rows]
     bounds = bucket_bounds(max_length, padding_multiple(feeder.device))
     for batch in plan_batches(lengths, max_batch_tokens, max_batch_rows, bounds, limits.rows_for):
         entered = time.perf_counter()
         picked = rows[batch.rows]
-        input_ids, attention_mask = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length,
-                                            pad_token_id)
-        tensors, copied = feeder.send(input_ids, attention_mask)
+        arrays = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length, pad_token_id)
         batch_lengths = lengths[batch.rows]
+        padded = has_padding(batch_lengths, batch.padded_length)
+        if packed and padded:
+            arrays += packed_layout(batch_lengths, batch.padded_length)
+        tensors, copied = feeder.send(*arrays)
         ready = ReadyBatch(picked, batch.padded_length, tensors, copied, int(batch_lengths.sum()), batch.padded_tokens,
-                           window, entered, has_padding(batch_lengths, batch.padded_length))
+                           window, entered, padded)
         if times is not None:
             times.collate += time.perf_counter() - entered
         yield ready
@@ -290,10 +307,13 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
     yielded at once."""
     keep_in_flight = device.type == "cuda"
 
-    def forward(input_ids, attention_mask, padded=True):
-        # inputs still on the host (their copy ran out of memory) move here, under the back-off
+    def forward(input_ids, attention_mask, padded=True, packing=()):
+        # inputs still on the host (their copy ran out of memory) move here, under the back-off; the
+        # host's packed layout is the whole batch's, so a part split off after running out of memory has none
+        whole = bool(packing) and input_ids.shape[0] == packing[1].shape[0] - 1
+        layout = tuple(t.to(device, non_blocking=True) for t in packing) if whole else None
         return job.forward(model, input_ids.to(device, non_blocking=True),
-                           attention_mask.to(device, non_blocking=True), padded)
+                           attention_mask.to(device, non_blocking=True), padded, layout)
 
     def read_back(item: ReadyBatch, copy: HostCopy) -> tuple[ReadyBatch, SplitForward]:
         result = copy.read()
@@ -313,8 +333,8 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
                 continue
             started = time.perf_counter()
             started_event = device_timer_start(device)
-            input_ids, attention_mask = feeder.receive(item.tensors, item.copied)
-            result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded), input_ids,
+            input_ids, attention_mask, *packing = feeder.receive(item.tensors, item.copied)
+            result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded, packing=packing), input_ids,
                                               attention_mask, device, limits.rows_for(item.padded_length))
             if result.splits:
                 limits.lower(item.padded_length, max(1, result.largest_ok_rows))

@@ -89,15 +89,27 @@ def attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
     return "padded"
 
 
+def runs_unpadded(model) -> bool:
+    """Whether `settle_unpad` gave `model` an unpadded forward: its padded batches then travel with
+    their packed layout (`pipeline.core.forward.packed_layout`)."""
+    return getattr(model, "unpadded", None) is not None
+
+
 class PackedBatch:
     """Where a padded batch's real tokens are: their flat positions in (rows × length), each
-    row's offsets in the packed tensor, and the padded shape to scatter results back into."""
+    row's offsets in the packed tensor, and the padded shape to scatter results back into.
+    `packing`: those positions and offsets as the host built them with the batch
+    (`packed_layout`); without it they are read from the mask, which waits for the device (a
+    sync): only a batch collated without them (an online request, a part split off after an
+    out-of-memory error, a test) pays that."""
 
-    def __init__(self, attention_mask: torch.Tensor):
+    def __init__(self, attention_mask: torch.Tensor, packing: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.rows, self.length = attention_mask.shape
-        flat = attention_mask.reshape(-1).bool()
-        self.indices = flat.nonzero().squeeze(1)  # row-major: each row's tokens together, in order
-        self.offsets = cumulative_lengths(attention_mask.bool().sum(dim=1))
+        if packing is not None:
+            self.indices, self.offsets = packing
+        else:
+            self.indices = attention_mask.reshape(-1).bool().nonzero().squeeze(1)  # row-major, each row's in order
+            self.offsets = cumulative_lengths(attention_mask.bool().sum(dim=1))
         self.key_mask = attention_mask.bool()[:, None, None, :]  # for attention on the batch padded again
 
     def padded(self, packed: torch.Tensor) -> torch.Tensor:
@@ -159,24 +171,24 @@ class UnpaddedEncoder:
         hidden = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(states))
         return layer.output.LayerNorm(layer.output.dense(hidden) + states)
 
-    def packed_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                             PackedBatch]:
+    def packed_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      packing=None) -> tuple[torch.Tensor, PackedBatch]:
         """(the last layer's (tokens, hidden) states of the real tokens, where they are)."""
-        batch = PackedBatch(attention_mask)
+        batch = PackedBatch(attention_mask, packing)
         states = self.embed(input_ids, batch)
         for layer in self.encoder.encoder.layer:
             states = self.layer(layer, states, batch)
         return states, batch
 
-    def last_hidden_state(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def last_hidden_state(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing=None) -> torch.Tensor:
         """(rows, length, hidden), as the padded forward's last_hidden_state at the real tokens
         (zeros at padding, which pooling leaves out)."""
-        states, batch = self.packed_states(input_ids, attention_mask)
+        states, batch = self.packed_states(input_ids, attention_mask, packing)
         return batch.padded(states)
 
-    def first_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def first_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing=None) -> torch.Tensor:
         """(rows, 1, hidden): each row's first real token's state, what a classification head reads."""
-        states, batch = self.packed_states(input_ids, attention_mask)
+        states, batch = self.packed_states(input_ids, attention_mask, packing)
         return states[batch.offsets[:-1].long()].unsqueeze(1)
 
 
@@ -190,8 +202,8 @@ class UnpaddedClassifier:
         self.encoder = UnpaddedEncoder(model.base_model, kernel)
         self.kernel, self.name = kernel, type(model).__name__
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        first = self.encoder.first_states(input_ids, attention_mask)
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing=None) -> torch.Tensor:
+        first = self.encoder.first_states(input_ids, attention_mask, packing)
         if self.encoder.model_type == "bert":
             return self.model.classifier(self.model.dropout(self.model.base_model.pooler(first)))
         return self.model.classifier(first)

@@ -46,6 +46,7 @@ from pipeline.core.forward import (
 from pipeline.core.probe import describe_plan
 from pipeline.core.settings import auto_window_rows, tokenize_workers_for, usable_cores
 from pipeline.core.tokenize import TokenizerPool
+from pipeline.core.unpadded import runs_unpadded
 from pipeline.runtime import Runtime
 from pipeline.offline.config import RunConfig
 from pipeline.offline.manifest import RunManifest
@@ -280,5 +281,5 @@ def batches_of(windows: Iterable[Window], window_rows: int, runtime: Runtime, pa
             rows = window.rows_to_score(part.start_row, part.end_row)
             yield from collate_batches(window.scored, rows, runtime.batch.max_batch_tokens,
                                        runtime.batch.max_batch_rows, runtime.max_length, runtime.limits, pad_token_id,
-                                       feeder, times, window)
+                                       feeder, times, window, runs_unpadded(runtime.loaded.model))
             yield part

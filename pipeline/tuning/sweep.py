@@ -27,6 +27,7 @@ from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate
 from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, tokenize_workers_for
 from pipeline.tuning.config import SweepConfig
 from pipeline.core.tokenize import EncodedRows
+from pipeline.core.unpadded import runs_unpadded
 from pipeline.offline.source import Shard, read_blocks
 from pipeline.tuning.diagnosis import diagnose_sweep
 from pipeline.tuning.levels import (
@@ -100,7 +101,7 @@ def measure_level(job, model, device: torch.device, encoded: EncodedRows, warmup
     def run_phase(rows: np.ndarray, record: bool) -> None:
         times = StageTimes()
         batches = collate_batches(encoded, rows, settings.max_batch_tokens, settings.max_batch_rows,
-                                  settings.max_length, limits, pad_token_id, feeder)
+                                  settings.max_length, limits, pad_token_id, feeder, packed=runs_unpadded(model))
         forward_before = 0.0
         for batch, result in run_on_device(batches, job, model, device, feeder, limits, settings.prefetch_batches,
                                            times):

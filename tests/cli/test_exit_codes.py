@@ -74,7 +74,7 @@ from pipeline.cli import main
 class BrokenEmbed(EmbedJob):
     name = "embed-broken"
 
-    def forward(self, model, input_ids, attention_mask, padded=True):
+    def forward(self, model, input_ids, attention_mask, padded=True, packing=None):
         raise ValueError("a bug in the job, reading s3://AKIDSECRET:hunter2@bucket/in/")
 
 

@@ -21,14 +21,14 @@ class OutOfMemoryAbove(EmbedJob):
         self.rows_computed = 0
         self.failed_lengths: list[int] = []
 
-    def forward(self, model, input_ids, attention_mask, padded=True):
+    def forward(self, model, input_ids, attention_mask, padded=True, packing=None):
         rows, length = input_ids.shape
         if rows > self.max_rows or length > self.max_padded_length or (
                 self.max_tokens is not None and rows * length > self.max_tokens):
             self.failed_lengths.append(length)
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows * length} units")
         self.rows_computed += rows
-        return super().forward(model, input_ids, attention_mask, padded)
+        return super().forward(model, input_ids, attention_mask, padded, packing)
 
 
 @pytest.fixture
@@ -148,8 +148,8 @@ class NonFiniteForSomeRows(EmbedJob):
 
     name = "embed-nan"
 
-    def forward(self, model, input_ids, attention_mask, padded=True):
-        outputs = super().forward(model, input_ids, attention_mask, padded)
+    def forward(self, model, input_ids, attention_mask, padded=True, packing=None):
+        outputs = super().forward(model, input_ids, attention_mask, padded, packing)
         overflowing = input_ids[:, 1] % 2 == 1
         outputs["embedding"][overflowing] = float("nan")
         return outputs

@@ -8,15 +8,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from jobs.registry import get_job
 from pipeline.core.errors import UsageError
 from pipeline.offline.config import RunConfig
 from pipeline.runtime.model import choose_model, load_model, settle_compile
-from pipeline.core.unpadded import PackedBatch, cumulative_lengths, settle_unpad
+from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, packed_layout, run_on_device
+from pipeline.core.tokenize import EncodedRows
+from pipeline.core.unpadded import PackedBatch, cumulative_lengths, runs_unpadded, settle_unpad
 from tests.conftest import SAMPLE_DIR, TOKENIZER_FILES
 
 CPU = torch.device("cpu")
@@ -65,6 +69,65 @@ def test_a_packed_batch_scatters_back_into_its_padded_places():
     assert packed.offsets.tolist() == [0, 2, 6, 7]
     values = torch.arange(1, 8, dtype=torch.float32)[:, None]
     assert packed.padded(values)[..., 0].tolist() == [[1, 2, 0, 0], [3, 4, 5, 6], [7, 0, 0, 0]]
+
+
+def test_the_hosts_packed_layout_is_the_one_the_mask_gives():
+    indices, offsets = packed_layout(np.array([2, 4, 1]), 4)
+    assert (indices.dtype, offsets.dtype) == (np.int64, np.int32)
+    assert indices.tolist() == [0, 1, 4, 5, 6, 7, 8] and offsets.tolist() == [0, 2, 6, 7]
+    for lengths in BATCHES.values():
+        from_mask = PackedBatch(batch(lengths)[1])
+        indices, offsets = packed_layout(np.array(lengths), max(lengths))
+        assert indices.tolist() == from_mask.indices.tolist() and offsets.tolist() == from_mask.offsets.tolist()
+
+
+class DeviceQuestions(TorchDispatchMode):
+    """The ops that make the host wait for the device: a data-dependent shape (nonzero) or a value
+    read back (.item(), bool() of a tensor)."""
+
+    SYNCS = {"nonzero", "_local_scalar_dense", "masked_select", "unique"}
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in self.SYNCS:
+            self.asked.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def encoded_rows(lengths: list[int]) -> EncodedRows:
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    token_ids = (np.arange(offsets[-1], dtype=np.int32) * 7919) % 29000 + 1000
+    return EncodedRows(token_ids, offsets, np.zeros(len(lengths), bool), [None] * len(lengths), 0.0)
+
+
+def test_the_unpadded_forward_takes_its_layout_from_the_batch_and_never_asks_the_device(minilm_embedder):
+    job, model = minilm_embedder
+    assert runs_unpadded(model)
+    lengths = BATCHES["very different lengths"] + [40, 41, 7]
+    encoded, rows, feeder, limits = encoded_rows(lengths), np.arange(len(lengths)), DeviceFeeder(CPU), BatchLimits(None)
+    collated = list(collate_batches(encoded, rows, 4096, 4, 128, limits, 0, feeder, packed=True))
+    assert all(len(b.tensors) == 4 for b in collated if b.padded)  # ids, mask, token positions, row offsets
+    with DeviceQuestions() as questions:
+        done = list(run_on_device(collated, job, model, CPU, feeder, limits, 2, StageTimes()))
+    assert questions.asked == []
+    with DeviceQuestions() as control:  # the same forward without the host's layout reads it from the mask
+        with torch.inference_mode():
+            job.forward(model, *batch(lengths[:3]))
+    assert "nonzero" in control.asked
+    # cell for cell the padded forward's embeddings
+    model.unpadded, unpadded = None, model.unpadded
+    try:
+        padded = list(run_on_device(collate_batches(encoded, rows, 4096, 4, 128, limits, 0, feeder), job, model, CPU,
+                                    feeder, limits, 2, StageTimes()))
+    finally:
+        model.unpadded = unpadded
+    assert [b.rows.tolist() for b, _ in done] == [b.rows.tolist() for b, _ in padded]
+    for (_, with_layout), (_, without) in zip(done, padded):
+        assert np.abs(with_layout.outputs["embedding"] - without.outputs["embedding"]).max() <= MAX_DIFFERENCE
 
 
 @pytest.fixture(scope="module")

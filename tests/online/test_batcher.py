@@ -355,7 +355,7 @@ def test_the_forward_runs_on_the_device_thread_not_the_event_loop(minilm):
         def __getattr__(self, attribute):
             return getattr(minilm.job, attribute)
 
-        def forward(self, model, input_ids, attention_mask, padded=True):
+        def forward(self, model, input_ids, attention_mask, padded=True, packing=None):
             import threading
 
             threads.append(threading.current_thread().name)

@@ -171,10 +171,10 @@ class OutOfMemoryAbove(EmbedJob):
     def __init__(self, max_rows: int):
         self.max_rows = max_rows
 
-    def forward(self, model, input_ids, attention_mask, padded=True):
+    def forward(self, model, input_ids, attention_mask, padded=True, packing=None):
         if input_ids.shape[0] > self.max_rows:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return super().forward(model, input_ids, attention_mask, padded)
+        return super().forward(model, input_ids, attention_mask, padded, packing)
 
 
 def encoded_sample(model_path: str, rows: int, max_length: int):
