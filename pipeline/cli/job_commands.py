@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 import click
 
@@ -82,6 +83,12 @@ from pipeline.engines.execute import check_run_paths, execute_run
                  "taken over from any host, so a run killed with its node does not block the next one.")
 @run_option("--progress/--no-progress", help="Progress bar on stderr. Default: only when stderr is a terminal (never into a log file).")
 @run_option("--summary-json", help="Also write the run summary to this JSON file.")
+@run_option("--metrics-textfile", help="Prometheus metrics of the run for node_exporter's textfile collector (a .prom "
+                                       "file in its directory): rewritten atomically every --metrics-interval and at the end.")
+@run_option("--metrics-interval", "metrics_interval_s", show_default=True,
+            help="How often --metrics-textfile is rewritten during the run (e.g. 30s).")
+@run_option("--pushgateway", help="Push the run's Prometheus metrics to this Pushgateway at its end (job lengthwise, "
+                                  "instance: this host).")
 @with_options(LOG_OPTIONS)
 def run(**options) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
@@ -184,7 +191,9 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
 @run_option("--storage-option", callback=merge_config_table,
             help="KEY=VALUE for fsspec. Repeatable; in the --config file a [storage] table.")
 @env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
-def status(output, storage_option, as_json) -> None:
+@env_option("--metrics", "as_metrics", env="METRICS", is_flag=True,
+             help="Print the output's state as Prometheus metrics (text format), for a textfile collector or a scrape.")
+def status(output, storage_option, as_json, as_metrics) -> None:
     """How much of a run is done: shards done, failed and pending, rows done, and what the
     output holds (rows, errors, truncated, flagged by label), as the run's summary prints it.
 
@@ -213,6 +222,11 @@ def status(output, storage_option, as_json) -> None:
         raise
     if as_json:
         click.echo(json.dumps(report, indent=2))
+    elif as_metrics:
+        from pipeline.offline.metrics import exposition, metric_labels, progress_figures
+
+        labels = metric_labels(report["job"], report["model"], report["output"])
+        click.echo(exposition(progress_figures(report, time.time()), labels).decode(), nl=False)
     else:
         print_status(report)
     if report["done"] < report["shards"]:  # not complete: a sensor on `status` waits

@@ -453,6 +453,8 @@ def merge_summary(total: RunSummary, part: dict) -> None:
     for name, seconds in part["stage_s"].items():
         total.stage_s[name] = round(total.stage_s.get(name, 0.0) + seconds, 3)
     total.lowered_batch_rows.update(part["lowered_batch_rows"])
+    for name in ("peak_rss_bytes", "peak_device_bytes"):  # of the largest actor
+        setattr(total, name, max(getattr(total, name), part[name]))
     for reason, rows in part["error_reasons"].items():
         total.error_reasons[reason] = total.error_reasons.get(reason, 0) + rows
     for name, length in part["token_lengths"].items():  # the largest shard's percentile: an upper bound

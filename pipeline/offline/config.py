@@ -43,6 +43,9 @@ class RunConfig(SettingsTree):
     # longer is taken over from any host (a run OOM-killed or lost with its node)
     progress: bool = True  # tqdm bar on stderr
     summary_json: str | None = None  # also write the run summary here
+    metrics_textfile: str | None = None  # Prometheus metrics for node_exporter's textfile collector, kept up to date
+    metrics_interval_s: float = 30.0  # how often the textfile is rewritten during the run
+    pushgateway: str | None = None  # a Prometheus Pushgateway the run's metrics are pushed to at its end
 
     def split_length(self, max_length: int) -> int | None:
         """Tokens per segment when this run splits rows longer than `max_length` (--long-text), else None:

@@ -371,8 +371,13 @@ def run_status(output: str, storage_options: dict) -> dict:
     status_of = {stem: "pending" if stem in untrusted else markers.get(stem, {}).get("status", "pending")
                  for stem in by_stem}
     locks = manifest.read_locks()
+    complete = all(state == "done" for state in status_of.values())
     return {
         **_shard_counts(list(by_stem), status_of, by_stem), "output": output,
+        # when the last shard was committed, once every shard is done: the output's last success
+        "completed_at": max((markers[stem]["at"] for stem in status_of if "at" in markers[stem]), default=None)
+        if complete and status_of else None,
+        "job": config.get("job"), "model": config.get("model"),
         "failed_shards": [{"shard": markers[stem].get("input", stem), "error": markers[stem].get("error")}
                           for stem, state in status_of.items() if state == "failed"],
         "untrusted_shards": [{"shard": by_stem[stem].url, "reason": reason} for stem, reason in untrusted.items()],

@@ -98,6 +98,9 @@ RUN_OPTIONS: dict[str, RunOption] = {
     "lock_lease": RunOption(values.Duration(), _field("lock_lease_s"), parameter="lock_lease_s"),
     "progress": RunOption(FLAG),  # None: a bar only on a terminal (`show_progress`)
     "summary_json": RunOption(TEXT),
+    "metrics_textfile": RunOption(TEXT),
+    "metrics_interval": RunOption(values.Duration(), _field("metrics_interval_s"), parameter="metrics_interval_s"),
+    "pushgateway": RunOption(TEXT),
 }
 LOG_LEVEL_OPTIONS: dict[str, RunOption] = {"quiet": RunOption(FLAG, False), "verbose": RunOption(FLAG, False)}  # every
 # command's -q / -v: the log level, not the run's settings
@@ -106,7 +109,7 @@ TABLES = {"storage": "storage_option", "thresholds": "threshold"}  # a TOML tabl
 # them and a run skips them. tests/cli/test_options.py holds this against the commands.
 OTHER_COMMANDS_KEYS = frozenset({
     "available", "batch_timeout_ms", "compare", "concurrency", "duration", "estimate", "fail_on_regression", "json",
-    "max_batch_size", "max_p99_ms", "max_p99_rise", "max_queue", "max_queue_tokens", "max_throughput_drop",
+    "max_batch_size", "max_p99_ms", "max_p99_rise", "max_queue", "max_queue_tokens", "max_throughput_drop", "metrics",
     "memory_headroom", "no_save", "out", "per_sample", "plot", "qps", "request_timeout_ms", "sample_rows", "seed",
     "values", "vary", "warmup", "warmup_rows", "window"})
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.clock import SetupClock
-from pipeline.core.device import dtype_name
+from pipeline.core.device import dtype_name, peak_rss_bytes
 from pipeline.core.errors import UsageError
 from pipeline.core.forward import (
     DeviceFeeder,
@@ -208,6 +208,9 @@ class ShardRunner:
         summary.device_busy_fraction = times.forward / max(wall_s - times.setup, 1e-9)
         summary.lowered_batch_rows = dict(sorted(self.runtime.limits.lowered.items()))
         summary.compiled_graphs = loaded.compile.graphs()
+        summary.peak_rss_bytes = max(summary.peak_rss_bytes, peak_rss_bytes())
+        if device.type == "cuda":
+            summary.peak_device_bytes = max(summary.peak_device_bytes, torch.cuda.max_memory_allocated(device))
 
     __call__ = run  # an engine's ShardsRunner (pipeline/engines/claim.py)
 

@@ -50,6 +50,8 @@ class RunSummary:
     stage_s: dict = field(default_factory=dict)
     setup_steps: dict = field(default_factory=dict)  # what setup spent its seconds on, in order (core/clock.py)
     device_busy_fraction: float = 0.0
+    peak_rss_bytes: int = 0  # the peak resident set of the process that ran the model (of the largest actor)
+    peak_device_bytes: int = 0  # CUDA: the peak of memory the forwards allocated (0 on the CPU)
     oom_splits: int = 0  # batches halved after running out of memory
     lowered_batch_rows: dict = field(default_factory=dict)  # padded length → rows after a split
     batch_setting: str = ""  # the token and row limits, and where they came from
