@@ -366,7 +366,7 @@ def _open_batches(f, url: str, columns: list[str], block_rows: int) -> tuple[pa.
     """The file's schema and its record batches of `columns`, at most `block_rows` rows each:
     Parquet, or an Arrow IPC stream (a `datasets` folder's files)."""
     if not url.endswith(ARROW_SUFFIX):
-        parquet = pq.ParquetFile(f, buffer_size=READ_BUFFER_BYTES)  # pages through a buffer, not whole chunks
+        parquet = pq.ParquetFile(f, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)  # pages, not whole row groups
         return parquet.schema_arrow, parquet.iter_batches(batch_size=block_rows, columns=columns)
     stream = pa.ipc.open_stream(f)
 
