@@ -211,3 +211,50 @@ def test_a_lying_shard_fails_in_a_real_run_and_the_others_commit(tmp_path, tiny_
     assert markers["c-int"]["error"].endswith("text column 'text' is int64, not a string; set --text-column to a "
                                               "string column")
     assert "2 shard(s) failed" in result.output
+
+
+BYTE_LEVEL_RUN = """
+import json, sys, time
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from pipeline.core.textcut import text_cut_for
+from pipeline.core.tokenize import TokenizerSpec, encode_texts
+
+def peak_kib():  # VmHWM: this process's own peak (ru_maxrss starts at the forking parent's)
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1])
+
+tokenizer = Tokenizer(models.BPE())  # GPT-2 / RoBERTa style: byte-level, a run of letters is one word
+tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tokenizer.decoder = decoders.ByteLevel()
+corpus = ["the quick brown fox jumps over the lazy dog " * 20, "abcdefghijklmnop" * 8] * 10  # a 128-char token,
+tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(  # as GPT-2's longest
+    vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+tokenizer.post_processor = processors.RobertaProcessing(("</s>", 1), ("<s>", 0))
+tokenizer.enable_truncation(128)
+spec = TokenizerSpec(tokenizer.to_str(), 128, 2)
+short = encode_texts(["first row", "a short row", "last row"], tokenizer, spec)
+before = peak_kib()
+started = time.perf_counter()
+rows = encode_texts(["first row", sys.argv[1] * (5_000_000 // len(sys.argv[1])), "last row"], tokenizer, spec)
+print(json.dumps({"seconds": time.perf_counter() - started, "grown_kib": peak_kib() - before,
+                  "lengths": rows.lengths.tolist(), "truncated": rows.truncated.tolist(), "errors": rows.errors,
+                  "same_others": [rows.token_ids[:9].tolist(), rows.token_ids[-8:].tolist()] ==
+                  [short.token_ids[:9].tolist(), short.token_ids[-8:].tolist()],
+                  "last_cut": text_cut_for(spec.tokenizer_json, 128).last_cut_chars}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["x", "abcdefghijklmnop", "\u00e9"])
+def test_a_5_mb_word_with_a_byte_level_bpe_tokenizer_is_cut_in_bounded_time_and_memory(run):
+    """Byte-level BPE (and SentencePiece) keep a run of letters whole as one word, so a prefix of a
+    5 MB text without a space never passes the word check: the row is read up to its last cut
+    (8 first cuts, 526,336 characters for a 128-character longest token) and truncated there."""
+    finished = subprocess.run([sys.executable, "-c", BYTE_LEVEL_RUN, run], capture_output=True, text=True,
+                              timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    report = json.loads(finished.stdout)
+    assert report["last_cut"] == 8 * (512 + 2) * 128
+    assert report["lengths"][1] == 128 and report["truncated"] == [False, True, False]
+    assert report["errors"] == [None, None, None] and report["same_others"]
+    assert report["seconds"] < 10, report  # 0.3-2.0 s here
+    assert report["grown_kib"] < 600_000, report  # here 50 MiB (a-p), 163 MiB (x), 357 MiB (é, 2 bytes each)
