@@ -50,7 +50,8 @@ def size_text(n: int) -> str:
 
 def footer_problem(url: str, metadata, columns: Sequence[str], limit: int) -> str | None:
     """Why the footer of `url` cannot be trusted or its row groups are too big to read, or None.
-    `columns` are the flat columns read (id, text)."""
+    `columns` are the columns read (id, text); a list column's leaves count toward its size, but
+    only a flat column is held to one value a row."""
     groups = [metadata.row_group(i) for i in range(metadata.num_row_groups)]
     in_groups = sum(group.num_rows for group in groups)
     if in_groups != metadata.num_rows:
@@ -58,17 +59,19 @@ def footer_problem(url: str, metadata, columns: Sequence[str], limit: int) -> st
                 "the file is damaged: rewrite it")
     for index, group in enumerate(groups):
         chunks = [group.column(j) for j in range(group.num_columns)]
-        read = [chunk for chunk in chunks if chunk.path_in_schema in columns]
-        for chunk in read:
-            if chunk.num_values != group.num_rows:
+        read = [chunk for chunk in chunks if chunk.path_in_schema.split(".")[0] in columns]  # a list's leaves too
+        for j, chunk in enumerate(chunks):
+            flat = metadata.schema.column(j).max_repetition_level == 0  # a list's values are not its rows
+            if chunk in read and flat and chunk.num_values != group.num_rows:
                 return (f"{url}: row group {index} says {group.num_rows:,} rows but its column "
                         f"{chunk.path_in_schema!r} holds {chunk.num_values:,} values; the footer is damaged "
                         "(rows would be lost): rewrite the file")
         inflated = sum(chunk.total_uncompressed_size for chunk in read)
         if inflated > limit:
             on_disk = sum(chunk.total_compressed_size for chunk in read)
+            names = ", ".join(dict.fromkeys(chunk.path_in_schema.split(".")[0] for chunk in read))
             return (f"{url}: row group {index} inflates to {size_text(inflated)} uncompressed (columns "
-                    f"{', '.join(chunk.path_in_schema for chunk in read)}, {size_text(on_disk)} on disk), over the "
+                    f"{names}, {size_text(on_disk)} on disk), over the "
                     f"{size_text(limit)} a row group may take ({ROW_GROUP_BYTES_VARIABLE}); rewrite it with "
                     "smaller row groups")
     return None

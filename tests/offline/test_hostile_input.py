@@ -264,3 +264,14 @@ def test_a_5_mb_word_with_a_byte_level_bpe_tokenizer_is_cut_in_bounded_time_and_
     assert report["errors"] == [None, None, None] and report["same_others"]
     assert report["seconds"] < 10, report  # 0.3-2.0 s here
     assert report["grown_kib"] < 600_000, report  # here 50 MiB (a-p), 163 MiB (x), 357 MiB (é, 2 bytes each)
+
+
+def test_a_list_id_column_is_not_taken_for_a_lying_footer(tmp_path):
+    """A list column has more values than rows by design: only flat columns are held to their rows."""
+    from pipeline.offline.footer import footer_problem
+
+    pq.write_table(pa.table({"id": [[1, 2], [3], [4, 5, 6]], "text": ["a", "b", "c"]}), tmp_path / "a.parquet")
+    metadata = pq.read_metadata(tmp_path / "a.parquet")
+    assert metadata.row_group(0).column(0).num_values == 6
+    assert footer_problem("a.parquet", metadata, ["id", "text"], MAX_ROW_GROUP_BYTES) is None
+    assert "inflates to" in footer_problem("a.parquet", metadata, ["id"], 10)  # the list's leaves are counted
