@@ -102,7 +102,8 @@ def _encode(kind: int, value) -> bytes:
         return _varint(len(value)) + value
     if kind in (LIST, SET):
         element, items = value
-        head = bytes([(len(items) << 4) | element]) if len(items) < 15 else bytes([0xF0 | element]) + _varint(len(items))
+        size = len(items)
+        head = bytes([(size << 4) | element]) if size < 15 else bytes([0xF0 | element]) + _varint(size)
         return head + b"".join(_encode(BYTE if element in (TRUE, FALSE) else element, item) for item in items)
     if kind == MAP:
         types, items = value

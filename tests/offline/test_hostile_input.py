@@ -184,8 +184,8 @@ def test_a_text_column_of_another_type_names_the_file_column_and_type(tmp_path, 
     pq.write_table(pa.table({"id": ["x", "y", "z"], "text": column}), tmp_path / "b-odd.parquet")
     shards = list_shards([str(tmp_path)], "id", "text")
     assert shards[0].problem is None
-    assert shards[1].problem == (f"shard file://{tmp_path / 'b-odd.parquet'}: text column 'text' {said}; set --text-column "
-                                 "to a string column")
+    assert shards[1].problem == (f"shard file://{tmp_path / 'b-odd.parquet'}: text column 'text' {said}; "
+                                 "set --text-column to a string column")
 
 
 @pytest.mark.parametrize("name", sorted(FINE_TYPES))
