@@ -77,6 +77,7 @@ def bomb(path: Path, rows: int = 300, row_bytes: int = 1 << 20) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_decompression_bomb_is_refused_from_its_footer(tmp_path, monkeypatch):
     path = bomb(tmp_path / "bomb.parquet")
     assert path.stat().st_size < 1 << 20
