@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.retry import backoff_delay_s, is_transient, retry_transient
 from pipeline.core.settings import InputSettings
+from pipeline.offline.footer import READ_BUFFER_BYTES, footer_problem, max_row_group_bytes
 from pipeline.offline.locations import GLOB_CHARACTERS, LEGACY_MANIFEST_DIR, MANIFEST_DIR, outside_outputs
 
 log = logging.getLogger(__name__)
@@ -254,16 +256,16 @@ def list_source_shards(source: InputSettings, slot: WorkerSlot = WorkerSlot(),
 def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storage_options: dict,
                    keep_columns: Sequence[str] = ()) -> Shard:
     """The shard with its footer's row count, or with the problem that stops it being read."""
-    def read_footer() -> tuple[pa.Schema, int]:
+    def read_footer() -> tuple[pa.Schema, int, object]:
         with fsspec.open(url, "rb", **storage_options) as f:
             if url.endswith(ARROW_SUFFIX):  # an IPC stream has no footer: count its batches
                 stream = pa.ipc.open_stream(f)
-                return stream.schema, sum(batch.num_rows for batch in stream)
+                return stream.schema, sum(batch.num_rows for batch in stream), None
             metadata = pq.ParquetFile(f).metadata
-            return metadata.schema.to_arrow_schema(), metadata.num_rows
+            return metadata.schema.to_arrow_schema(), metadata.num_rows, metadata
 
     try:
-        schema, num_rows = retry_transient(read_footer, f"reading the footer of {url}", log=log.warning)
+        schema, num_rows, metadata = retry_transient(read_footer, f"reading the footer of {url}", log=log.warning)
     except (pa.ArrowInvalid, OSError) as error:
         kind = "an Arrow stream" if url.endswith(ARROW_SUFFIX) else "Parquet"
         return Shard(url, stem, 0, f"cannot read {url} as {kind} ({error}); check --input")
@@ -281,7 +283,8 @@ def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storag
     if not is_text_type(text_type):
         return Shard(url, stem, num_rows, f"shard {url}: text column {text_column!r} is {text_type}, not a "
                                           "string; set --text-column to a string column")
-    return Shard(url, stem, num_rows)
+    problem = metadata and footer_problem(url, metadata, [id_column, text_column], max_row_group_bytes(os.environ))
+    return Shard(url, stem, num_rows, problem or None)
 
 
 class ShardError(Exception):
@@ -363,7 +366,7 @@ def _open_batches(f, url: str, columns: list[str], block_rows: int) -> tuple[pa.
     """The file's schema and its record batches of `columns`, at most `block_rows` rows each:
     Parquet, or an Arrow IPC stream (a `datasets` folder's files)."""
     if not url.endswith(ARROW_SUFFIX):
-        parquet = pq.ParquetFile(f)
+        parquet = pq.ParquetFile(f, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)  # pages, not whole row groups
         return parquet.schema_arrow, parquet.iter_batches(batch_size=block_rows, columns=columns)
     stream = pa.ipc.open_stream(f)
 
