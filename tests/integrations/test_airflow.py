@@ -225,7 +225,7 @@ def test_a_failed_shard_fails_the_try_and_the_retry_redoes_only_that_shard(airfl
         """)
     log = airflow_home.dags_test("lengthwise_retry")
     assert airflow_home.task_states("lengthwise_retry") == {("embed", -1): ("success", 2)}, log[-4000:]
-    assert airflow_home.earlier_tries("lengthwise_retry", "embed") == [(1, "up_for_retry")]
+    assert airflow_home.earlier_tries("lengthwise_retry", "embed") == [(1, "failed")]  # try 1 as history keeps it
     assert "1 shard(s) failed" in log and "has no column 'text'" in log
     summary = airflow_home.xcom("lengthwise_retry", "embed")
     assert (summary["rows"], summary["shards"], summary["shards_done_before"]) == (100, 1, 2)
