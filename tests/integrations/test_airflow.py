@@ -142,7 +142,7 @@ def test_the_docs_dags_parse_on_airflow_3_with_no_import_error_and_no_warning(tm
     for index, block in enumerate(blocks):
         home.write_dag(f"docs_dag_{index}", block)
     script = ("import json, sys\nfrom airflow.dag_processing.dagbag import DagBag\n"
-              "bag = DagBag(dag_folder=sys.argv[1], include_examples=False)\n"
+              "bag = DagBag(dag_folder=sys.argv[1])\n"
               "print(json.dumps({'dags': sorted(bag.dag_ids), 'errors': bag.import_errors,"
               " 'warnings': {k: list(v) for k, v in bag.captured_warnings.items()},"
               " 'tasks': {d: sorted(bag.dags[d].task_ids) for d in bag.dag_ids}}))\n")
@@ -151,7 +151,7 @@ def test_the_docs_dags_parse_on_airflow_3_with_no_import_error_and_no_warning(tm
     assert completed.returncode == 0, completed.stderr[-3000:]
     parsed = json.loads(completed.stdout.strip().splitlines()[-1])
     assert parsed["errors"] == {} and parsed["warnings"] == {}
-    assert parsed["dags"] == ["moderation_complete", "nightly_moderation"]
+    assert parsed["dags"] == ["moderate_posts", "moderation_complete", "nightly_moderation"]
     assert parsed["tasks"]["nightly_moderation"] == ["estimate", "moderate", "verify", "worker_settings"]
 
 
