@@ -62,22 +62,23 @@ def with_option_keywords(init):
     return init
 
 
-def stop_child(process: subprocess.Popen, timeout_s: float) -> int:
+def stop_child(process: subprocess.Popen, exited: threading.Event, timeout_s: float) -> int | None:
     """SIGTERM, then wait up to `timeout_s` for lengthwise's clean stop (the shard in flight is
     abandoned, committed ones stay: exit 143), then SIGKILL its whole process group (its tokenizer
     workers too). Only the main process gets the SIGTERM: a second one, as a group-wide signal would
-    deliver again, makes lengthwise exit at once instead of cleanly."""
-    if process.poll() is not None:
+    deliver again, makes lengthwise exit at once instead of cleanly. It waits on `exited` (set by the
+    thread that reaps the child), never in Popen.wait: this runs in a signal handler, which may have
+    interrupted a Popen.wait holding the lock it would need."""
+    if exited.is_set():
         return process.returncode
     process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    if not exited.wait(timeout_s):
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        return process.wait()
+        exited.wait(timeout_s)
+    return process.returncode
 
 
 def _pump(stream, sink) -> None:
@@ -85,6 +86,12 @@ def _pump(stream, sink) -> None:
     with stream:
         for line in stream:
             sink(line.rstrip("\n"))
+
+
+def _reap(process: subprocess.Popen, exited: threading.Event) -> None:
+    """Wait for the child on this thread alone and say so: the one place that reaps it."""
+    process.wait()
+    exited.set()
 
 
 class _LengthwiseCommand:
@@ -105,16 +112,17 @@ class _LengthwiseCommand:
         except FileNotFoundError as error:
             raise AirflowFailException(f"cannot start lengthwise ({error}); set executable= to its path, or a "
                                        "list such as [python, '-m', 'pipeline.cli']") from None
-        self._child = child
+        self._child, self._child_exited = child, threading.Event()
         kept: list[str] = []
-        pumps = [threading.Thread(target=_pump, args=(child.stderr, self._log_line), daemon=True),
-                 threading.Thread(target=_pump, args=(child.stdout, kept.append if keep_stdout else self._log_line),
-                                  daemon=True)]
-        for pump in pumps:
-            pump.start()
-        code = child.wait()
-        for pump in pumps:
-            pump.join()
+        threads = [threading.Thread(target=_pump, args=(child.stderr, self._log_line), daemon=True),
+                   threading.Thread(target=_pump, args=(child.stdout, kept.append if keep_stdout else self._log_line),
+                                    daemon=True),
+                   threading.Thread(target=_reap, args=(child, self._child_exited), daemon=True)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:  # joined, not Popen.wait: on_kill (a signal handler) may run meanwhile
+            thread.join()
+        code = child.returncode
         self.log.info("lengthwise exited %s", code)
         return code, "\n".join(kept)
 
@@ -123,10 +131,10 @@ class _LengthwiseCommand:
 
     def on_kill(self) -> None:
         child = getattr(self, "_child", None)
-        if child is None or child.poll() is not None:
+        if child is None or self._child_exited.is_set():
             return
         self.log.info("stopping lengthwise (pid %s) with SIGTERM; committed shards stay, a rerun resumes", child.pid)
-        code = stop_child(child, self.kill_timeout)
+        code = stop_child(child, self._child_exited, self.kill_timeout)
         self.log.info("lengthwise stopped with exit %s", code)
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -259,3 +260,52 @@ def test_the_deferrable_sensor_defers_to_its_trigger_and_completes_when_the_run_
     assert "running trigger in line" in text and "has no lengthwise run" in text
     status = airflow_home.xcom("lengthwise_sensor", "complete")
     assert (status["shards"], status["done"], status["pending"], status["rows_done"]) == (3, 3, 0, 300)
+
+
+KILLED_TASK = """
+import json, signal, sys
+from airflow.sdk.exceptions import AirflowException
+from pipeline.integrations.airflow import LengthwiseRunOperator
+
+settings = json.loads(sys.argv[1])
+operator = LengthwiseRunOperator(task_id="embed", **settings)
+signal.signal(signal.SIGTERM, lambda *_: operator.on_kill())  # what Airflow's task runner does on SIGTERM
+try:
+    operator.execute({})
+except AirflowException as error:
+    print(json.dumps({"error": str(error), "child_pid": operator._child.pid, "code": operator._child.returncode}))
+"""
+
+
+@pytest.mark.slow
+def test_killing_the_task_stops_lengthwise_cleanly_and_a_rerun_resumes(tmp_path, sample_table, tiny_encoder_path,
+                                                                     migrated_database):
+    table = sample_table.select(["id", "text"])
+    import pyarrow as pa
+
+    rows = pa.concat_tables([table.set_column(0, "id", pa.array([f"{i}-{n}" for n in table["id"].to_pylist()]))
+                             for i in range(20)])
+    write_shards(tmp_path / "in", rows, [80] * 100)
+    output = tmp_path / "out"
+    settings = {"input": str(tmp_path / "in"), "output": str(output), "executable": LENGTHWISE,
+                "model": tiny_encoder_path, "tokenize_workers": 0, "dtype": "float32", "progress": False}
+    task = subprocess.Popen([str(AIRFLOW_PYTHON), "-c", KILLED_TASK, json.dumps(settings)],
+                            env=airflow_env(tmp_path / "airflow"), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(output.glob("part-*.parquet")):  # a shard is committed: the run is under way
+        assert task.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    task.send_signal(signal.SIGTERM)
+    answer = json.loads(task.communicate(timeout=120)[0].strip().splitlines()[-1])
+    assert answer["code"] == 143 and "exited 143" in answer["error"]  # lengthwise's clean stop, not a SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.kill(answer["child_pid"], 0)
+    done = len(list(output.glob("part-*.parquet")))
+    assert 0 < done < 100, f"{done} of 100 shards done when the task was killed"
+    rerun = subprocess.run([*LENGTHWISE, "run", "--input", str(tmp_path / "in"), "--output", str(output), "--model",
+                            tiny_encoder_path, "--tokenize-workers", "0", "--dtype", "float32", "--no-progress", "-q",
+                            "--summary-json", str(tmp_path / "rerun.json")], cwd=ROOT, capture_output=True, timeout=180)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    summary = json.loads((tmp_path / "rerun.json").read_text())
+    assert summary["shards_done_before"] == done and summary["output_totals"]["rows"] == 8000
+    assert not list(output.glob(".*.tmp"))  # the abandoned shard's partial file is gone after the rerun
