@@ -13,9 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lower first. A module may import its own layer and those below it, never one above.
 LAYERS = {"pipeline": 0, "pipeline.core": 0, "pipeline.sample_data": 0, "jobs": 1, "pipeline.runtime": 2,
           "pipeline.offline": 3, "pipeline.online": 3, "pipeline.engines": 4, "pipeline.tuning": 5,
-          "pipeline.cli": 6, "pipeline.api": 6}
+          "pipeline.cli": 6, "pipeline.api": 6, "pipeline.integrations": 6}
 SIDE_BY_SIDE = {("pipeline.offline", "pipeline.online"), ("pipeline.online", "pipeline.offline"),  # neither knows the other
-                ("pipeline.cli", "pipeline.api"), ("pipeline.api", "pipeline.cli")}  # the API builds settings itself, never through click
+                ("pipeline.cli", "pipeline.api"), ("pipeline.api", "pipeline.cli"),  # the API builds settings itself, never through click
+                # a scheduler runs the `lengthwise` command as a child process: it imports neither the CLI nor the API
+                ("pipeline.integrations", "pipeline.cli"), ("pipeline.integrations", "pipeline.api")}
 
 
 def layer_of(module: str) -> str:
@@ -69,7 +71,7 @@ def test_the_layers_are_few_and_no_module_is_over_500_lines():
                                     "pipeline.online.rules", "pipeline.online.batcher", "pipeline.cli",
                                     "pipeline.offline.reuse", "pipeline.tuning.estimate",
                                     "pipeline.core.exit_codes", "pipeline.tuning.report", "pipeline.core.values",
-                                    "pipeline.offline.options", "pipeline.api"])
+                                    "pipeline.offline.options", "pipeline.api", "pipeline.integrations.commands"])
 def test_imports_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, '{module} imported torch'"
     completed = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
