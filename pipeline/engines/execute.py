@@ -11,8 +11,8 @@ from pathlib import Path
 from pipeline.core.errors import UsageError, as_storage_error
 from pipeline.offline.config import RunConfig
 from pipeline.offline.locations import check_written_paths
-from pipeline.offline.metrics import (Figure, ProgressTextfile, metric_labels, progress_figures, push, push_grouping,
-                                      run_figures, write_textfile)
+from pipeline.offline.metrics import (ProgressTextfile, in_progress_figure, metric_labels, progress_figures, push,
+                                      push_grouping, run_figures, write_textfile)
 
 
 def execute_run(config: RunConfig):
@@ -64,7 +64,7 @@ def report_metrics(config: RunConfig, summary, labels: dict, textfile) -> None:
     last_success = textfile.last_success if config.metrics_textfile else None
     figures = run_figures(dataclasses.asdict(summary), finished_at, last_success)
     figures += progress_figures(run_status(config.output, config.source.storage_options), finished_at)
-    figures.append(Figure("run_in_progress", "1 while a run goes on.", 0))
+    figures.append(in_progress_figure(False))
     if config.metrics_textfile:
         try:
             write_textfile(config.metrics_textfile, figures, labels)

@@ -42,6 +42,16 @@ def metric_labels(job: str, model: str, output: str) -> dict:
     return {"lengthwise_job": job or "", "model": model or "", "output": redact_url(output or "")}
 
 
+def last_success_figure(timestamp: float) -> Figure:
+    return Figure("last_success_timestamp_seconds", "When a run last ended with no failed shard (Unix time).",
+                  timestamp)
+
+
+def in_progress_figure(running: bool) -> Figure:
+    return Figure("run_in_progress", "1 while a run goes on (the textfile's rewrites), 0 at its end.",
+                  1 if running else 0)
+
+
 def run_figures(summary: dict, finished_at: float, last_success: float | None) -> list[Figure]:
     """A finished run's figures from its summary (`RunSummary`'s keys). The run succeeded when no
     shard failed: `last_success_timestamp_seconds` is then `finished_at`, else the `last_success`
@@ -73,8 +83,7 @@ def run_figures(summary: dict, finished_at: float, last_success: float | None) -
         Figure("last_run_timestamp_seconds", "When the last run ended (Unix time).", finished_at),
     ]
     if success is not None:
-        figures.append(Figure("last_success_timestamp_seconds",
-                              "When a run last ended with no failed shard (Unix time).", success))
+        figures.append(last_success_figure(success))
     return figures
 
 
@@ -85,15 +94,11 @@ def progress_figures(status: dict, now: float) -> list[Figure]:
     figures = [Figure("shards", "Input shards of the output's run, by state.", status[state], {"state": state})
                for state in ("done", "failed", "pending")]
     totals = status.get("totals") or {}
+    rows = {"input": status["rows"], "done": status["rows_done"], "error": totals.get("error_rows", 0),
+            "truncated": totals.get("truncated_rows", 0)}
+    figures += [Figure("rows", "Rows of the output's input shards, and rows in its done shards.", value,
+                       {"status": kind}) for kind, value in rows.items()]
     figures += [
-        Figure("rows", "Rows of the output's input shards, and rows in its done shards.", status["rows"],
-               {"status": "input"}),
-        Figure("rows", "Rows of the output's input shards, and rows in its done shards.", status["rows_done"],
-               {"status": "done"}),
-        Figure("rows", "Rows of the output's input shards, and rows in its done shards.",
-               totals.get("error_rows", 0), {"status": "error"}),
-        Figure("rows", "Rows of the output's input shards, and rows in its done shards.",
-               totals.get("truncated_rows", 0), {"status": "truncated"}),
         Figure("complete", "1 when every shard of the output is done, else 0.",
                1 if status["done"] == status["shards"] else 0),
         Figure("status_timestamp_seconds", "When these figures were read (Unix time).", now),
@@ -218,15 +223,13 @@ class ProgressTextfile:
         except UsageError:  # no run.json yet: the run has not claimed the output
             figures = []
         if self.last_success is not None:
-            figures.append(Figure("last_success_timestamp_seconds",
-                                  "When a run last ended with no failed shard (Unix time).", self.last_success))
+            figures.append(last_success_figure(self.last_success))
         return figures
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 figures = self.progress()
-                write_textfile(self.path, figures + [Figure("run_in_progress", "1 while a run goes on.", 1)],
-                               self.labels)
+                write_textfile(self.path, figures + [in_progress_figure(True)], self.labels)
             except Exception as error:  # noqa: BLE001 - storage hiccup: the next interval tries again
                 log.warning(f"--metrics-textfile {self.path}: could not update it ({type(error).__name__}: {error})")
