@@ -6,6 +6,8 @@ Pure bookkeeping (no torch), so engines can merge the summaries of several shard
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -263,29 +265,81 @@ class RowStats:
 
 
 class IdTracker:
-    """Finds ids written more than once: 8 bytes of hash a row, checked at the end."""
+    """Finds ids written more than once, in memory bounded whatever the rows: 8 bytes of hash a row,
+    held up to BUFFERED_HASHES, beyond that spilled to a temporary folder split by the hash's top
+    byte, and counted at the end one part at a time (a run of 10M rows would otherwise hold 80 MB of
+    hashes, and sort a copy of them)."""
+
+    BUFFERED_HASHES = 1 << 20  # 8 MiB of hashes in memory, then a spill
+    PARTS = 256  # spilled hashes are split by their top byte: a part holds 1/256 of them
 
     def __init__(self) -> None:
-        self._hashes: list[np.ndarray] = []
+        self._buffer: list[np.ndarray] = []
+        self._buffered = 0
+        self._spill: tempfile.TemporaryDirectory | None = None
 
     def add(self, ids: list) -> None:
         values = [v for v in ids if v is not None]
-        self._hashes.append(np.fromiter((id_hash(v) for v in values), dtype=np.int64, count=len(values)))
+        self.add_hashes(np.fromiter((id_hash(v) for v in values), dtype=np.int64, count=len(values)))
 
     def add_hashes(self, hashes: np.ndarray) -> None:
-        """Another tracker's hashes (a Ray actor's shard), so duplicates count across shards."""
-        self._hashes.append(np.asarray(hashes, np.int64))
+        """Hashes of rows written (also another tracker's: a Ray actor's shard, so duplicates count across shards)."""
+        self._buffer.append(np.asarray(hashes, np.int64))
+        self._buffered += len(hashes)
+        if self._buffered >= self.BUFFERED_HASHES:
+            self._spill_buffer()
+
+    def _spill_buffer(self) -> None:
+        """Append the buffered hashes, sorted, to the part files of their top byte; empty the buffer."""
+        if self._spill is None:
+            self._spill = tempfile.TemporaryDirectory(prefix="lengthwise-ids-")
+        if not self._buffer:
+            return
+        hashes = np.sort(np.concatenate(self._buffer))
+        self._buffer, self._buffered = [], 0
+        bounds = np.searchsorted(hashes >> 56, np.arange(-self.PARTS // 2, self.PARTS // 2 + 1))
+        for part, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if end > start:
+                with open(os.path.join(self._spill.name, f"{part}.i64"), "ab") as f:
+                    hashes[start:end].tofile(f)
+
+    def _parts(self):
+        """Every hash added, one top-byte part at a time (all of them at once when nothing was spilled)."""
+        if self._spill is None:
+            yield np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int64)
+            return
+        self._spill_buffer()
+        for part in range(self.PARTS):
+            path = os.path.join(self._spill.name, f"{part}.i64")
+            if os.path.exists(path):
+                yield np.fromfile(path, np.int64)
 
     def hashes(self) -> np.ndarray:
-        return np.concatenate(self._hashes) if self._hashes else np.zeros(0, np.int64)
+        """Every hash added (a Ray actor's shard's, sent to the driver); the spilled ones are removed."""
+        try:
+            return np.concatenate(list(self._parts()))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Remove the spilled hashes."""
+        if self._spill is not None:
+            self._spill.cleanup()
+            self._spill = None
 
     def duplicates(self, fs, paths: Iterable[str], examples: int = 5) -> tuple[int, list]:
         """How many rows repeat an earlier id, and a few such ids (read back from `paths`)."""
-        unique, counts = np.unique(self.hashes(), return_counts=True)
-        repeated = set(unique[counts > 1].tolist())
+        count, repeated = 0, set()
+        try:
+            for hashes in self._parts():  # a hash's copies are all in one part
+                unique, counts = np.unique(hashes, return_counts=True)
+                count += int((counts[counts > 1] - 1).sum())
+                repeated.update(unique[counts > 1].tolist())
+        finally:
+            self.close()
         found: list = []
         for path in paths if repeated else ():
             for value in pq.read_table(path, columns=["id"], filesystem=fs)["id"].to_pylist():
                 if len(found) < examples and value is not None and id_hash(value) in repeated and value not in found:
                     found.append(value)
-        return int((counts[counts > 1] - 1).sum()), found
+        return count, found
