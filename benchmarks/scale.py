@@ -5,7 +5,9 @@ For each point (rows, shards) it writes the inputs once (short distinct texts, v
 pyarrow; kept under --cache and reused when the same point is asked again), then runs, each in
 a fresh process, the real CLI:
 
-- `lengthwise run` into a new output: peak RSS of the driver and of its children (the tokenizer
+- `lengthwise run --compile off` into a new output (a compiled forward, which `auto` picks for a
+  job of ~10M rows and not for smaller ones, adds its own fixed memory and would hide the
+  pipeline's): peak RSS of the driver and of its children (the tokenizer
   workers: the largest one and their sum), sampled from /proc (VmHWM, the kernel's own peak);
   wall time; the commit time per shard (the summary's `write` stage, which holds the commit, over
   the shards) and how the spacing of the done markers' times changes from the first tenth of the
@@ -167,7 +169,7 @@ def measure_point(rows: int, shards: int, cache: Path, model: Path, workers: int
     log, summary_path = cache / f"log-{rows}-{shards}.txt", cache / f"summary-{rows}-{shards}.json"
     cli = [sys.executable, "-m", "pipeline.cli"]
     run = timed([*cli, "run", "--input", str(inputs), "--output", str(output), "--model", str(model),
-                 "--max-length", "32", "--tokenize-workers", str(workers), "--torch-threads", str(threads),
+                 "--max-length", "32", "--compile", "off", "--tokenize-workers", str(workers), "--torch-threads", str(threads),
                  "--plan-cache", str(cache / "plans"), "--no-progress", "--quiet",
                  "--summary-json", str(summary_path)], log)
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
