@@ -270,7 +270,7 @@ class IdTracker:
     byte, and counted at the end one part at a time (a run of 10M rows would otherwise hold 80 MB of
     hashes, and sort a copy of them)."""
 
-    BUFFERED_HASHES = 1 << 20  # 8 MiB of hashes in memory, then a spill
+    BUFFERED_HASHES = 1 << 17  # 1 MiB of hashes in memory, then a spill (counting them takes ~5x that)
     PARTS = 256  # spilled hashes are split by their top byte: a part holds 1/256 of them
 
     def __init__(self) -> None:
