@@ -91,6 +91,12 @@ def peak_kib(pid: int) -> int:
     return 0
 
 
+def command_line(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
+
+
 def children_of(pid: int) -> list[int]:
     """Every descendant of `pid` (children of any of its threads, recursively)."""
     found, queue = [], [pid]
@@ -117,10 +123,12 @@ class PeakSampler:
         self._thread.start()
 
     def _loop(self) -> None:
+        own_command = command_line(self.pid)
         while not self._stop.is_set():
             self.main_kib = max(self.main_kib, peak_kib(self.pid))
             for child in children_of(self.pid):
-                self.children_kib[child] = max(self.children_kib.get(child, 0), peak_kib(child))
+                if command_line(child) != own_command:  # a child between fork and exec shows the parent's pages
+                    self.children_kib[child] = max(self.children_kib.get(child, 0), peak_kib(child))
             self._stop.wait(self.interval_s)
 
     def stop(self) -> dict:
