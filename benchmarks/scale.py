@@ -15,8 +15,8 @@ a fresh process, the real CLI:
 - the manifest's bytes (the output's `.lengthwise/` folder);
 - `lengthwise status` and `lengthwise verify` on that output: wall time and peak RSS.
 
-    .venv/bin/python benchmarks/scale.py --point 100000:100 --point 1000000:1000 \\
-        --json benchmarks/results/scale.json
+    .venv/bin/python benchmarks/scale.py --point 100000:100 --point 1000000:1000 --point 10000000:10000 \\
+        --point 100000:10000 --point 10000000:100 --json benchmarks/results/scale.json
 
 Rows and shards are told apart by points that share one and not the other (10M rows in 100
 shards against 10M in 10,000; 100k rows in 100 against 100k in 10,000).
