@@ -244,7 +244,7 @@ def test_a_claim_whose_changer_died_on_this_host_is_passed_over_at_once(tmp_path
 
 def test_a_follower_reads_from_the_lock_file_whether_its_run_still_holds_it():
     """What a Ray actor on any node checks before it commits for its driver."""
-    now = time.time()
+    now = float(int(time.time()))  # whole seconds, as the lock records them
     ours = {**new_record(0, 1, 300.0), "renewed": iso(now - 20)}
 
     def read(record) -> LockFile:
