@@ -128,6 +128,21 @@ def two_nodes():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def wait_for_free_cpus(address: str, cpus: float, timeout_s: float = 60) -> None:
+    """Until the cluster has `cpus` CPUs free: an actor of an earlier test releases its node's CPU
+    only once its process has gone, and an actor that cannot be placed would never get a shard."""
+    import ray
+
+    ray.init(address=address, logging_level=logging.WARNING)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while ray.available_resources().get("CPU", 0) < cpus:
+            assert time.monotonic() < deadline, f"the cluster's CPUs are not free: {ray.available_resources()}"
+            time.sleep(0.2)
+    finally:
+        ray.shutdown()
+
+
 def runs_on(pid: int, node: Node) -> bool:
     return pid in {process.pid for process in node.processes()}
 
@@ -211,6 +226,7 @@ def test_an_actor_on_the_second_node_commits_only_while_its_drivers_lock_holds(t
 @pytest.mark.slow
 def test_the_second_nodes_raylet_killed_mid_shard_loses_nothing(tmp_path, two_nodes, shard_rows, tiny_encoder_path):
     address, _, second = two_nodes
+    wait_for_free_cpus(address, 2)  # one actor on each node
     sizes = [150] * 16  # more shards than the head's actor runs before the second node's has loaded its model
     expected = local_reference(tmp_path, shard_rows, sizes, tiny_encoder_path, *SLOW_SETTINGS)
     write_shards(tmp_path / "in", shard_rows, sizes)
