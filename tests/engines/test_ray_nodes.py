@@ -225,7 +225,7 @@ def test_an_actor_on_the_second_node_commits_only_while_its_drivers_lock_holds(t
 
 @pytest.mark.slow
 def test_the_second_nodes_raylet_killed_mid_shard_loses_nothing(tmp_path, two_nodes, shard_rows, tiny_encoder_path):
-    address, _, second = two_nodes
+    address, head, second = two_nodes
     wait_for_free_cpus(address, 2)  # one actor on each node
     sizes = [150] * 16  # more shards than the head's actor runs before the second node's has loaded its model
     expected = local_reference(tmp_path, shard_rows, sizes, tiny_encoder_path, *SLOW_SETTINGS)
@@ -237,17 +237,34 @@ def test_the_second_nodes_raylet_killed_mid_shard_loses_nothing(tmp_path, two_no
             "--summary-json", str(tmp_path / "s.json"), *SLOW_SETTINGS]
     driver = Driver(args)
     raylet = second.raylet()
-    deadline = time.monotonic() + 120
-    while not (taken := [line for line in driver.lines if " took " in line
-                         and runs_on(int(line.split("(pid ")[1].split(")")[0]), second)]):
-        assert time.monotonic() < deadline and driver.process.poll() is None, "".join(driver.lines)
-        time.sleep(0.05)
-    victim = int(taken[0].split("(pid ")[1].split(")")[0])
-    time.sleep(0.5)  # into the shard
-    raylet.send_signal(signal.SIGKILL)  # the node is lost: its raylet, its object store, its actor
+    paused: set[int] = set()  # the head's actor waits (SIGSTOP) until the second node's has a shard
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            pids = [int(line.split("(pid ")[1].split(")")[0]) for line in driver.lines if " took " in line]
+            for pid in set(pids) - paused:
+                if runs_on(pid, head):
+                    os.kill(pid, signal.SIGSTOP)
+                    paused.add(pid)
+            if taken := [pid for pid in pids if runs_on(pid, second)]:
+                break
+            assert time.monotonic() < deadline and driver.process.poll() is None, "".join(driver.lines)
+            time.sleep(0.05)
+        victim = taken[0]
+        time.sleep(0.3)  # into the shard; with the head's actor paused, the victim holds two shards at any moment
+        # the node is lost: its raylet with its object store, and at the same instant its actor and agents (a
+        # worker outlives its raylet by up to a second and could finish its shards otherwise)
+        for process in [raylet, *second.processes()]:
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
     assert driver.finish() == 0, "".join(driver.lines)
     assert gone(victim), f"the lost node's actor (pid {victim}) still runs"
-    assert second.process.wait(timeout=30) != 0  # the node saw its raylet die and stopped the rest of it
+    assert second.process.wait(timeout=30) != 0  # the node's `ray start` saw its raylet die and stopped
     lost = [line.split(" died running ")[1].split(";")[0].rsplit("/", 1)[-1].removesuffix(".parquet")
             for line in driver.lines if f"(pid {victim}) died running" in line]
     assert lost, "".join(driver.lines)
