@@ -11,7 +11,8 @@ lost, OOM-killed) is replaced, and its shard handed to another actor, at most
 MAX_SHARD_ATTEMPTS times; actors are replaced at most MAX_SHARD_ATTEMPTS × K times a run. The
 same Python exception from loading the model in two actors is a usage error. Each attempt
 carries a token the driver grants before handing the shard out; the commit checks it, so a
-zombie attempt that comes back never commits over a newer one (docs/scale-out.md).
+zombie attempt that comes back never commits over a newer one, and reads the driver's lock, so no
+actor on any node commits once its driver's lock was taken over or its lease ran out (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -89,17 +90,21 @@ class ShardWorker:
         return {"pid": os.getpid(), "host": socket.gethostname(), "setup_s": round(self.setup_s, 2),
                 "device": self.device, "dtype": self.dtype, "start_error": self.start_error}
 
-    def run_shard(self, shard: Shard, attempt: str) -> dict:
-        """Run one shard to its committed output (or its failure marker) as attempt `attempt`;
-        its summary as a dict, its rows' id hashes, and whether it started before the shard ahead of
-        it ended. The call for the next shard comes while one runs (a threaded actor, SHARDS_PER_ACTOR):
-        it reads and tokenizes its first window at once, then waits its turn."""
+    def run_shard(self, shard: Shard, attempt: str, lock_token: str | None = None) -> dict:
+        """Run one shard to its committed output (or its failure marker) as attempt `attempt`, under
+        the driver's lock that carries `lock_token` (the commit reads the lock and refuses, a
+        StorageError, once it was taken over or its lease ran out); its summary as a dict, its rows'
+        id hashes, and whether it started before the shard ahead of it ended. The call for the next
+        shard comes while one runs (a threaded actor, SHARDS_PER_ACTOR): it reads and tokenizes its
+        first window at once, then waits its turn."""
         begun = self.runner.start([shard])
         with self.turn:
             started = time.perf_counter()
             started_early = begun.started_at < self.last_run_ended
             sink = ShardSink(self.config.output, self.config.source.storage_options, attempt)
             manifest = RunManifest(sink.fs, sink.output_dir)
+            if lock_token:
+                manifest.follow_lock(lock_token)
             summary = RunSummary(shards=1, output=self.config.output)
             ids = IdTracker()
             try:
@@ -322,12 +327,15 @@ class ActorPool:
 
     def _dispatch(self, slot: int, shard: Shard, manifest: RunManifest, running: dict) -> None:
         """Grant `shard` to a new attempt (the fence), then hand it to the actor in `slot` (its next
-        shard, if it runs one: it starts reading and tokenizing it at once)."""
+        shard, if it runs one: it starts reading and tokenizing it at once). A driver that lost its
+        lock grants nothing more: its grant would fence out the attempts of the run that took it over."""
+        manifest.check_lock_held()
         self.attempts_made += 1
         token = f"{self.run_token}.{self.attempts_made}"
         manifest.grant_attempt(shard.stem, token)
         log.info(f"actor {slot} (pid {self.where[slot]['pid']}) took {shard.url} (attempt {token})")
-        running[self.actors[slot].run_shard.remote(shard, token)] = (slot, self.generation[slot], shard)
+        running[self.actors[slot].run_shard.remote(shard, token, manifest.lock_token())] = (
+            slot, self.generation[slot], shard)
 
     def run(self, todo: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             progress: bool) -> None:

@@ -36,9 +36,12 @@ def nothing_to_clean_or_wait_for(shards: list[Shard], sink: ShardSink, manifest:
 
 def nothing_to_do(shards: list[Shard], config: RunConfig, manifest: RunManifest, started: float) -> RunSummary:
     """Every shard of this worker is done: the summary of a run that writes nothing, so no lock
-    is taken and a complete output answers 0 even on read-only storage. (Done shards become
-    pending again only under --overwrite, which never comes here.)"""
+    is taken and a complete output answers 0 even on read-only storage. Only a lock left by a
+    process dead on this host goes, where the storage allows (a run killed after its last commit).
+    (Done shards become pending again only under --overwrite, which never comes here.)"""
     log.info(f"nothing to do: {len(shards)} of {len(shards)} shards done")
+    if manifest.remove_dead_locks():
+        log.info("removed the lock of a run that is no longer running")
     summary = RunSummary(shards=len(shards), shards_done_before=len(shards), output=config.output,
                          nothing_to_do=True)
     summary.output_totals = output_totals(manifest.shard_markers().values())

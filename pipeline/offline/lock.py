@@ -7,7 +7,8 @@ is taken over on any host (its holder was OOM-killed, or lost with its node). Ev
 existing lock file (a renewal, a takeover, the release) goes through `LockStore.replace`: the
 changer first creates a claim file named after the content it read, exclusively, then checks the
 lock still holds that content, then writes. Two changers of one content cannot both hold its
-claim, so exactly one of them changes it; the other finds it changed and looks again."""
+claim, so exactly one of them changes it; the other finds it changed and looks again. A claim is
+passed over once its changer is dead on this host, or CLAIM_STALE_S after it was made elsewhere."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ SETTLE_S = 2.0  # a store without a conditional create: how long a write is give
 CLAIM_STALE_S = 120.0  # a claim file this old was left by a changer that died mid-change: the next claim is taken
 CONDITIONAL_PROTOCOLS = {"s3", "s3a", "gs", "gcs"}  # s3fs (If-None-Match: *) and gcsfs (ifGenerationMatch=0)
 LOCK_NAME = re.compile(r"lock(-worker-\d+-of-\d+)?")  # `lock`, `lock-worker-I-of-N`; not their claim files
+CLAIM_PATH = re.compile(r"(?P<lock>.+)\.claim-(?P<digest>[0-9a-f]{16})-\d+")  # LOCK.claim-DIGEST-GENERATION
 
 
 # ── lease arithmetic (pure) ─────────────────────────────────────────────────────────────────────
@@ -100,6 +102,24 @@ def takeover_reason(record: dict | None, lease: Lease, this_host: str,
     return None
 
 
+def lost_as_read(lock: LockFile | None, token: str, now: float, path: str) -> str | None:
+    """Why the run whose lock carries `token` no longer holds it, as a process that commits for that
+    run without renewing its lock reads the lock file (a Ray actor, on any node, for its driver): the
+    lock is gone, another run took it over, or it was not renewed for longer than its lease (its
+    driver is dead or cut off, and any run may take it over now). None while the lease runs."""
+    if lock is None:
+        return f"the lock {path} was removed"
+    record = lock.record
+    if record is None or record.get("token") != token:
+        holder = f"pid {record.get('pid')} on {record.get('host')}" if record else "an unreadable lock"
+        return f"the lock {path} was taken over by {holder}"
+    lease = lease_of(record, now, lock.modified, DEFAULT_LEASE_S)
+    if lease.expired:
+        return (f"the lock {path} was last renewed {lease.age_s:.0f}s ago, longer ago than its lease of "
+                f"{lease.lease_s:.0f}s, so another run may have taken it over")
+    return None
+
+
 def refusal(record: dict | None, lease: Lease, path: str, who: str) -> str:
     """The one line that refuses a lock held by a live holder (or an unreadable one not yet old)."""
     if record is None:
@@ -112,6 +132,23 @@ def refusal(record: dict | None, lease: Lease, path: str, who: str) -> str:
         return f"{holder}; wait for it, or delete {path} if that process is gone"
     return (f"{holder}; its lease was renewed {lease.age_s:.0f}s ago and expires in {lease.expires_in_s:.0f}s "
             f"unless renewed (then a rerun takes the lock over); wait for it, or delete {path} if that run is gone")
+
+
+def process_alive(pid) -> bool:
+    """Whether process `pid` runs on this host (one of another user counts as running)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def dead_here(content: bytes) -> bool:
+    """Whether a claim file's changer (`HOST PID TIME`) was a process on this host that is gone."""
+    host, _, rest = content.decode(errors="replace").partition(" ")
+    return host == socket.gethostname() and not process_alive(rest.partition(" ")[0])
 
 
 def new_record(index: int, count: int, lease_s: float) -> dict:
@@ -245,15 +282,35 @@ class LockStore:
     def _claim(self, path: str, expected: bytes) -> str | None:
         """The claim file to change `path` from `expected`, created exclusively; None when another
         changer holds it. A claim older than CLAIM_STALE_S (its changer died) is passed over."""
-        digest = hashlib.blake2b(expected, digest_size=8).hexdigest()
+        digest = content_digest(expected)
         for generation in range(8):
             claim = f"{path}.claim-{digest}-{generation}"
             if self.create(claim, f"{socket.gethostname()} {os.getpid()} {_now()}\n".encode()):
                 return claim
             modified = self.modified(claim)
-            if modified is not None and time.time() - modified < CLAIM_STALE_S:
+            if modified is not None and time.time() - modified < CLAIM_STALE_S and not self._dead_changer(claim):
                 return None
         return None
+
+    def obsolete_claim(self, path: str) -> bool:
+        """Whether `path` is a claim file whose changer died on this host and whose lock no longer
+        holds the content it claimed: nobody can use it, removing it changes nothing."""
+        match = CLAIM_PATH.fullmatch(path)
+        if match is None or not self._dead_changer(path):
+            return False
+        lock = self.read(match["lock"])
+        return lock is None or content_digest(lock.content) != match["digest"]
+
+    def _dead_changer(self, claim: str) -> bool:
+        """A claim whose changer died on this host (killed mid-change) is passed over at once."""
+        try:
+            return dead_here(self.fs.cat_file(claim))
+        except FileNotFoundError:  # its changer finished meanwhile: look at the lock again
+            return False
+
+
+def content_digest(content: bytes) -> str:
+    return hashlib.blake2b(content, digest_size=8).hexdigest()
 
 
 def _already_exists(error: OSError) -> bool:

@@ -23,7 +23,7 @@ from pipeline.offline.config import RunConfig
 from pipeline.offline.done_markers import listed_outputs, untrusted_done_markers
 from pipeline.offline.locations import LEGACY_MANIFEST_DIR, MANIFEST_DIR, shown_path
 from pipeline.offline.lock import (DEFAULT_LEASE_S, LOCK_NAME, LeaseKeeper, LockStore, encode, lease_of,
-                                   new_record, refusal, takeover_reason)
+                                   lost_as_read, new_record, process_alive, refusal, takeover_reason)
 from pipeline.offline.source import Shard, WorkerSlot, list_shards, slot_of
 from pipeline.offline.summary import output_totals
 
@@ -116,6 +116,7 @@ class RunManifest:
             where = shown_path(fs, output_dir)
             raise as_credentials_error(error, where) or as_storage_error(error, where) or error
         self._leases: dict[str, LeaseKeeper] = {}  # the locks this run holds, by path, each with its heartbeat
+        self._followed: dict[str, str] = {}  # the locks another process holds for this one (a Ray driver's), by path → token
 
     def _write_json(self, path: str, data: dict) -> None:
         def write() -> None:
@@ -255,7 +256,7 @@ class RunManifest:
                 if current is None:  # released between our two looks
                     continue
                 lease = lease_of(current.record, time.time(), current.modified, lease_s)
-                note = takeover_reason(current.record, lease, mine["host"], _process_alive)
+                note = takeover_reason(current.record, lease, mine["host"], process_alive)
                 if note is None:
                     raise UsageError(refusal(current.record, lease, shown_path(self.fs, path), who))
                 if store.replace(path, current.content, encode(mine)):
@@ -269,13 +270,28 @@ class RunManifest:
         self._leases[path] = LeaseKeeper(store, path, record).start()
         return note
 
+    def lock_token(self, slot: WorkerSlot = WorkerSlot()) -> str | None:
+        """The token of this slot's lock while this run holds it, for the processes that commit for it."""
+        keeper = self._leases.get(self.lock_path(slot))
+        return keeper.record["token"] if keeper else None
+
+    def follow_lock(self, token: str, slot: WorkerSlot = WorkerSlot()) -> None:
+        """Commit under the lock another process holds with `token` (a Ray actor under its driver's,
+        on any node): `check_lock_held` reads the lock file before each commit."""
+        self._followed[self.lock_path(slot)] = token
+
     def check_lock_held(self) -> None:
-        """Raises StorageError when this run lost a lock it holds (taken over, or not renewed for
-        longer than its lease): it must commit no more shards, another run may be writing them."""
-        for keeper in self._leases.values():
-            if keeper.lost:
-                raise StorageError(f"{keeper.lost}; this run stopped before committing more shards so that two "
-                                   f"runs never write one output; check the storage, {RERUN}")
+        """Raises StorageError when this run lost a lock it holds or follows (taken over, or not
+        renewed for longer than its lease): it must commit no more shards, another run may be writing them."""
+        lost = [keeper.lost for keeper in self._leases.values()]
+        for path, token in self._followed.items():
+            try:
+                lost.append(lost_as_read(LockStore(self.fs).read(path), token, time.time(), shown_path(self.fs, path)))
+            except OSError as error:
+                raise as_storage_error(error, shown_path(self.fs, path)) or error
+        for reason in filter(None, lost):
+            raise StorageError(f"{reason}; this run stopped before committing more shards so that two "
+                               f"runs never write one output; check the storage, {RERUN}")
 
     def read_locks(self, lease_s: float = DEFAULT_LEASE_S) -> list[dict]:
         """Every worker's lock holder, with `alive` (False: its process on this host is dead, or
@@ -294,9 +310,30 @@ class RunManifest:
             holder.setdefault("lease_s", lease.lease_s)
             holder["lease_age_s"] = None if lease.age_s is None else round(lease.age_s, 1)
             holder["lease_expires_in_s"] = None if lease.expires_in_s is None else round(lease.expires_in_s, 1)
-            holder["alive"] = takeover_reason(current.record, lease, socket.gethostname(), _process_alive) is None
+            holder["alive"] = takeover_reason(current.record, lease, socket.gethostname(), process_alive) is None
             holders.append(holder)
         return holders
+
+    def remove_dead_locks(self) -> int:
+        """Remove, best effort, the locks whose process is dead on this host (a run killed after its
+        last commit leaves one that no later run takes over when nothing is left to do), then the
+        claim files such processes left on locks that are gone; a store that refuses (read-only)
+        keeps them: they hold nothing. How many files went."""
+        store, host, removed = LockStore(self.fs), socket.gethostname(), 0
+        try:
+            for path in sorted(self.fs.glob(f"{self.root}/lock*")):  # each lock before its claims
+                if not LOCK_NAME.fullmatch(path.rpartition("/")[2]):
+                    if store.obsolete_claim(path):
+                        self.fs.rm(path)
+                        removed += 1
+                    continue
+                current = store.read(path)
+                record = current.record if current else None
+                if record and record.get("host") == host and not process_alive(record.get("pid")):
+                    removed += store.replace(path, current.content, None)
+        except OSError as error:
+            log.debug(f"left the dead locks of {self.root}: {type(error).__name__}: {error}")
+        return removed
 
     def release_lock(self, slot: WorkerSlot = WorkerSlot()) -> None:
         """Stop renewing this slot's lock and remove it, if it is still this run's."""
@@ -423,16 +460,6 @@ def _worker_status(shards: list[Shard], status_of: dict[str, str], by_stem: dict
                         "last_finished": last["at"] if last else None,
                         "last_batch_setting": last["summary"].get("batch_setting") if last else None})
     return workers
-
-
-def _process_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _now() -> str:

@@ -75,3 +75,35 @@ def test_the_holder_commits_and_an_engine_that_grants_nothing_is_not_fenced(tmp_
     local.write(1, other, rows("b"))
     local.commit(1, manifest)
     assert sorted(p.name for p in output.glob("*.parquet")) == ["part-00000.parquet", "part-00001.parquet"]
+
+
+def test_an_attempt_under_another_processes_lock_commits_only_while_that_lock_holds(tmp_path):
+    """A Ray actor commits under its driver's lock, on any node, without renewing it: before each
+    commit it reads the lock, and once another run took it over it commits nothing."""
+    from pipeline.core.errors import StorageError
+    from pipeline.offline.lock import LockStore, encode, new_record
+    from pipeline.offline.source import WorkerSlot
+
+    output = tmp_path / "out"
+    driver = RunManifest(ShardSink(str(output)).fs, str(output))
+    driver.acquire_lock(WorkerSlot(), 300.0)
+    try:
+        actor, manifest = attempt(output, "run3.1")
+        manifest.follow_lock(driver.lock_token())
+        manifest.grant_attempt(SHARD.stem, "run3.1")
+        actor.write(0, SHARD, rows("a"))
+        actor.commit(0, manifest)  # the driver's lease runs: committed
+        other = Shard(url="in/part-00001.parquet", stem="part-00001", num_rows=3)
+        manifest.grant_attempt(other.stem, "run3.2")
+        late, _ = attempt(output, "run3.2")
+        late.write(1, other, rows("b"))
+        lock = output / ".lengthwise" / "lock"
+        taken = {**new_record(0, 1, 300.0), "host": "driver-b", "pid": 51}  # another driver took it over
+        assert LockStore(late.fs).replace(str(lock), lock.read_bytes(), encode(taken))
+        with pytest.raises(StorageError, match=r"the lock .*/lock was taken over by pid 51 on driver-b; this run "
+                                               r"stopped before committing more shards"):
+            late.commit(1, manifest)
+    finally:
+        driver.release_lock()
+    assert sorted(p.name for p in output.glob("*.parquet")) == ["part-00000.parquet"] and temporaries(output) == []
+    assert json.loads(lock.read_text())["host"] == "driver-b"  # the old driver's release left it alone

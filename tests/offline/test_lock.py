@@ -6,6 +6,8 @@ import multiprocessing
 import os
 import re
 import socket
+import subprocess
+import sys
 import time
 
 import fsspec
@@ -13,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.core.errors import StorageError, UsageError
-from pipeline.offline.lock import (Lease, LeaseKeeper, LockStore, create_kind, encode, lease_of, new_record,
-                                   parse_time, takeover_reason)
+from pipeline.offline.lock import (Lease, LeaseKeeper, LockFile, LockStore, content_digest, create_kind, encode,
+                                   lease_of, lost_as_read, new_record, parse_time, takeover_reason)
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.source import WorkerSlot
 
@@ -219,6 +221,63 @@ def test_a_change_whose_claim_is_held_by_another_changer_stands_back(tmp_path):
     assert not store.replace(path, b"old", b"newer")  # it no longer holds what was read
 
 
+def dead_pid() -> int:
+    """The pid of a process of this host that has exited."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_claim_whose_changer_died_on_this_host_is_passed_over_at_once(tmp_path):
+    store = LockStore(fsspec.filesystem("file"))
+    path = str(tmp_path / "lock")
+    store.create(path, b"old")
+    claim = f"{path}.claim-{content_digest(b'old')}-0"
+    with open(claim, "w") as f:
+        f.write(f"{HOST} {dead_pid()} {iso(time.time())}\n")  # killed a moment ago, mid-change
+    assert store.replace(path, b"old", b"new") and open(path, "rb").read() == b"new"
+    store.create(str(tmp_path / "lock2"), b"old")
+    with open(f"{tmp_path / 'lock2'}.claim-{content_digest(b'old')}-0", "w") as f:
+        f.write(f"otherhost 12 {iso(time.time())}\n")  # a changer elsewhere: its pid means nothing here
+    assert not store.replace(str(tmp_path / "lock2"), b"old", b"new")
+
+
+def test_a_follower_reads_from_the_lock_file_whether_its_run_still_holds_it():
+    """What a Ray actor on any node checks before it commits for its driver."""
+    now = float(int(time.time()))  # whole seconds, as the lock records them
+    ours = {**new_record(0, 1, 300.0), "renewed": iso(now - 20)}
+
+    def read(record) -> LockFile:
+        return LockFile(encode(record), record, None)
+
+    assert lost_as_read(read(ours), ours["token"], now, "out/lock") is None
+    assert lost_as_read(None, ours["token"], now, "out/lock") == "the lock out/lock was removed"
+    assert lost_as_read(read(foreign_record(iso(now))), ours["token"], now, "out/lock") == (
+        "the lock out/lock was taken over by pid 4242 on otherhost")
+    assert lost_as_read(LockFile(b"", None, now), ours["token"], now, "out/lock") == (
+        "the lock out/lock was taken over by an unreadable lock")
+    lapsed = {**ours, "renewed": iso(now - 301)}  # the driver was cut off, or its storage refused every renewal
+    assert lost_as_read(read(lapsed), ours["token"], now, "out/lock") == (
+        "the lock out/lock was last renewed 301s ago, longer ago than its lease of 300s, so another run may have "
+        "taken it over")
+
+
+def test_only_locks_and_claims_of_processes_dead_on_this_host_are_removed(tmp_path):
+    """What a rerun with nothing to do clears: a run killed after its last commit left its lock."""
+    manifest = manifest_at(tmp_path)
+    dead_lock = write_lock(tmp_path, {**new_record(0, 1, 300.0), "pid": dead_pid()})
+    dead_content = open(dead_lock, "rb").read()
+    folder = tmp_path / "out" / ".lengthwise"
+    (folder / "lock-worker-1-of-2").write_text(json.dumps(new_record(1, 2, 300.0)))  # this live process
+    (folder / "lock-worker-0-of-2").write_text(json.dumps(foreign_record(LONG_AGO)))  # expired, but elsewhere
+    (folder / f"lock.claim-{content_digest(dead_content)}-0").write_text(f"{HOST} {dead_pid()} {LONG_AGO}\n")
+    (folder / f"lock-worker-1-of-2.claim-{'0' * 16}-0").write_text(f"{HOST} {os.getpid()} {LONG_AGO}\n")
+    assert manifest.remove_dead_locks() == 2  # the dead lock, then its dead changer's claim
+    assert sorted(p.name for p in folder.iterdir()) == ["lock-worker-0-of-2", "lock-worker-1-of-2",
+                                                        f"lock-worker-1-of-2.claim-{'0' * 16}-0"]
+    assert manifest.remove_dead_locks() == 0
+
+
 def test_status_shows_each_locks_lease(tmp_path, monkeypatch):
     from pipeline.cli.job_commands import lock_line
 
@@ -249,10 +308,32 @@ def test_status_json_says_an_expired_lease_is_not_running(tmp_path, sample_table
     nothing = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
                                        "--model", tiny_encoder_path, "--tokenize-workers", "0", "--no-progress"])
     assert nothing.exit_code == 0 and "nothing to do" in nothing.output  # a done output needs no lock
+    assert json.loads((tmp_path / "out" / ".lengthwise" / "lock").read_text())["pid"] == 4242  # nor removes it
     (tmp_path / "out" / "part-00001.parquet").unlink()  # now there is work, so the stale lock is taken over
     rerun = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
                                      "--model", tiny_encoder_path, "--tokenize-workers", "0", "--no-progress"])
     assert rerun.exit_code == 0 and "took over the lock of process 4242 on otherhost" in rerun.output
+
+
+@pytest.mark.slow
+def test_a_rerun_with_nothing_to_do_removes_the_lock_of_a_run_killed_after_its_last_commit(tmp_path, sample_table,
+                                                                                             tiny_encoder_path):
+    from pipeline.cli import cli
+    from tests.conftest import write_shards
+
+    write_shards(tmp_path / "in", sample_table.slice(0, 20), [10, 10])
+    args = ["run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--model", tiny_encoder_path,
+            "--tokenize-workers", "0", "--no-progress", "--no-probe"]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    folder = tmp_path / "out" / ".lengthwise"
+    before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "out").rglob("*"))
+    write_lock(tmp_path, {**new_record(0, 1, 300.0), "pid": dead_pid()})  # SIGKILLed between its last commit and release
+    nothing = CliRunner().invoke(cli, args)
+    assert nothing.exit_code == 0, nothing.output
+    assert "nothing to do: 2 of 2 shards done" in nothing.output
+    assert "removed the lock of a run that is no longer running" in nothing.output
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "out").rglob("*")) == before  # nothing else
+    assert not list(folder.glob("lock*"))
 
 
 def test_a_lease_of_zero_is_a_usage_error(tmp_path):

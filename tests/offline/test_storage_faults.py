@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import cli
 from pipeline.core.errors import StorageError, as_storage_error
+from pipeline.offline.lock import new_record
 from tests.conftest import write_shards
 
 SIZES = [20, 190, 190]
@@ -143,10 +144,15 @@ def test_a_complete_output_on_read_only_storage_is_nothing_to_do_and_a_pending_o
     write_shards(tmp_path / "in", sample_table.slice(0, 20), [10, 10])
     output = tmp_path / "out"
     assert CliRunner().invoke(cli, run_args(tmp_path / "in", output, tiny_encoder_path)).exit_code == 0
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock = output / ".lengthwise" / "lock"
+    lock.write_text(json.dumps({**new_record(0, 1, 300.0), "pid": dead.pid}))  # of a run killed after its last commit
     read_only = read_only_view(output)
     retry = CliRunner().invoke(cli, run_args(tmp_path / "in", read_only, tiny_encoder_path))
     assert retry.exit_code == 0, retry.output  # no lock is needed to do nothing
     assert "nothing to do: 2 of 2 shards done" in retry.stderr and error_lines(retry) == []
+    assert lock.exists()  # the dead run's lock could not be removed, and holds nothing
     assert CliRunner().invoke(cli, ["status", "--output", str(read_only)]).exit_code == 0
     assert CliRunner().invoke(cli, ["verify", "--output", str(read_only)]).exit_code == 0
     summary = CliRunner().invoke(cli, run_args(tmp_path / "in", read_only, tiny_encoder_path, "--summary-json",
