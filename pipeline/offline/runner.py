@@ -199,7 +199,7 @@ class ShardRunner:
             background.close(raise_error=False)  # on an error: the windows already handed on are still written
             progress.close()
             writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
-            if self._started_pool is None:  # not kept (or failed): the encoder goes with the pool, once files are closed
+            if self._started_pool is None:  # not kept, or failed: the encoder goes with the pool, its files closed
                 self._close_encoder()
             if config.reuse and self._previous is not None:
                 summary.reuse_warning = low_reuse_warning(summary.rows, summary.reused_rows, summary.reuse,
