@@ -7,8 +7,9 @@ the rows, checks the lock and the attempt's token, renames and marks. The encode
 opens a temporary file, appends the tables it is sent and closes it (or removes it) when told.
 It is a fresh interpreter (`python -m pipeline.offline.encoder`, as spawn starts one: never a
 fork of a process that may hold CUDA), ignores Ctrl-C and SIGTERM (its parent decides how to
-stop) and exits when its parent does, even by SIGKILL: it sees its socket close or its parent
-change, and removes the temporary files it still held open.
+stop) and exits when its parent does, even by SIGKILL: it sees its socket close (and removes the
+temporary files it still held open) or its parent change (and leaves them to the rerun, which
+removes a killed attempt's temporary files).
 
 Messages on one socket: (kind, path) pickled, each "write" followed by its table as an Arrow IPC
 stream; replies (kind, path, value). A write is not answered (the socket's buffer and the
