@@ -16,8 +16,9 @@ measures the host alone, on any CPU:
 Both run on the same rows (distinct texts: two random tweets of ../shared/data/tweets joined,
 civil-comment-like, ~54 tokens), each in a fresh process, interleaved over --repeats. The
 figures: rows/s from the first row read to the last commit (the pipeline's setup, model load and
-pool start, is not counted; the bare side's tokenizer load is not either), and CPU µs per row of
-the main process (each of its threads) and of each pool worker, sampled from /proc.
+pool start, is not counted; the bare side's tokenizer load is not either), and CPU µs per row over
+the same span of the main process (each of its threads), of each pool worker and of the output
+encoder process, sampled from /proc.
 
     .venv/bin/python benchmarks/host_rate.py --rows 128000 --json benchmarks/results/host_rate.json
 """
@@ -127,9 +128,12 @@ class CpuSampler:
         workers = [round((seconds - self.baseline[1].get(key, 0.0)) * 1e6 / rows, 2)
                    for key, seconds in sorted(self.children.items())
                    if "multiprocessing" in key[1] and "resource_tracker" not in key[1]]
+        encoder = sum(seconds - self.baseline[1].get(key, 0.0) for key, seconds in self.children.items()
+                      if "pipeline.offline.encoder" in key[1])
         return {"main_process_us_per_row": round(sum(by_name.values()) * 1e6 / rows, 2),
                 "main_thread_us_per_row": per_row.get("MainThread", 0.0),
-                "thread_us_per_row": per_row, "pool_worker_us_per_row": workers}
+                "thread_us_per_row": per_row, "pool_worker_us_per_row": workers,
+                "encoder_process_us_per_row": round(encoder * 1e6 / rows, 2)}
 
 
 def cpu_seconds(stat_path: str) -> float | None:
@@ -174,21 +178,27 @@ class ZeroForwardJob:
 
 def with_zero_forward(sampler: CpuSampler) -> None:
     """Make the local engine open runtimes whose job forward is `ZeroForwardJob`'s; the CPU
-    `sampler` measures from there (the model is loaded and the pool started)."""
+    `sampler` measures from the end of the run's setup (the model loaded, the pool and the
+    encoder process up), where the rows/s start too."""
     import dataclasses
 
     import pipeline.engines.local as local
+    import pipeline.offline.runner as runner
 
-    real_open_runtime = local.open_runtime
+    real_open_runtime, real_breakdown = local.open_runtime, runner.SetupClock.breakdown
 
     def open_runtime(*args, **kwargs):
         runtime = real_open_runtime(*args, **kwargs)
         runtime.loaded = dataclasses.replace(runtime.loaded,
                                              job=ZeroForwardJob(runtime.loaded.job, output_shapes(runtime.loaded)))
-        sampler.start_measuring()
         return runtime
 
+    def breakdown(clock, setup_s: float) -> dict:  # the run's setup ends here (`ShardRunner.run`)
+        sampler.start_measuring()
+        return real_breakdown(clock, setup_s)
+
     local.open_runtime = open_runtime
+    runner.SetupClock.breakdown = breakdown
 
 
 def model_folder() -> str:

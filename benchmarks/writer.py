@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.offline.sink import parquet_writer_options
+from pipeline.offline.encoder import parquet_writer_options
 
 
 def embed_rows(rows: int, width: int) -> pa.Table:

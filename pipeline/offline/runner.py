@@ -49,6 +49,7 @@ from pipeline.core.tokenize import TokenizerPool
 from pipeline.core.unpadded import runs_unpadded
 from pipeline.runtime import Runtime
 from pipeline.offline.config import RunConfig
+from pipeline.offline.encoder import OutputEncoder
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import PreviousOutput, mark_reused
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
@@ -94,6 +95,7 @@ class ShardRunner:
         self.tokenize_workers = tokenize_workers_for(config.tokenize_workers, self.loaded.choice.device.type)
         self._previous: PreviousOutput | None = None
         self._previous_lock = threading.Lock()  # a Ray actor's next shard starts while the current one runs
+        self._encoder: OutputEncoder | None = None  # the process that encodes local outputs (kept like the pool)
         check_kept_columns(config.keep_columns, self.loaded.job.output_schema(self.loaded.model).names,
                            [f.name for f in self._split_fields()])
         if keep_pool and self._started_pool is None:
@@ -141,8 +143,10 @@ class ShardRunner:
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
         pool = self._started_pool or TokenizerPool(loaded.tokenizer, self.tokenize_workers, wait=False)
         self._started_pool = pool if self.keep_pool else None
+        sink.encoder = self._encoder_for(sink)
         try:
             with contextlib.nullcontext(pool) if self.keep_pool else pool:
+                import_arrow_conversions()
                 with self.clock.step("tokenizer pool"):  # only the wait for processes not yet up
                     pool.ready()
                 times.setup = time.perf_counter() - started
@@ -189,12 +193,14 @@ class ShardRunner:
             background.close()
         except BaseException:
             if self.keep_pool:  # the pool of a run that failed may be broken: the next run starts its own
-                self.close()
+                self._close_pool()
             raise
         finally:
             background.close(raise_error=False)  # on an error: the windows already handed on are still written
             progress.close()
             writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
+            if self._started_pool is None:  # not kept, or failed: the encoder goes with the pool, its files closed
+                self._close_encoder()
             if config.reuse and self._previous is not None:
                 summary.reuse_warning = low_reuse_warning(summary.rows, summary.reused_rows, summary.reuse,
                                                           self._previous.index.rows, config.reuse)
@@ -229,9 +235,25 @@ class ShardRunner:
                  f"of {self.config.reuse} in {time.perf_counter() - started:.2f}s")
         return self._previous
 
+    def _encoder_for(self, sink: ShardSink) -> OutputEncoder | None:
+        """The encoder process for a local output (started now, or the one kept from a run before);
+        None for an object store or memory, encoded in this process."""
+        if sink.uses_encoder and self._encoder is None:
+            self._encoder = OutputEncoder()
+        return self._encoder if sink.uses_encoder else None
+
+    def _close_encoder(self) -> None:
+        if self._encoder is not None:
+            self._encoder.close()
+            self._encoder = None
+
     def close(self) -> None:
-        """Stop the tokenizer pool kept for every run (`keep_pool`), or one started for a `run`
-        that never came (the claim failed)."""
+        """Stop the tokenizer pool and the encoder process kept for every run (`keep_pool`), or a
+        pool started for a `run` that never came (the claim failed)."""
+        self._close_pool()
+        self._close_encoder()
+
+    def _close_pool(self) -> None:
         if self._started_pool is not None:
             self._started_pool.close()
             self._started_pool = None
@@ -261,6 +283,12 @@ def diagnosis_settings(runtime: Runtime, window_rows: int, tokenize_workers: int
             "torch_threads": torch.get_num_threads(),
             "safety": runtime.batch.safety, "max_batch_tokens": runtime.batch.max_batch_tokens,
             "max_batch_rows": runtime.batch.max_batch_rows}
+
+
+def import_arrow_conversions() -> None:
+    """pyarrow imports pandas at its first conversion of a numpy array (0.2-0.5 s of CPU): done in
+    setup, while the tokenizer workers start, not under the first window's rows."""
+    pa.array(np.zeros(1, np.int64), mask=np.zeros(1, bool))
 
 
 def check_kept_columns(keep_columns, job_columns: list[str], split_columns: list[str] = ()) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,6 +29,7 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import StorageError, UsageError, as_storage_error
 from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
+from pipeline.offline.encoder import OutputEncoder, parquet_writer_options
 from pipeline.offline.locations import shown_path
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import ReuseCounts, TextHashSink, merge_reused
@@ -51,49 +53,41 @@ def output_paths(output_dir: str, stem: str) -> tuple[str, str]:
     return f"{folder}/{name}.parquet", f"{folder}/.{name}.parquet.{uuid.uuid4().hex[:12]}.tmp"
 
 
-def parquet_writer_options(schema: pa.Schema) -> dict:
-    """How output files are encoded (benchmarks/writer.py, docs/performance.md "The output writer"):
-    dictionary pages only for text columns (ids, labels, errors repeat; float vectors never do, and
-    dictionary-encoding a 384-float embedding column halved the writer's rows/s); zstd for every
-    column but float vectors, which are stored uncompressed: zstd saved 8% of a MiniLM embedding's
-    bytes and cost the writer a third of its rows/s."""
-    text = [field.name for field in schema
-            if pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
-            or pa.types.is_dictionary(field.type)
-            or (pa.types.is_list(field.type) and pa.types.is_string(field.type.value_type))]
-    return {"compression": {field.name: "none" if is_float_vector(field.type) else "zstd" for field in schema},
-            "use_dictionary": text}
-
-
-def is_float_vector(kind: pa.DataType) -> bool:
-    return pa.types.is_fixed_size_list(kind) and pa.types.is_floating(kind.value_type)
-
-
 class StaleAttempt(Exception):
     """This attempt's shard was granted to a newer attempt: it stands down without committing."""
 
 
 class ShardWriter:
     """Streams one shard's output rows to a temporary file, then commits it by rename. An
-    attempt token, where the engine grants one, fences the commit: only the holder renames."""
+    attempt token, where the engine grants one, fences the commit: only the holder renames.
+    With an `encoder` (a local output) the file is encoded and written by the encoder process;
+    folders, counts, fencing and the rename stay here."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str, shard: Shard, attempt: str | None = None):
+    def __init__(self, fs: fsspec.AbstractFileSystem, output_dir: str, shard: Shard, attempt: str | None = None,
+                 encoder: OutputEncoder | None = None):
         self.fs = fs
         self.shard = shard
         self.attempt = attempt
+        self.encoder = encoder
         self.final_path, self.temp_path = output_paths(output_dir, shard.stem)
         self.rows_written = 0
         self.bytes_written: int | None = None
+        self._opened = False
         self._file = None
         self._writer = None
 
     def write(self, table: pa.Table) -> None:
         try:
-            if self._writer is None:
+            if not self._opened:
                 self.fs.makedirs(self.temp_path.rpartition("/")[0], exist_ok=True)  # a partition's folder
-                self._file = self.fs.open(self.temp_path, "wb")
-                self._writer = pq.ParquetWriter(self._file, table.schema, **parquet_writer_options(table.schema))
-            self._writer.write_table(table)
+                if self.encoder is None:
+                    self._file = self.fs.open(self.temp_path, "wb")
+                    self._writer = pq.ParquetWriter(self._file, table.schema, **parquet_writer_options(table.schema))
+                self._opened = True
+            if self.encoder is None:
+                self._writer.write_table(table)
+            else:
+                self.encoder.write(self.temp_path, table)
         except Exception as error:
             raise as_storage_error(error, shown_path(self.fs, self.temp_path)) or error
         self.rows_written += table.num_rows
@@ -118,9 +112,7 @@ class ShardWriter:
             raise StaleAttempt(f"{self.shard.url}: attempt {self.attempt} stood down, the shard was handed to "
                                f"attempt {holder}")
         try:
-            self._writer.close()
-            self.bytes_written = self._file.tell()  # recorded in the done marker: a rerun checks the file by it
-            self._file.close()  # an object store uploads here
+            self.bytes_written = self._close()  # recorded in the done marker: a rerun checks the file by it
         except Exception as error:
             raise as_storage_error(error, shown_path(self.fs, self.temp_path)) or error
         try:
@@ -130,19 +122,34 @@ class ShardWriter:
             raise as_storage_error(error, shown_path(self.fs, self.final_path)) or error
         return self.final_path
 
+    def _close(self) -> int:
+        """Finish the temporary file: its bytes."""
+        if self.encoder is not None:
+            return self.encoder.close_file(self.temp_path)
+        self._writer.close()
+        size = self._file.tell()
+        self._file.close()  # an object store uploads here
+        self._writer = None
+        return size
+
     def abort(self) -> None:
         """Drop the temporary file; the final name is never touched. Closing may fail on the
         storage that failed the write (a full disk): the file goes all the same."""
-        if self._writer is not None:
-            try:
+        if not self._opened:
+            return
+        self._opened = False
+        try:
+            if self.encoder is not None:
+                self.encoder.abort_file(self.temp_path)
+            else:
                 self._writer.close()
                 self._file.close()
-            except Exception as error:
-                log.debug(f"closing {self.temp_path} before removing it: {type(error).__name__}: {error}")
-            finally:
-                self._writer = None
-                if self.fs.exists(self.temp_path):
-                    self.fs.rm(self.temp_path)
+        except Exception as error:
+            log.debug(f"closing {self.temp_path} before removing it: {type(error).__name__}: {error}")
+        finally:
+            self._writer = None
+            if self.fs.exists(self.temp_path):
+                self.fs.rm(self.temp_path)
 
 
 TEMPORARY_NAME = re.compile(r"\..+\.parquet\..+\.tmp")  # .NAME.parquet.ATTEMPT.tmp
@@ -161,6 +168,7 @@ class ShardSink:
         except (ImportError, ValueError, OSError) as error:
             raise UsageError(f"cannot open output directory {output!r}: {error}; check --output") from error
         self.output_dir = self.output_dir.rstrip("/")
+        self.encoder: OutputEncoder | None = None  # set by the runner for a local output (`uses_encoder`)
         self._writers: dict[int, ShardWriter] = {}
         self.committed: dict[int, str] = {}  # shard index → final path, for outputs committed so far
         self.committed_bytes: dict[int, int | None] = {}  # shard index → size of its committed output
@@ -176,9 +184,14 @@ class ShardSink:
                 raise refused from error
             raise UsageError(f"cannot create output directory {self.output!r}: {error}; check --output") from error
 
+    @property
+    def uses_encoder(self) -> bool:
+        """Whether an encoder process can write this output: a local one (it opens the same paths)."""
+        return isinstance(self.fs, LocalFileSystem)
+
     def write(self, shard_index: int, shard: Shard, table: pa.Table) -> None:
         if shard_index not in self._writers:
-            self._writers[shard_index] = ShardWriter(self.fs, self.output_dir, shard, self.attempt)
+            self._writers[shard_index] = ShardWriter(self.fs, self.output_dir, shard, self.attempt, self.encoder)
         self._writers[shard_index].write(table)
 
     def commit(self, shard_index: int, manifest: RunManifest | None = None) -> str:
@@ -354,6 +367,8 @@ class WindowWriter:
                 self.ids.add(block.ids.to_pylist())
             valid = window.valid[positions]
             self.row_stats.add(window.encoded.full_lengths[positions][valid], window.encoded.errors[positions])
+        if part.end_row == window.num_rows:  # its tables are encoded (or sent off as copies): nothing reads them
+            window.release_outputs()
         self.times.write += time.perf_counter() - started
 
     def finish(self, summary: RunSummary) -> None:

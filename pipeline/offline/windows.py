@@ -10,6 +10,7 @@ scattered back by row position as batches finish.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -169,8 +170,45 @@ class Window:
         """Scatter one batch's outputs back to the positions (in `scored`) of its rows."""
         for name, values in batch_outputs.items():
             if name not in self.outputs:
-                self.outputs[name] = np.zeros((len(self.scored), *values.shape[1:]), dtype=values.dtype)
+                self.outputs[name] = OUTPUT_ARRAYS.take((len(self.scored), *values.shape[1:]), values.dtype)
             self.outputs[name][rows] = values
+
+    def release_outputs(self) -> None:
+        """Every row is written: the outputs' arrays go to the next windows."""
+        outputs, self.outputs = self.outputs, {}
+        OUTPUT_ARRAYS.give_back(outputs.values())
+
+
+class OutputArrays:
+    """Zeroed arrays for windows' outputs, kept from one window to the next. A window's outputs
+    are ~1.5 KB a row (a 384-float embedding): a new array each window was page-faulted in
+    row by row as batches were stored, which cost the device loop about as much as the copy
+    itself; zeroing one already mapped costs a fraction of it. At most `keep` arrays of each
+    shape wait, so what is kept stays within the windows in flight."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._free: dict[tuple, list[np.ndarray]] = {}
+        self._lock = threading.Lock()  # windows are stored by the device loop and released by the writer
+
+    def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            free = self._free.get((shape, np.dtype(dtype)))
+            array = free.pop() if free else None
+        if array is None:
+            return np.zeros(shape, dtype)
+        array.fill(0)
+        return array
+
+    def give_back(self, arrays: Iterable[np.ndarray]) -> None:
+        with self._lock:
+            for array in arrays:
+                free = self._free.setdefault((array.shape, array.dtype), [])
+                if len(free) < self.keep:
+                    free.append(array)
+
+
+OUTPUT_ARRAYS = OutputArrays()  # one for the process: a Ray actor's overlapping shards share it
 
 
 def first_of_each_text(text_hashes: np.ndarray, eligible: np.ndarray) -> np.ndarray:

@@ -1,0 +1,241 @@
+"""Parquet encoding in a process of its own, so that the run's process hands each output table
+over as Arrow buffers and spends nothing on its Parquet pages (docs/performance.md, "The host
+feeds the device": encoding a 384-float embedding cost the run's process ~4 µs a row).
+
+The run's process keeps everything that decides what is committed: it makes the folders, counts
+the rows, checks the lock and the attempt's token, renames and marks. The encoder process only
+opens a temporary file, appends the tables it is sent and closes it (or removes it) when told.
+It is a fresh interpreter (`python -m pipeline.offline.encoder`, as spawn starts one: never a
+fork of a process that may hold CUDA), ignores Ctrl-C and SIGTERM (its parent decides how to
+stop) and exits when its parent does, even by SIGKILL: it sees its socket close (and removes the
+temporary files it still held open) or its parent change (and leaves them to the rerun, which
+removes a killed attempt's temporary files).
+
+Messages on one socket: (kind, path) pickled, each "write" followed by its table as an Arrow IPC
+stream; replies (kind, path, value). A write is not answered (the socket's buffer and the
+process's pace bound what is in flight); a failed write is told at once ("broken") and then
+answers the file's close.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+CLOSE_TIMEOUT_S = 30.0  # an encoder told to stop that has not exited by then is killed
+
+
+def parquet_writer_options(schema: pa.Schema) -> dict:
+    """How output files are encoded (benchmarks/writer.py, docs/performance.md "The output writer"):
+    dictionary pages only for text columns (ids, labels, errors repeat; float vectors never do, and
+    dictionary-encoding a 384-float embedding column halved the writer's rows/s); zstd for every
+    column but float vectors, which are stored uncompressed: zstd saved 8% of a MiniLM embedding's
+    bytes and cost the writer a third of its rows/s."""
+    text = [field.name for field in schema
+            if pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
+            or pa.types.is_dictionary(field.type)
+            or (pa.types.is_list(field.type) and pa.types.is_string(field.type.value_type))]
+    return {"compression": {field.name: "none" if is_float_vector(field.type) else "zstd" for field in schema},
+            "use_dictionary": text}
+
+
+def is_float_vector(kind: pa.DataType) -> bool:
+    return pa.types.is_fixed_size_list(kind) and pa.types.is_floating(kind.value_type)
+
+
+def ipc_stream_bytes(table: pa.Table, sink) -> int:
+    """Write `table` to `sink` as an Arrow IPC stream: the bytes written."""
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.tell()
+
+
+class EncoderDied(RuntimeError):
+    """The encoder process is gone (killed, out of memory): the run stops, and a rerun redoes the
+    shards it had not committed."""
+
+
+class OutputEncoder:
+    """The run's handle on its encoder process; safe to share between threads."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parents[2])  # where `pipeline` is imported from
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        self.process = subprocess.Popen([sys.executable, "-m", "pipeline.offline.encoder", str(theirs.fileno())],
+                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                        env={**os.environ, "PYTHONPATH": path})
+        theirs.close()
+        self._connection = Connection(ours.detach())
+        self._broken: dict[str, BaseException] = {}  # path → the error its write met, told ahead of its close
+        self._lock = threading.Lock()
+        self._buffer: pa.Buffer | None = None  # the last table's IPC stream (`_serialized`)
+
+    def write(self, path: str, table: pa.Table) -> None:
+        """Append `table` to the Parquet file at `path` (opened at its first table); raises the
+        error an earlier write to `path` met."""
+        with self._lock:
+            while self._connection.poll():
+                self._receive()
+            if path in self._broken:
+                raise self._broken.pop(path)
+            self._send(("write", path), self._serialized(table))
+
+    def _serialized(self, table: pa.Table) -> memoryview:
+        """`table` as an Arrow IPC stream in a buffer kept from one table to the next: one copy of its
+        values, into memory already mapped (a new buffer each time page-faulted all of it in)."""
+        size = ipc_stream_bytes(table, pa.MockOutputStream())
+        if self._buffer is None or self._buffer.size < size:
+            self._buffer = pa.allocate_buffer(size + size // 4, resizable=False)
+        ipc_stream_bytes(table, pa.FixedSizeBufferWriter(self._buffer))
+        return memoryview(self._buffer)[:size]
+
+    def close_file(self, path: str) -> int:
+        """Finish the file at `path`: the bytes it holds; raises the error its writing met."""
+        return self._request("close", path)
+
+    def abort_file(self, path: str) -> None:
+        """Close the file at `path` if open and remove it."""
+        self._request("abort", path)
+
+    def _request(self, kind: str, path: str):
+        with self._lock:
+            self._send((kind, path))
+            while True:
+                reply, replied_path, value = self._receive()
+                if replied_path == path and reply in ("closed", "aborted", "failed"):
+                    self._broken.pop(path, None)
+                    if reply == "failed":
+                        raise value
+                    return value
+
+    def _send(self, message: tuple, data: memoryview | None = None) -> None:
+        try:
+            self._connection.send(message)
+            if data is not None:
+                self._connection.send_bytes(data)
+        except OSError as error:
+            raise self._died() from error
+
+    def _receive(self) -> tuple:
+        try:
+            message = self._connection.recv()
+        except (EOFError, OSError) as error:
+            raise self._died() from error
+        if message[0] == "broken":
+            self._broken[message[1]] = message[2]
+        return message
+
+    def _died(self) -> EncoderDied:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        return EncoderDied(f"the output encoder process (pid {self.process.pid}) exited with code {code}; the "
+                           f"shards not committed are redone by a rerun of the same command")
+
+    def close(self) -> None:
+        """Stop the process (its files are closed or removed by now); idempotent."""
+        self._connection.close()
+        try:
+            self.process.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def serve(connection: Connection) -> None:
+    """The encoder process: write tables into their files until the socket closes."""
+    open_files: dict[str, tuple] = {}  # path → (file, Parquet writer)
+    failed: dict[str, BaseException] = {}  # path → the error its writing met
+
+    def drop(path: str) -> None:
+        file, writer = open_files.pop(path, (None, None))
+        try:
+            if writer is not None:
+                writer.close()
+                file.close()
+        except Exception:  # the storage that failed the write (a full disk) may fail the close: the file goes
+            pass
+        if os.path.exists(path):
+            os.remove(path)
+
+    try:
+        while True:
+            try:
+                kind, path = connection.recv()
+            except (EOFError, OSError):
+                return
+            if kind == "write":
+                data = connection.recv_bytes()
+                if path in failed:
+                    continue
+                try:
+                    table = pa.ipc.open_stream(data).read_all()
+                    if path not in open_files:
+                        file = open(path, "wb")
+                        open_files[path] = (file, pq.ParquetWriter(file, table.schema,
+                                                                   **parquet_writer_options(table.schema)))
+                    open_files[path][1].write_table(table)
+                except Exception as error:
+                    failed[path] = error
+                    connection.send(("broken", path, portable(error)))
+            elif kind == "close":
+                try:
+                    if path in failed:
+                        raise failed.pop(path)
+                    file, writer = open_files.pop(path)
+                    try:
+                        writer.close()
+                        size = file.tell()
+                    finally:
+                        file.close()
+                    connection.send(("closed", path, size))
+                except Exception as error:  # the parent's abort removes the file
+                    connection.send(("failed", path, portable(error)))
+            elif kind == "abort":
+                failed.pop(path, None)
+                drop(path)
+                connection.send(("aborted", path, None))
+    finally:  # the parent is gone or done: nothing it did not close is kept
+        for path in list(open_files):
+            drop(path)
+
+
+def portable(error: BaseException) -> BaseException:
+    """`error` as it can travel to the parent: itself (an OSError keeps its errno), or its words."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def exit_with_parent(parent: int) -> None:
+    """A parent killed while this process is encoding: exit without waiting for the socket's end."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and a group's SIGTERM reach here too: the parent decides
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), name="lengthwise-parent-watch",
+                     daemon=True).start()
+    serve(Connection(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

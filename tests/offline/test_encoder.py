@@ -1,0 +1,140 @@
+"""The output encoder process: a run's Parquet encoding happens in a process of its own, with the
+same bytes as in the run's process; its errors travel back with their errno; it exits with its
+parent; window output arrays are reused zeroed (docs/performance.md, "The host feeds the device")."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pipeline.offline.sink as sink_module
+from pipeline.core.errors import StorageError, as_storage_error
+from pipeline.offline.encoder import EncoderDied, OutputEncoder
+from pipeline.offline.windows import OutputArrays
+from tests.conftest import run_to_table
+
+
+def embeddings(rows: int, start: int = 0) -> pa.Table:
+    values = np.arange(start * 8, (start + rows) * 8, dtype=np.float32) / 7
+    return pa.table({"id": pa.array([f"row-{i}" for i in range(start, start + rows)]),
+                     "embedding": pa.FixedSizeListArray.from_arrays(pa.array(values), 8,
+                                                                    mask=pa.array(np.arange(rows) % 5 == 3)),
+                     "error": pa.array([None if i % 5 != 3 else "text is null" for i in range(rows)])})
+
+
+def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_path, rows_with_bad_ones,
+                                                                          tiny_encoder_path, monkeypatch):
+    """No output file is opened by the run's process; the encoder is a process of its own that has
+    exited by the run's end; the outputs equal those the run's process encodes itself, cell for cell."""
+    encoders, opened_here = [], []
+    real_init, real_writer = OutputEncoder.__init__, pq.ParquetWriter
+
+    def recording_init(self):
+        real_init(self)
+        encoders.append(self)
+
+    def recording_writer(where, schema, *args, **kwargs):
+        if "embedding" in schema.names:  # an output's, not the text-hash file's
+            opened_here.append(where)
+        return real_writer(where, schema, *args, **kwargs)
+
+    monkeypatch.setattr(OutputEncoder, "__init__", recording_init)
+    monkeypatch.setattr(sink_module.pq, "ParquetWriter", recording_writer)
+    output, summary = run_to_table(tmp_path, "encoder", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
+                                   max_length=32)
+    assert [e.process.pid != os.getpid() and e.process.returncode for e in encoders] == [0]
+    assert opened_here == []  # the outputs' Parquet writers were all in the encoder process
+    assert output["id"].to_pylist() == rows_with_bad_ones["id"].to_pylist() and summary["rows"] == 200
+    assert summary["error_rows"] == 4
+
+    monkeypatch.setattr(sink_module.ShardSink, "uses_encoder", property(lambda sink: False))
+    here, _ = run_to_table(tmp_path, "here", rows_with_bad_ones, [120, 80], model=tiny_encoder_path, max_length=32)
+    assert len(encoders) == 1 and len(opened_here) == 2  # one writer a shard, in this process
+    assert output.equals(here)
+    for name in ("part-00000.parquet", "part-00001.parquet"):
+        assert (tmp_path / "encoder-out" / name).read_bytes() == (tmp_path / "here-out" / name).read_bytes()
+
+
+def test_an_encoder_writes_aborts_and_tells_errors_with_their_errno(tmp_path):
+    encoder = OutputEncoder()
+    try:
+        kept, dropped = str(tmp_path / "kept.parquet"), str(tmp_path / "dropped.parquet")
+        encoder.write(kept, embeddings(30))
+        encoder.write(dropped, embeddings(10))
+        encoder.write(kept, embeddings(20, start=30))
+        assert encoder.close_file(kept) == os.path.getsize(kept)
+        assert pq.read_table(kept).equals(pa.concat_tables([embeddings(30), embeddings(20, start=30)]))
+        assert pq.read_metadata(kept).num_row_groups == 2  # one a table, as a writer in this process makes
+        encoder.abort_file(dropped)
+        assert not os.path.exists(dropped)
+
+        nowhere = str(tmp_path / "missing" / "x.parquet")
+        encoder.write(nowhere, embeddings(5))
+        with pytest.raises(FileNotFoundError) as refused:
+            encoder.close_file(nowhere)
+        assert refused.value.errno == 2 and refused.value.filename == nowhere
+        encoder.abort_file(nowhere)
+        full = as_storage_error(OSError(28, "No space left on device"), nowhere)  # what the sink makes of errno 28
+        assert isinstance(full, StorageError)
+    finally:
+        encoder.close()
+    assert encoder.process.returncode == 0
+
+
+def test_a_killed_encoder_stops_the_run_with_a_clear_error(tmp_path):
+    encoder = OutputEncoder()
+    path = str(tmp_path / "a.parquet")
+    encoder.write(path, embeddings(10))
+    encoder.process.kill()
+    encoder.process.wait()
+    with pytest.raises(EncoderDied, match=r"the output encoder process \(pid \d+\) exited with code -9; the shards "
+                                          r"not committed are redone by a rerun of the same command"):
+        for _ in range(100):  # the first writes may still fit the socket's buffer
+            encoder.write(path, embeddings(1000))
+        encoder.close_file(path)
+    encoder.close()
+
+
+PARENT = """
+import sys, time
+from pipeline.offline.encoder import OutputEncoder
+encoder = OutputEncoder()
+encoder.write(sys.argv[1], __import__("tests.offline.test_encoder", fromlist=["x"]).embeddings(10))
+print(encoder.process.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM])
+def test_the_encoder_exits_with_its_parent_and_leaves_no_file_open(tmp_path, stop):
+    """SIGKILL of the run's process (or a SIGTERM that ends it without cleanup) leaves no encoder behind."""
+    path = tmp_path / "open.parquet"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(path)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    pid = int(parent.stdout.readline())
+    assert psutil.Process(pid).cmdline()[1:3] == ["-m", "pipeline.offline.encoder"]
+    parent.send_signal(stop)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the encoder outlived its parent"
+        time.sleep(0.05)
+
+
+def test_output_arrays_come_back_zeroed_and_no_more_are_kept_than_asked():
+    arrays = OutputArrays(keep=1)
+    first = arrays.take((4, 3), np.float32)
+    first[:] = 7
+    second = arrays.take((4, 3), np.float32)
+    arrays.give_back([first, second])
+    again = arrays.take((4, 3), np.float32)
+    assert again is first and not again.any()  # the kept one, zeroed
+    assert arrays.take((4, 3), np.float32) is not second  # only one was kept
+    assert arrays.take((5, 3), np.float32).shape == (5, 3)
