@@ -179,7 +179,7 @@ def _parse(line: bytes, url: str, number: int) -> dict:
         raise ShardError(f"{url}: line {number:,} is not UTF-8 (byte {error.start + 1}); fix or remove that line") \
             from None
     except json.JSONDecodeError as error:
-        raise ShardError(f"{url}: line {number:,} is not JSON ({error.msg} at character {error.pos + 1}); "
+        raise ShardError(f"{url}: line {number:,} is not JSON ({error.msg}: column {error.colno}); "
                          "fix or remove that line") from None
     except RecursionError:
         raise ShardError(f"{url}: line {number:,} is not JSON this reader takes (nested too deeply); fix or remove "
