@@ -1,36 +1,34 @@
-"""Finding input shards (local paths or any fsspec URL) and streaming their rows.
+"""Finding input shards (local paths or any fsspec URL) and streaming their rows, whatever the format.
 
-A shard is a Parquet file, or an Arrow stream file of a Hugging Face `Dataset.save_to_disk`
-folder. It is read in record batches with only the id, text and kept columns projected, so
-memory follows the batch size, never the shard or dataset size.
+A shard is a file one of the readers reads (offline/readers/: Parquet, the Arrow stream files of a
+Hugging Face `Dataset.save_to_disk` folder, JSONL). It is read in record batches with only the id,
+text and kept columns, so memory follows the batch size, never the shard or dataset size.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import fsspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.core.errors import UsageError, as_credentials_error, as_storage_error
 from pipeline.core.retry import backoff_delay_s, is_transient, retry_transient
 from pipeline.core.settings import InputSettings
-from pipeline.offline.footer import READ_BUFFER_BYTES, footer_problem, max_row_group_bytes
 from pipeline.offline.locations import GLOB_CHARACTERS, LEGACY_MANIFEST_DIR, MANIFEST_DIR, outside_outputs
+from pipeline.offline.readers import (ROW_ERROR_COLUMN, Columns, ShardError, ShardFacts, arrow_stream, format_of,
+                                      in_folders, without_suffix)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One input Parquet file: where it is, the name its output takes, its row count."""
+    """One input file: where it is, the name its output takes, its row count."""
 
     url: str
     stem: str
@@ -50,6 +48,7 @@ class RowBlock:
     failure: str | None = None  # set on a row-less block: this shard broke here, drop all of it
     kept: dict[str, pa.Array] = field(default_factory=dict)  # --keep-columns, copied to the output as they are
     reuse: object | None = None  # --reuse: offline/reuse.py's ReusedRows (rows that take yesterday's result)
+    errors: pa.Array | None = None  # per row, why its reader could not read it whole (a JSONL line's); null: it could
 
     @property
     def num_rows(self) -> int:
@@ -57,8 +56,9 @@ class RowBlock:
 
 
 def _expand(pattern: str, storage_options: dict, split: str | None = None) -> dict[str, str]:
-    """URL → path relative to the input's root, for the Parquet files a directory, glob or file
-    names (or the Arrow files of a `datasets` folder), URLs with their protocol kept. The root
+    """URL → path relative to the input's root, for the shards a directory (its files of the formats
+    read from folders), glob or file names (or the Arrow files of a `datasets` folder), URLs with
+    their protocol kept. The root
     is the directory, a glob's folder before its first wildcard, or a file's own folder.
     No credentials is a usage error; a store that cannot be reached, or kept failing through
     the retries, a StorageError (exit 4): one line each, as when writing."""
@@ -80,12 +80,12 @@ def _expand_once(pattern: str, storage_options: dict, split: str | None) -> dict
             root = path[:min(path.index(ch) for ch in GLOB_CHARACTERS if ch in path)].rsplit("/", 1)[0]
             paths = outside_outputs(fs, [p for p in fs.glob(path) if not fs.isdir(p) and not any(
                 part in (MANIFEST_DIR, LEGACY_MANIFEST_DIR) for part in p.split("/"))], root)
-        elif fs.isdir(path) and (fs.exists(f"{path}/state.json") or fs.exists(f"{path}/dataset_dict.json")):
-            paths = _saved_dataset_files(fs, root, pattern, split)
+        elif arrow_stream.is_saved_dataset(fs, path):
+            paths = arrow_stream.saved_dataset_files(fs, root, pattern, split)
             root = paths[0].rsplit("/", 1)[0] if paths else root
         elif fs.isdir(path):
             found = fs.find(path)
-            paths = outside_outputs(fs, [p for p in found if p.endswith(".parquet") and not any(
+            paths = outside_outputs(fs, [p for p in found if in_folders(p) and not any(
                 part.startswith(("_", ".")) for part in p[len(root):].split("/"))], root, listed=found)
         elif fs.exists(path):
             root = root.rsplit("/", 1)[0]
@@ -96,7 +96,7 @@ def _expand_once(pattern: str, storage_options: dict, split: str | None) -> dict
         if is_transient(error):
             raise
         raise UsageError(f"cannot list input {pattern!r}: {error}; check --input and --storage-option") from error
-    if split is not None and not any(p.endswith(ARROW_SUFFIX) for p in paths):
+    if split is not None and not any(format_of(p) is arrow_stream for p in paths):
         raise UsageError(f"--split {split} is for a `datasets` DatasetDict folder; {pattern!r} is not one")
     return {fs.unstrip_protocol(p): relative_name(p, root) for p in sorted(paths)}
 
@@ -106,31 +106,10 @@ def relative_name(path: str, root: str) -> str:
     return path[len(root) + 1:] if root and path.startswith(root + "/") else path.rsplit("/", 1)[-1]
 
 
-ARROW_SUFFIX = ".arrow"
-
-
-def _saved_dataset_files(fs, path: str, pattern: str, split: str | None) -> list[str]:
-    """The Arrow files of a `Dataset.save_to_disk` folder (state.json lists them), or of one
-    split of a `DatasetDict.save_to_disk` folder (dataset_dict.json lists the splits)."""
-    if fs.exists(f"{path}/dataset_dict.json"):
-        with fs.open(f"{path}/dataset_dict.json", "r") as f:
-            splits = json.load(f)["splits"]
-        if split not in splits:
-            raise UsageError(f"{pattern!r} is a DatasetDict with splits {', '.join(splits)}; "
-                             f"{'choose one with --split' if split is None else f'--split {split} is not one of them'}")
-        path, split = f"{path}/{split}", None
-    if split is not None:
-        raise UsageError(f"{pattern!r} is a single Dataset, not a DatasetDict; drop --split {split}")
-    with fs.open(f"{path}/state.json", "r") as f:
-        return [f"{path}/{item['filename']}" for item in json.load(f)["_data_files"]]
-
-
 def output_stem(relative: str) -> str:
-    """The output's name under --output: the input's path below its root, without the suffix."""
-    for suffix in (".parquet", ARROW_SUFFIX):
-        if relative.endswith(suffix):
-            return relative[: -len(suffix)]
-    return relative
+    """The output's name under --output: the input's path below its root, without its format's
+    suffix (`dt=X/part-1.parquet` and `dt=X/part-1.jsonl.gz` both write `dt=X/part-1.parquet`)."""
+    return without_suffix(relative)
 
 
 def partition_values(stem: str) -> dict[str, str]:
@@ -208,11 +187,11 @@ def slot_of(urls: Sequence[str], slot: WorkerSlot) -> list[str]:
 def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
                 storage_options: dict | None = None, slot: WorkerSlot = WorkerSlot(),
                 keep_columns: Sequence[str] = (), split: str | None = None) -> list[Shard]:
-    """Every shard named by `inputs` that `slot` takes, in order, with its row count from the
-    Parquet footer (an Arrow file's batches are counted).
+    """Every shard named by `inputs` that `slot` takes, in order, with its row count from its
+    reader (a Parquet footer; an Arrow file's batches, a JSONL file's lines, counted).
 
-    Reads only the footers of the slot's shards. A shard that is not Parquet, lacks a column or has a text column of
-    the wrong type gets a `problem` and fails alone. When every shard has one, or nothing
+    Reads only what counts the slot's shards. A shard its format cannot read, that lacks a column or has a text
+    column of the wrong type gets a `problem` and fails alone. When every shard has one, or nothing
     matches, or two shards would write the same output file, or a shard lacks a column of
     `keep_columns`, it is a usage error naming the flag to change.
     """
@@ -221,7 +200,7 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
     for pattern in inputs:
         found = _expand(pattern, storage_options, split)
         if not found:
-            raise UsageError(f"input {pattern!r} matches no Parquet files; check --input")
+            raise UsageError(f"input {pattern!r} matches no Parquet files or JSONL files; check --input")
         relative.update((url, name) for url, name in found.items() if url not in relative)
     urls = list(relative)
     stem_of: dict[str, str] = {}
@@ -255,40 +234,36 @@ def list_source_shards(source: InputSettings, slot: WorkerSlot = WorkerSlot(),
 
 def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storage_options: dict,
                    keep_columns: Sequence[str] = ()) -> Shard:
-    """The shard with its footer's row count, or with the problem that stops it being read."""
-    def read_footer() -> tuple[pa.Schema, int, object]:
+    """The shard with its row count, or with the problem that stops it being read."""
+    reader = format_of(url)
+    partition = partition_values(stem)
+    columns = Columns(id_column, (text_column,), tuple(c for c in keep_columns if c not in partition))
+
+    def count() -> ShardFacts:
         with fsspec.open(url, "rb", **storage_options) as f:
-            if url.endswith(ARROW_SUFFIX):  # an IPC stream has no footer: count its batches
-                stream = pa.ipc.open_stream(f)
-                return stream.schema, sum(batch.num_rows for batch in stream), None
-            metadata = pq.ParquetFile(f).metadata
-            return metadata.schema.to_arrow_schema(), metadata.num_rows, metadata
+            return reader.count_rows(f, url, columns)
 
     try:
-        schema, num_rows, metadata = retry_transient(read_footer, f"reading the footer of {url}", log=log.warning)
+        facts = retry_transient(count, f"counting the rows of {url}", log=log.warning)
     except (pa.ArrowInvalid, OSError) as error:
-        kind = "an Arrow stream" if url.endswith(ARROW_SUFFIX) else "Parquet"
-        return Shard(url, stem, 0, f"cannot read {url} as {kind} ({error}); check --input")
-    missing = [column for column in keep_columns if column not in schema.names
-               and column not in partition_values(stem)]
+        return Shard(url, stem, 0, f"cannot read {url} as {reader.NAME} ({error}); check --input")
+    num_rows, found = facts.num_rows, facts.columns
+    if found is None:  # a shard that names no columns (an empty JSONL file): each row says what it lacks
+        return Shard(url, stem, num_rows, facts.problem)
+    missing = [column for column in keep_columns if column not in found and column not in partition]
     if missing:
         raise UsageError(f"shard {url} has no column {', '.join(map(repr, missing))} to keep (its columns: "
-                         f"{', '.join(schema.names)}{''.join(f', {k} (partition)' for k in partition_values(stem))}"
+                         f"{', '.join(found)}{''.join(f', {k} (partition)' for k in partition)}"
                          "); check --keep-columns")
     for column, flag in ((id_column, "--id-column"), (text_column, "--text-column")):
-        if column not in schema.names:
+        if column not in found:
             return Shard(url, stem, num_rows, f"shard {url} has no column {column!r} (columns: "
-                                              f"{', '.join(schema.names)}); set {flag}")
-    text_type = schema.field(text_column).type
-    if not is_text_type(text_type):
+                                              f"{', '.join(found)}); set {flag}")
+    text_type = found[text_column]
+    if text_type is not None and not is_text_type(text_type):
         return Shard(url, stem, num_rows, f"shard {url}: text column {text_column!r} is {text_type}, not a "
                                           "string; set --text-column to a string column")
-    problem = metadata and footer_problem(url, metadata, [id_column, text_column], max_row_group_bytes(os.environ))
-    return Shard(url, stem, num_rows, problem or None)
-
-
-class ShardError(Exception):
-    """This shard cannot be read; the message says why."""
+    return Shard(url, stem, num_rows, facts.problem)
 
 
 def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block_rows: int,
@@ -318,31 +293,35 @@ def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str
     first_row = 0
     pending = None
     partition = partition_values(shard.stem)  # a kept partition key comes from the path, as hive readers do
-    columns = list(dict.fromkeys([id_column, text_column, *(c for c in keep_columns if c not in partition)]))
-    for record_batch in _record_batches(shard.url, columns, block_rows, storage_options):
+    columns = Columns(id_column, (text_column,), tuple(c for c in keep_columns if c not in partition))
+    for record_batch in record_batches(shard.url, columns, block_rows, storage_options):
         if pending is not None:
             yield pending
         kept = {name: pa.array([partition[name]] * record_batch.num_rows, pa.string()) if name in partition
                 else record_batch.column(name) for name in keep_columns}
+        errors = record_batch.column(ROW_ERROR_COLUMN) if ROW_ERROR_COLUMN in record_batch.schema.names else None
         pending = RowBlock(shard_index, first_row, plain_column(record_batch.column(id_column)),
-                           text_values(record_batch.column(text_column)), False, kept=kept)
+                           text_values(record_batch.column(text_column)), False, kept=kept, errors=errors)
         first_row += record_batch.num_rows
     if first_row != shard.num_rows:
-        raise ShardError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")
+        raise ShardError(f"{shard.url}: read {first_row} rows but {format_of(shard.url).COUNTED_BY} says "
+                         f"{shard.num_rows}")
     yield dataclasses.replace(pending, is_last_of_shard=True)
 
 
-def _record_batches(url: str, columns: list[str], block_rows: int, storage_options: dict,
-                    attempts: int = 5, sleep=time.sleep) -> Iterator[pa.RecordBatch]:
-    """The file's record batches (an empty one for an empty file). A transient object-store
-    error in the middle of the stream reopens the file and carries on after the rows already
-    handed on, up to `attempts` times with backoff; other errors are raised."""
+def record_batches(url: str, columns: Columns, block_rows: int, storage_options: dict,
+                   attempts: int = 5, sleep=time.sleep) -> Iterator[pa.RecordBatch]:
+    """The file's record batches of `columns`, read by its format's reader (an empty one for an
+    empty file). A transient object-store error in the middle of the stream reopens the file and
+    carries on after the rows already handed on, up to `attempts` times with backoff; other errors
+    are raised."""
+    reader = format_of(url)
     handed_on = 0
     for attempt in range(1, attempts + 1):
         skip = handed_on
         try:
             with fsspec.open(url, "rb", **storage_options) as f:
-                schema, batches = _open_batches(f, url, columns, block_rows)
+                schema, batches = reader.open_batches(f, url, columns, block_rows)
                 for record_batch in batches:
                     if skip >= record_batch.num_rows:
                         skip -= record_batch.num_rows
@@ -351,7 +330,8 @@ def _record_batches(url: str, columns: list[str], block_rows: int, storage_optio
                     handed_on += record_batch.num_rows
                     yield record_batch
                 if handed_on == 0:
-                    yield pa.RecordBatch.from_pylist([], schema=pa.schema([schema.field(name) for name in columns]))
+                    yield pa.RecordBatch.from_pylist([], schema=pa.schema([schema.field(name)
+                                                                           for name in columns.names]))
             return
         except Exception as error:
             if attempt == attempts or not is_transient(error):
@@ -360,20 +340,3 @@ def _record_batches(url: str, columns: list[str], block_rows: int, storage_optio
             log.warning(f"reading {url}: {type(error).__name__}: {error}; reopening after row {handed_on:,} "
                  f"(retry {attempt}/{attempts - 1} in {delay:.1f}s)")
             sleep(delay)
-
-
-def _open_batches(f, url: str, columns: list[str], block_rows: int) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
-    """The file's schema and its record batches of `columns`, at most `block_rows` rows each:
-    Parquet, or an Arrow IPC stream (a `datasets` folder's files)."""
-    if not url.endswith(ARROW_SUFFIX):
-        parquet = pq.ParquetFile(f, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)  # pages, not whole row groups
-        return parquet.schema_arrow, parquet.iter_batches(batch_size=block_rows, columns=columns)
-    stream = pa.ipc.open_stream(f)
-
-    def batches() -> Iterator[pa.RecordBatch]:
-        for batch in stream:
-            batch = batch.select(columns)
-            for start in range(0, batch.num_rows, block_rows):
-                yield batch.slice(start, block_rows)
-
-    return stream.schema, batches()

@@ -25,7 +25,8 @@ from pipeline.core.redact import usable_recorded_options
 from pipeline.offline.manifest import (MANIFEST_DIR, RunManifest, fingerprint_digest, list_recorded_shards,
                                        manifest_root)
 from pipeline.offline.sink import TEMPORARY_NAME, output_paths
-from pipeline.offline.source import _record_batches, output_stem, relative_name
+from pipeline.offline.readers import Columns
+from pipeline.offline.source import output_stem, record_batches, relative_name
 
 LISTED_IDS = 10  # ids named per shard and kind; the counts are always complete
 BATCH_ROWS = 65536
@@ -202,7 +203,7 @@ def check_ids(check: ShardCheck, fs, final_path: str, id_column: str, storage_op
     output_url = fs.unstrip_protocol(final_path)
 
     def input_ids() -> Iterator[pa.Array]:
-        for batch in _record_batches(check.input, [id_column], BATCH_ROWS, storage_options):
+        for batch in record_batches(check.input, Columns(id_column, ()), BATCH_ROWS, storage_options):
             yield batch.column(0)
 
     def output_ids(count_errors: bool) -> Iterator[pa.Array]:

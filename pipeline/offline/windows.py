@@ -38,6 +38,7 @@ def group_into_windows(blocks: Iterable[RowBlock], window_rows: int) -> Iterator
             window.append(dataclasses.replace(block, first_row=block.first_row + start,
                                               ids=block.ids.slice(start, take), texts=block.texts.slice(start, take),
                                               kept={name: values.slice(start, take) for name, values in block.kept.items()},
+                                              errors=None if block.errors is None else block.errors.slice(start, take),
                                               is_last_of_shard=block.is_last_of_shard and end == block.num_rows))
             filled += take
             start = end
@@ -291,7 +292,7 @@ def tokenize_windows(pool: TokenizerPool, windows: Iterable[list[RowBlock]], tim
 def _finish_tokenizing(pool: TokenizerPool, in_flight, times: StageTimes) -> Window:
     """The window's encoded rows, and each block's hashes from the workers (`block.reuse`, with
     no row reused: what dedupe, the id count and the text-hash file read); a row with a null id
-    is an error whatever its text."""
+    is an error whatever its text, and one its reader could not read whole has the reader's error."""
     blocks, handles = in_flight
     encoded = pool.result(handles)
     times.tokenize += encoded.encode_s
@@ -306,4 +307,11 @@ def _finish_tokenizing(pool: TokenizerPool, in_flight, times: StageTimes) -> Win
     null_ids = np.concatenate([b.ids.is_null().to_numpy(zero_copy_only=False) for b in blocks]) if blocks else []
     for row in np.flatnonzero(null_ids):
         encoded.errors[row] = "id is null"
+    start = 0
+    for block in blocks:
+        if block.errors is not None and block.errors.null_count < len(block.errors):
+            for row, error in enumerate(block.errors.to_pylist()):
+                if error is not None:
+                    encoded.errors[start + row] = error
+        start += block.num_rows
     return Window(blocks, encoded)

@@ -60,11 +60,11 @@ def test_dictionary_encoded_id_and_text_columns_are_read_as_plain_strings(tmp_pa
 
 
 def test_a_dictionary_of_large_strings_in_an_arrow_stream_is_read_as_plain_strings(tmp_path):
-    from pipeline.offline.source import ARROW_SUFFIX, Shard, is_text_type
+    from pipeline.offline.source import Shard, is_text_type
 
     texts = pa.array(["x", None, "x", "y"], pa.large_string()).dictionary_encode()
     table = pa.table({"id": [1, 2, 3, 4], "text": texts})
-    path = tmp_path / f"data-00000-of-00001{ARROW_SUFFIX}"
+    path = tmp_path / "data-00000-of-00001.arrow"
     with pa.ipc.new_stream(path, table.schema) as writer:
         writer.write_table(table)
     assert is_text_type(table.schema.field("text").type) and not is_text_type(pa.dictionary(pa.int8(), pa.int64()))
@@ -98,9 +98,9 @@ def test_a_text_column_of_type_null_is_read_as_null_strings(tmp_path, writer):
 
 
 def test_null_typed_columns_of_an_arrow_stream_are_read_as_nulls(tmp_path):
-    from pipeline.offline.source import ARROW_SUFFIX, Shard
+    from pipeline.offline.source import Shard
 
-    path = tmp_path / f"data-00000-of-00001{ARROW_SUFFIX}"
+    path = tmp_path / "data-00000-of-00001.arrow"
     table = pa.table({"id": pa.nulls(2), "text": pa.nulls(2)})
     with pa.ipc.new_stream(path, table.schema) as writer:
         writer.write_table(table)
@@ -206,13 +206,14 @@ class BreaksOnceAfter(pq.ParquetFile):
 
 
 def test_a_dropped_connection_mid_shard_reopens_and_carries_on_without_gaps(tmp_path, monkeypatch):
+    import pipeline.offline.readers.parquet as parquet_reader
     import pipeline.offline.source as source
 
     big = pa.table({"id": [f"r{i}" for i in range(500)], "text": [f"text {i}" for i in range(500)]})
     pq.write_table(big, tmp_path / "big.parquet", row_group_size=50)
     shards = list_shards([str(tmp_path)], "id", "text")
     BreaksOnceAfter.opened = 0
-    monkeypatch.setattr(source.pq, "ParquetFile", BreaksOnceAfter)
+    monkeypatch.setattr(parquet_reader.pq, "ParquetFile", BreaksOnceAfter)
     monkeypatch.setattr(source, "backoff_delay_s", lambda attempt: 0.0)
     blocks = list(read_blocks(shards, "id", "text", block_rows=40))
     assert BreaksOnceAfter.opened == 2, "the error was not injected or the file was not reopened"
