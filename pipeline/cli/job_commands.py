@@ -118,7 +118,8 @@ def run(**options) -> None:
             help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
 @env_option("--per-sample", env="PER_SAMPLE", type=Checked(values.Size()), default=None,
             help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
-@run_option("--input", "inputs", help="--estimate: the input shards of the run.")
+@run_option("--input", "inputs", help="The input shards of the run: --dtype auto's trial runs on their rows, as the "
+                                       "run's; --estimate reads them.")
 @with_options(INPUT_OPTIONS)
 @env_option("--estimate", env="ESTIMATE", is_flag=True,
             help="Predict the run's device and wall seconds on --input: rows from the footers, token lengths from a "
@@ -153,13 +154,18 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
         click.echo(json.dumps({"available_bytes": available, "per_sample_bytes": per_sample,
                                "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
         return
+    from pipeline.offline.source import list_source_shards
+    from pipeline.offline.workload import InputSample
     from pipeline.runtime import open_runtime
 
     try:
-        config = RunConfig.of(output="", model=model_or_default(model), use_plan_cache=not no_plan_cache,
+        config = RunConfig.of(input=tuple(inputs), output="", model=model_or_default(model),
+                              use_plan_cache=not no_plan_cache, storage_options=parse_storage_options(storage_option),
                               **{**settings, "probe": True})  # the plan is what `plan` shows
         check_run_paths(config)
-        memory_plan = open_runtime(config.model, config.batch).plan
+        # --dtype auto's trial on the input's rows, as the run's: the plan is made for the run's dtype
+        rows = InputSample(list_source_shards(config.source), config.source) if inputs else None
+        memory_plan = open_runtime(config, rows).plan
     except UsageError as error:
         fail(str(error))
     if memory_plan is None:

@@ -75,7 +75,7 @@ class ShardWorker:
         self.start_error, self.device, self.dtype = None, None, None
         try:
             # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
-            runtime = open_runtime(config.model, config.batch, split_length=config.split_length)
+            runtime = open_runtime(config)
             choice = runtime.loaded.choice
             self.device, self.dtype = str(choice.device), dtype_name(choice.dtype)
             self.runner = ShardRunner(config, runtime, keep_pool=True)  # one tokenizer pool for the actor's life

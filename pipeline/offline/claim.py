@@ -60,7 +60,7 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
         dtype = recorded["fingerprint"].get("dtype")
         if config.model.dtype == "auto" and dtype in DTYPES:
             changes["dtype"], dtype_source = dtype, f"what {config.output} was made with (--dtype auto)"
-        if config.long_text == "auto":  # an output made before --long-text existed was truncated
+        if config.long_rows.long_text == "auto":  # an output made before --long-text existed was truncated
             changes["long_text"] = recorded["fingerprint"].get("long_text", "truncate")
         compiled = recorded.get("config", {}).get("compile")
         if config.model.compile == "auto" and compiled in ("on", "off"):
@@ -70,7 +70,7 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
         dtype = recorded_dtype(config.reuse, config.source.storage_options)
         if dtype in DTYPES:
             changes["dtype"], dtype_source = dtype, f"what {config.reuse} was made with (--dtype auto, --reuse)"
-    if config.reuse and changes.get("long_text", config.long_text) == "auto":
+    if config.reuse and changes.get("long_text", config.long_rows.long_text) == "auto":
         changes["long_text"] = recorded_long_text(config.reuse, config.source.storage_options) or "auto"
     return config.with_settings(**changes), dtype_source
 
