@@ -29,7 +29,7 @@ from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_source_shards
 from pipeline.offline.summary import RunSummary, output_totals
 from pipeline.offline.workload import InputSample
-from pipeline.runtime.model import ModelChoice, choose_model
+from pipeline.runtime.choice import ModelChoice, choose_model
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from pipeline.core import exit_codes
 from pipeline.core.clock import SetupClock
 from pipeline.runtime import open_runtime
-from pipeline.runtime.model import ModelChoice, tokenizer_for
+from pipeline.runtime.choice import ModelChoice
+from pipeline.runtime.model import tokenizer_for
 from pipeline.core.settings import tokenize_workers_for
 from pipeline.offline.config import RunConfig
 from pipeline.engines.claim import ShardsRunner, run_claimed

@@ -36,7 +36,7 @@ from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.runtime import open_runtime
-from pipeline.runtime.model import ModelChoice, choose_model
+from pipeline.runtime.choice import ModelChoice, choose_model
 from pipeline.core.settings import CUDA_HOST_THREADS
 from pipeline.offline.config import RunConfig
 from pipeline.engines.claim import run_claimed

@@ -20,7 +20,7 @@ from pipeline.offline.reuse import recorded_dtype, recorded_long_text, remove_st
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot
 from pipeline.offline.summary import RunSummary, output_totals
-from pipeline.runtime.model import ModelChoice, model_content_hash
+from pipeline.runtime.choice import ModelChoice
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
 def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     """Everything that changes the output values. Batch sizes, workers and memory settings
     are left out on purpose: they must not change results."""
-    return {"job": config.model.job, "model": model_content_hash(choice.path, config.batch.plan_cache),
+    return {"job": config.model.job, "model": choice.content_hash,
             "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
             "id_column": config.source.id_column, "text_column": config.source.text_column, **choice.job_options,

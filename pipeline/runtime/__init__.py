@@ -19,7 +19,8 @@ from pipeline.core.memory import MemoryPlan
 from pipeline.core.probe import memory_plan_for
 from pipeline.core.settings import BATCH_LIMITS, BatchSettings, ModelSettings, RuntimeNeeds, set_torch_threads
 from pipeline.core.tokenize import TokenizerSpec
-from pipeline.runtime.model import LoadedModel, ModelChoice, choose_model, load_model
+from pipeline.runtime.choice import ModelChoice, choose_model
+from pipeline.runtime.model import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from pipeline.core.errors import UsageError
 from pipeline.core.findings import as_dicts
-from pipeline.core.settings import LOADTEST_VARIES, VARIED_SETTINGS
+from pipeline.core.settings import LOADTEST_VARIES
 from pipeline.tuning.config import OnlineLoadtestConfig
 from pipeline.online.batcher import DynamicBatcher
 from pipeline.online.rules import QueueFull, check_timeouts

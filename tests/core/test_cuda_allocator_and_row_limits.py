@@ -93,9 +93,10 @@ def test_a_cuda_compile_trial_runs_the_runs_own_batch_shapes():
 def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_path, tiny_encoder_path, monkeypatch):
     """5M tokens at 50k eager tokens/s save 50 s at the best 2x: worth a trial against the CPU's
     30 s figure, not against the 1,000 s this device measured."""
-    import pipeline.runtime.model
+    import pipeline.runtime.compile_decision
     from pipeline.core.cache import write_keyed
-    from pipeline.runtime.model import device_compile_seconds, load_model, settle_compile
+    from pipeline.runtime.compile_decision import device_compile_seconds, settle_compile
+    from pipeline.runtime.model import load_model
 
     trials = []
 
@@ -103,8 +104,8 @@ def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_pat
         trials.append(shapes)
         raise RuntimeError("trial stopped here")
 
-    monkeypatch.setattr(pipeline.runtime.model, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
-    monkeypatch.setattr(pipeline.runtime.model, "compile_trial", trial)
+    monkeypatch.setattr(pipeline.runtime.compile_decision, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
+    monkeypatch.setattr(pipeline.runtime.compile_decision, "compile_trial", trial)
     config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
                           max_length=64, plan_cache=str(tmp_path))
     loaded = load_model(config.model, config.batch)

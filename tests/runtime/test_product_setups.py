@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-import pipeline.runtime.model
+import pipeline.runtime.dtype_trial
 from pipeline.cli import cli
 from pipeline.engines.local import run_job
 from pipeline.offline.config import RunConfig
@@ -55,14 +55,14 @@ def test_a_moderate_sweep_splits_long_rows_and_its_recommendation_is_kept_for_sp
 @pytest.fixture
 def trials(monkeypatch):
     """The bf16 trials that ran (their trial batches; None: random ids), a native bf16 feature assumed."""
-    monkeypatch.setattr(pipeline.runtime.model, "native_bf16_feature", lambda: "avx512_bf16")
-    ran, real_trial = [], pipeline.runtime.model.bf16_trial
+    monkeypatch.setattr(pipeline.runtime.dtype_trial, "native_bf16_feature", lambda: "avx512_bf16")
+    ran, real_trial = [], pipeline.runtime.dtype_trial.bf16_trial
 
     def recorded(job, path, loading, trial, length):
         ran.append(trial)
         return real_trial(job, path, loading, trial, length)
 
-    monkeypatch.setattr(pipeline.runtime.model, "bf16_trial", recorded)
+    monkeypatch.setattr(pipeline.runtime.dtype_trial, "bf16_trial", recorded)
     return ran
 
 
