@@ -71,17 +71,17 @@ def resolve_batch_setting(batch: BatchSettings, device_type: str, saved_for: dic
 
 
 def saved_recommendations(plan_cache: str | None, job: str, max_length: int, split_length: int | None,
-                          model_path: str, device, model) -> dict[str, dict | None]:
+                          model_path: str, device_key: str, model) -> dict[str, dict | None]:
     """The saved recommendation (or None) per varied setting, for this model, job, device,
     dtype, max length and long rows (`recommendation_key`)."""
     from pipeline.core.cache import model_memory_fingerprint
-    from pipeline.core.device import device_name, dtype_name
+    from pipeline.core.device import dtype_name
 
     dtype = dtype_name(next(model.parameters()).dtype)
     fingerprint = model_memory_fingerprint(model_path)
     saved = {}
     for vary in SWEEP_VARIES:
-        key, file_name = recommendation_key(fingerprint, job, device_name(device), dtype, max_length, split_length,
+        key, file_name = recommendation_key(fingerprint, job, device_key, dtype, max_length, split_length,
                                              vary)
         saved[vary] = load_recommendation(plan_cache, file_name, key)
     return saved

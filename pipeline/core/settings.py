@@ -205,7 +205,8 @@ class RuntimeNeeds:
     levels: tuple[BatchSettings, ...] = ()  # a load test's levels: the memory plan is made for the largest
 
 
-SETTINGS_GROUPS = {"model": ModelSettings, "batch": BatchSettings, "source": InputSettings, "long_rows": LongRowSettings}
+SETTINGS_GROUPS = {"model": ModelSettings, "batch": BatchSettings, "source": InputSettings,
+                   "long_rows": LongRowSettings}
 
 
 class SettingsTree:

@@ -53,7 +53,7 @@ def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],
     the model loads; the model loaded once in this process (compiled if that pays back over
     `todo`); one shard runner for all shards; the config with --compile settled."""
     with clock.step("tokenizer"):
-        tokenizer = tokenizer_for(config.model, choice, config.split_length(choice.max_length))
+        tokenizer = tokenizer_for(config.model, choice, config.runtime_needs().long_rows)
         pool = TokenizerPool(tokenizer, tokenize_workers_for(config.tokenize_workers, choice.device.type), wait=False)
     try:
         runtime = open_runtime(config, InputSample(todo, config.source), choice=choice, tokenizer=tokenizer,

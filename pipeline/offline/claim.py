@@ -145,7 +145,7 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
 def long_text_fingerprint(config: RunConfig, max_length: int) -> dict:
     """Nothing for truncate (so outputs made before --long-text existed still match); split and
     its segment length for split."""
-    segment_length = config.split_length(max_length)
+    segment_length = config.long_rows.split_length(config.model.job, max_length)
     return {} if segment_length is None else {"long_text": "split", "segment_length": segment_length}
 
 

@@ -48,8 +48,3 @@ class RunConfig(SettingsTree):
     def runtime_needs(self) -> RuntimeNeeds:
         """Both batch limits, a sweep's recommendation, the input's rows for the dtype trial and the compile."""
         return RuntimeNeeds(long_rows=self.long_rows)
-
-    def split_length(self, max_length: int) -> int | None:
-        """Tokens per segment when this run splits rows longer than `max_length` (--long-text), else None:
-        they are truncated."""
-        return self.long_rows.split_length(self.model.job, max_length)

@@ -17,7 +17,7 @@ from pipeline.core.clock import SetupClock
 from pipeline.core.forward import BatchLimits
 from pipeline.core.memory import MemoryPlan
 from pipeline.core.probe import memory_plan_for
-from pipeline.core.settings import BATCH_LIMITS, BatchSettings, ModelSettings, RuntimeNeeds, set_torch_threads
+from pipeline.core.settings import BATCH_LIMITS, BatchSettings, ModelSettings, RuntimeNeeds
 from pipeline.core.tokenize import TokenizerSpec
 from pipeline.runtime.choice import ModelChoice, choose_model
 from pipeline.runtime.model import LoadedModel, load_model
@@ -45,15 +45,9 @@ class Runtime:
         return sweep_reference(self.saved_for)
 
     def resolve(self, batch: BatchSettings) -> tuple[BatchSettings, str]:
-        """Other limits (a load test's level) settled as this runtime's were."""
-        return settle_limits(batch, self.loaded, self.saved_for, self.resolved)
-
-
-def settle_limits(batch: BatchSettings, loaded: LoadedModel, saved_for: dict[str, dict | None],
-                  resolved: tuple[str, ...]) -> tuple[BatchSettings, str]:
-    """`batch` with the limits named in `resolved` settled for this model and device (`resolve_batch_setting`)."""
-    return resolve_batch_setting(batch, loaded.choice.device.type, saved_for, resolved,
-                                 model_config=loaded.model.config)
+        """Other limits (a load test's level) settled as this runtime's were (`resolve_batch_setting`)."""
+        return resolve_batch_setting(batch, self.loaded.choice.device.type, self.saved_for, self.resolved,
+                                     model_config=self.loaded.model.config)
 
 
 class ProductConfig(Protocol):
@@ -88,16 +82,17 @@ def open_runtime(config: ProductConfig, rows: InputRows | None = None, *, choice
     model, batch, needs = config.model, config.batch, config.runtime_needs()
     rows = rows if needs.input_rows else None
     clock = clock or SetupClock()
-    set_torch_threads(model.torch_threads)  # before the model loads: the dtype and compile trials time with it
     choice = choice or choose_model(model, batch.plan_cache, trial_texts=rows.texts if rows else None)
-    split_length = needs.long_rows.split_length(model.job, choice.max_length)
-    loaded = load_model(model, batch, choice, rows.tokens if rows else None, tokenizer, clock, split_length)
+    loaded = load_model(model, batch, choice, rows.tokens if rows else None, tokenizer, clock, needs.long_rows)
     with clock.step("batch plan"):
-        saved_for = saved_recommendations(batch.plan_cache, model.job, choice.max_length, split_length, choice.path,
-                                          choice.device, loaded.model) if needs.recommended else {}
-        settled, setting = settle_limits(batch, loaded, saved_for, needs.limits)
+        saved_for = saved_recommendations(batch.plan_cache, model.job, choice.max_length,
+                                          loaded.tokenizer.segment_length or None, choice.path, choice.device_key,
+                                          loaded.model) if needs.recommended else {}
+        device, shape = choice.device.type, loaded.model.config
+        settled, setting = resolve_batch_setting(batch, device, saved_for, needs.limits, model_config=shape)
         log.info(f"batch setting: {setting}")
-        levels = [settle_limits(level, loaded, saved_for, needs.limits)[0] for level in needs.levels]
+        levels = [resolve_batch_setting(level, device, saved_for, needs.limits, model_config=shape)[0]
+                  for level in needs.levels]
         plan = memory_plan_for(largest_of(levels or [settled]), model.job, choice.max_length, loaded.job,
                                loaded.model, choice.path, choice.device) if batch.probe else None
     return Runtime(loaded, settled, setting, plan, BatchLimits(plan), saved_for, needs.limits)

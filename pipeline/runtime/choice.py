@@ -17,10 +17,10 @@ from jobs.base import attention_implementation
 from jobs.registry import get_job, job_options
 from jobs.sentence_transformers_folder import DEFAULT_MAX_LENGTH, read_text_settings, resolve_prompt
 from pipeline.core.cache import model_content_hash
-from pipeline.core.device import dtype_name, native_bf16_feature, resolve_device, resolve_dtype
+from pipeline.core.device import device_name, dtype_name, native_bf16_feature, resolve_device, resolve_dtype
 from pipeline.core.errors import UsageError
 from pipeline.core.positions import check_folder_max_length
-from pipeline.core.settings import ModelSettings
+from pipeline.core.settings import ModelSettings, set_torch_threads
 from pipeline.runtime.dtype_trial import choose_cpu_dtype
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class ModelChoice:
     attention: str | None = None  # attention implementation: sdpa, eager; None = the model code's own
     job_options: dict = field(default_factory=dict)  # the job's own output-changing settings (thresholds)
     content_hash: str = ""  # the model folder's content (`model_content_hash`): what verdicts and outputs are keyed by
+    device_key: str = ""  # the device by name and kind (`device_name`): what verdicts and recommendations are kept for
     job: object = field(default=None, compare=False, repr=False)  # the job (jobs.base.Job), looked up once
 
 
@@ -68,23 +69,26 @@ def choose_model(settings: ModelSettings, plan_cache: str | None = None, dtype_s
         raise UsageError("--compile on and --unpad on exclude each other: the compiled forward is exported for padded "
                          "batches; drop one of them")
     path = resolve_model_path(settings.model)
+    # what the job and the folder say first, then the device: the job's own settings, the folder's text
+    # settings and the architecture's attention
+    job = get_job(settings.job)
     options = job_options(settings, path)
     text = read_text_settings(path)
-    device = resolve_device(settings.device)
-    max_length = settings.max_length or text.max_seq_length or DEFAULT_MAX_LENGTH
-    check_folder_max_length(path, max_length, settings.trust_remote_code)
-    dtype = resolve_dtype(settings.dtype, device)
-    job = get_job(settings.job)
     attention = attention_implementation(job.auto_class, path)
     if attention == "eager":
         log.warning(f"{path}: this architecture has no SDPA attention in transformers; running eager attention "
                     "(slower, more memory per row)")
+    prompt = resolve_prompt(text, settings.prompt, settings.prompt_name)
+    set_torch_threads(settings.torch_threads)  # before the dtype trial, and the compile trial after it, time anything
+    device = resolve_device(settings.device)
+    max_length = settings.max_length or text.max_seq_length or DEFAULT_MAX_LENGTH
+    check_folder_max_length(path, max_length, settings.trust_remote_code)
+    dtype = resolve_dtype(settings.dtype, device)
     reason = f"{dtype_name(dtype)}: " + (dtype_source or ("--dtype" if settings.dtype != "auto"
                                                           else f"the default on {device.type}"))
-    prompt = resolve_prompt(text, settings.prompt, settings.prompt_name)
     choice = ModelChoice(path=path, device=device, dtype=dtype, max_length=max_length, prompt=prompt,
                          lowercase=text.lowercase, attention=attention, job_options=options,
-                         content_hash=model_content_hash(path, plan_cache), job=job)
+                         content_hash=model_content_hash(path, plan_cache), device_key=device_name(device), job=job)
     if device.type == "cpu" and settings.dtype == "auto":
         dtype, reason = choose_cpu_dtype(settings, plan_cache, choice, trial_texts)
     elif device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_feature() is None:

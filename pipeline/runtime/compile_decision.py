@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from pipeline.core.cache import cache_dir, plan_cache_key, read_keyed, write_keyed
 from pipeline.core.compile import CompileChoice, CompileVerdict, pick_compile, use_inductor_cache, worth_a_trial
 from pipeline.core.compiled_forward import compile_model, compile_trial, eager_tokens_per_s
-from pipeline.core.device import device_name, dtype_name
+from pipeline.core.device import dtype_name
 from pipeline.core.settings import BatchSettings, ModelSettings
 
 if TYPE_CHECKING:
@@ -25,10 +25,10 @@ COLD_COMPILE_S = 30.0  # a first compile of a MiniLM-sized encoder on a 2-core C
 # (`device_compile_seconds`)
 
 
-def device_compile_seconds(cache: Path, device) -> tuple[float, Path, dict]:
+def device_compile_seconds(cache: Path, device_key: str) -> tuple[float, Path, dict]:
     """(seconds of the last cold compile measured on this device, else COLD_COMPILE_S; where it
     is kept; its key): what a trial's pay-back is judged by before this model has a verdict."""
-    key, name = plan_cache_key(kind="compile-seconds", device=device_name(device))
+    key, name = plan_cache_key(kind="compile-seconds", device=device_key)
     path = cache / f"compile-seconds-{name}.json"
     record = read_keyed(path, key)
     return (record["compile_s"] if record else COLD_COMPILE_S), path, key
@@ -64,7 +64,7 @@ def settle_compile(settings: ModelSettings, batch: BatchSettings, choice: ModelC
     use_inductor_cache(cache)
     package = compiled_package_path(cache, settings, choice)
     if setting == "auto" and verdict is None and job_tokens is not None:
-        compile_s, seconds_path, seconds_key = device_compile_seconds(cache, choice.device)
+        compile_s, seconds_path, seconds_key = device_compile_seconds(cache, choice.device_key)
         too_few = f"eager: {job_tokens:,.0f} tokens are too few to try a compile ({compile_s:.0f} s on this device)"
         if not worth_a_trial(job_tokens, FASTEST_EAGER_TOKENS_PER_S, compile_s):
             return model, CompileChoice(False, too_few)  # not even worth timing the eager forward
@@ -95,7 +95,7 @@ def settle_compile(settings: ModelSettings, batch: BatchSettings, choice: ModelC
     if record:
         write_keyed(path, key, {**record, "last_load_s" if loads else "last_compile_s": compile_s})
     if not loads:
-        _, seconds_path, seconds_key = device_compile_seconds(cache, choice.device)
+        _, seconds_path, seconds_key = device_compile_seconds(cache, choice.device_key)
         write_keyed(seconds_path, seconds_key, {"compile_s": compile_s})
     return compiled, CompileChoice(True, reason, compile_s)
 
@@ -104,7 +104,7 @@ def compile_verdict_key(settings: ModelSettings, choice: ModelChoice) -> tuple[d
     """What a compile verdict holds for: its agreement test ran on this model's content, job,
     device, dtype and attention."""
     return plan_cache_key(kind="compile", model=choice.content_hash,
-                          job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
+                          job=settings.job, device=choice.device_key, dtype=dtype_name(choice.dtype),
                           attention=choice.attention)
 
 
@@ -115,6 +115,6 @@ def compiled_package_path(cache: Path, settings: ModelSettings, choice: ModelCho
     """Where the compiled package of this model, job, device and dtype lives: keyed by the
     weights' content (they are folded into it) and what the job builds around them."""
     key, name = plan_cache_key(kind="package", model=choice.content_hash,
-                               job=settings.job, device=device_name(choice.device), dtype=dtype_name(choice.dtype),
+                               job=settings.job, device=choice.device_key, dtype=dtype_name(choice.dtype),
                                attention=choice.attention, prompt=choice.prompt, **choice.job_options)
     return cache / "compiled" / f"{name}.pt2"

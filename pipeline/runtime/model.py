@@ -15,7 +15,7 @@ from pipeline.core.clock import SetupClock
 from pipeline.core.compile import CompileChoice
 from pipeline.core.device import keep_freed_host_memory
 from pipeline.core.positions import PositionLimit, check_max_length, position_limit
-from pipeline.core.settings import BatchSettings, ModelSettings
+from pipeline.core.settings import TRUNCATE, BatchSettings, LongRowSettings, ModelSettings
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 from pipeline.core.unpadded import settle_unpad
 from pipeline.runtime.choice import ModelChoice, choose_model
@@ -37,13 +37,13 @@ class LoadedModel:
 
 def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice | None = None,
                workload: Callable[[TokenizerSpec], float] | None = None, tokenizer: TokenizerSpec | None = None,
-               clock: SetupClock | None = None, segment_length: int | None = None) -> LoadedModel:
+               clock: SetupClock | None = None, long_rows: LongRowSettings = TRUNCATE) -> LoadedModel:
     """Tokenizer (unless given: `tokenizer_for`) and model loaded once, the max length checked
     against the model, the host allocator set up for the device (see
     `keep_freed_host_memory`), and the forward compiled where `settings.compile` and a
     measurement say so. `workload(tokenizer)` estimates the job's tokens (None: unknown, a
-    sweep or a service, counted as large). `clock` records the steps' seconds. `segment_length`:
-    the tokens per segment of a run that splits long rows (`split_length`); None truncates."""
+    sweep or a service, counted as large). `clock` records the steps' seconds. `long_rows`: whether
+    the tokenizer cuts rows longer than the max length into segments (`tokenizer_for`)."""
     clock = clock or SetupClock()
     choice = choice or choose_model(settings, batch.plan_cache)
     if choice.device.type == "cuda":
@@ -51,7 +51,7 @@ def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoic
     job = choice.job
     if tokenizer is None:
         with clock.step("tokenizer"):
-            tokenizer = tokenizer_for(settings, choice, segment_length)
+            tokenizer = tokenizer_for(settings, choice, long_rows)
     with clock.step("model load"):
         model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
                          **choice.job_options, allow_pickle=settings.allow_pickle,
@@ -70,11 +70,12 @@ def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoic
     return LoadedModel(choice, job, model, tokenizer, compile_choice, limit, unpad)
 
 
-def tokenizer_for(settings: ModelSettings, choice: ModelChoice, segment_length: int | None = None) -> TokenizerSpec:
+def tokenizer_for(settings: ModelSettings, choice: ModelChoice, long_rows: LongRowSettings = TRUNCATE) -> TokenizerSpec:
     """The run's tokenizer: the model's, truncating at the chosen max length, with its prompt;
-    with a `segment_length`, cutting longer rows into segments of that many tokens."""
+    where `long_rows` splits this job's long rows, cutting them into segments (`LongRowSettings.split_length`)."""
     spec = load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
                                choice.lowercase)
+    segment_length = long_rows.split_length(settings.job, choice.max_length)
     if segment_length is not None:
         spec = dataclasses.replace(spec, segment_length=segment_length)
     return spec

@@ -247,7 +247,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     saved_to, not_saved = None, why_not_saved(settings["diagnosis"], config.vary)
     if config.save_recommendation and recommendation.level is not None and not_saved is None:
         key, name = recommendation_key(model_memory_fingerprint(model_path), config.model.job, device_name(device),
-                                       dtype_name(dtype), max_length, spec.segment_length, config.vary)
+                                       dtype_name(dtype), max_length, spec.segment_length or None, config.vary)
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         saved_to = save_recommendation(config.batch.plan_cache, name, key, recommendation,
                                        config.out, created)
