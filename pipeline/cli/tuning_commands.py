@@ -34,7 +34,7 @@ from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 
 @click.command()
 @CONFIG_OPTION
-@run_option("--input", "inputs", required=True,
+@run_option("input", required=True,
             help="Shards to sample rows from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
 @env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*SWEEP_VARIES)),
             help="The one setting that changes between levels.")
@@ -42,9 +42,9 @@ from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
             help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
-@run_option("--max-batch-tokens", show_default=True,
+@run_option("max_batch_tokens",
             help="Held fixed while --vary max-batch-rows; auto: no token budget (rows alone limit a batch).")
-@run_option("--max-batch-rows", show_default=True,
+@run_option("max_batch_rows",
             help="Held fixed while --vary max-batch-tokens; auto: the device's, as in run without a sweep "
                  f"recommendation: {device_batch_limit('cpu', 'max_batch_rows')} on CPU, "
                  f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA.")
@@ -88,7 +88,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 
 @click.command()
 @CONFIG_OPTION
-@run_option("--input", "inputs", required=True,
+@run_option("input", required=True,
             help="Shards to sample request texts from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
 @env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*LOADTEST_VARIES)),
             help="The one batcher setting that changes between levels.")
@@ -107,7 +107,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @env_option("--max-batch-size", env="MAX_BATCH_SIZE", type=Checked(values.Integer(1)),
             default=batcher_default("max_batch_size"), show_default=True,
             help="Requests per batch; a batch runs as soon as this many wait.")
-@run_option("--max-batch-tokens", show_default=True,
+@run_option("max_batch_tokens",
             help="Padded tokens per batch (also a trigger); auto: the device's default, as run's without a "
                  f"sweep: {device_batch_limit('cpu', 'max_batch_tokens')} on CPU, on CUDA a budget that follows "
                  f"the model's size ({cuda_batch_tokens(768, 12)} at BERT-base's). The memory plan caps it.")
@@ -126,11 +126,11 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @with_options(INPUT_OPTIONS)
 @with_options(MEMORY_OPTIONS)
 @with_options([TORCH_THREADS_OPTION])
-@run_option("--safety", show_default=True,
+@run_option("safety",
             help="Headroom factor of the memory formula.")
-@run_option("--probe/--no-probe", show_default=True,
+@run_option("probe",
             help="Cap batches by the memory plan (cached, or probed on the device first).")
-@run_option("--no-plan-cache", "no_plan_cache", help="Probe again and do not cache the plan.")
+@run_option("no_plan_cache", help="Probe again and do not cache the plan.")
 @env_option("--sample-rows", env="SAMPLE_ROWS", type=Checked(values.Integer(2)),
             default=loadtest_default("sample_rows"),
             show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")
