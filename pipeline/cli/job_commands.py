@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 
@@ -20,12 +19,11 @@ from pipeline.cli.options import (
     Checked,
     env_option,
     fail,
-    fail_on_storage_error,
+    exit_on_known_errors,
     run_option,
     with_options,
 )
 from pipeline.core import exit_codes, values
-from pipeline.core.errors import StorageError, UsageError
 from pipeline.offline.config import RunConfig
 from pipeline.offline.options import model_or_default, parse_storage_options, run_config
 from pipeline.engines.execute import check_run_paths, execute_run
@@ -37,14 +35,9 @@ from pipeline.engines.execute import check_run_paths, execute_run
 @with_options(LOG_OPTIONS)
 def run(**options) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
-    try:
+    with exit_on_known_errors():
         config = run_config(**options)
         summary = execute_run(config)
-    except UsageError as error:
-        fail(str(error))
-    except StorageError as error:  # one line; the traceback only with --verbose
-        logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
-        fail(str(error), exit_codes.STORAGE)
     click.echo(summary.to_text())
     if config.summary_json:
         click.echo(f"summary json    {config.summary_json}")
@@ -103,7 +96,7 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
     from pipeline.offline.workload import InputSample
     from pipeline.runtime import open_runtime
 
-    try:
+    with exit_on_known_errors():
         config = RunConfig.of(input=tuple(inputs), output="", model=model_or_default(model),
                               use_plan_cache=not no_plan_cache, storage_options=parse_storage_options(storage_option),
                               **{**settings, "probe": True})  # the plan is what `plan` shows
@@ -111,8 +104,6 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
         # --dtype auto's trial on the input's rows, as the run's: the plan is made for the run's dtype
         rows = InputSample(list_source_shards(config.source), config.source) if inputs else None
         memory_plan = open_runtime(config, rows).plan
-    except UsageError as error:
-        fail(str(error))
     if memory_plan is None:
         fail("no plan: the memory probe failed (see above)")
     click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
@@ -123,16 +114,12 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
 
     if not inputs:
         fail("--estimate needs --input: the shards the run will read")
-    try:
+    with exit_on_known_errors():  # a StorageError: the input's store could not be listed
         config = RunConfig.of(input=tuple(inputs), output="", model=model_or_default(model), progress=False,
                               storage_options=parse_storage_options(storage_option),
                               use_plan_cache=not no_plan_cache, **settings)
         check_run_paths(config)
         found = estimate_run(config, sample_rows, window_s)
-    except UsageError as error:
-        fail(str(error))
-    except StorageError as error:  # the input's store could not be listed
-        fail(str(error), exit_codes.STORAGE)
     click.echo(json.dumps({"estimate": found.to_dict()}, indent=2) if as_json else found.to_text())
 
 
@@ -164,13 +151,8 @@ def status(output, storage_option, as_json, as_metrics) -> None:
 
     if not output:
         fail("no output directory; set --output (or `output` in the --config file)")
-    try:
+    with exit_on_known_errors(output):
         report = run_status(output, parse_storage_options(storage_option))
-    except UsageError as error:
-        fail(str(error))
-    except Exception as error:
-        fail_on_storage_error(error, output)
-        raise
     if as_json:
         click.echo(json.dumps(report, indent=2))
     elif as_metrics:
@@ -245,13 +227,8 @@ def verify(inputs, output, storage_option, as_json) -> None:
     """
     from pipeline.offline.verify import verify_output
 
-    try:
+    with exit_on_known_errors(output):
         report = verify_output(list(inputs), output, parse_storage_options(storage_option))
-    except UsageError as error:
-        fail(str(error))
-    except Exception as error:
-        fail_on_storage_error(error, output)
-        raise
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.to_text())
     if not report.complete:
         sys.exit(exit_codes.SHARDS_FAILED)

@@ -3,6 +3,7 @@ vars, parameter types, the option lists, logging, and the one-line error exit.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -204,11 +205,18 @@ def fail(message: str, exit_code: int = exit_codes.USAGE) -> None:
     sys.exit(exit_code)
 
 
-def fail_on_storage_error(error: Exception, path: str) -> None:
-    """Exit with one line when `error`, raised reaching `path`, is the storage's: 2 for missing
-    credentials, 4 for storage that refused or could not be reached (the traceback only with
-    --verbose). Returns for any other error, which the caller raises."""
-    known = as_credentials_error(error, path) or as_storage_error(error, path)
-    if known is not None:
-        logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
+@contextlib.contextmanager
+def exit_on_known_errors(path: str | None = None):
+    """The one handler of a command's errors: an error the exit-code table maps (`core/exit_codes.py`:
+    UsageError 2, StorageError 4) ends the command with one line and its code; with `path`, so does an
+    error raised reaching that storage which stands for one (no credentials: 2; refused or unreachable:
+    4). Its traceback only with --verbose. Any other error passes: a bug, exit 1 with its traceback."""
+    try:
+        yield
+    except Exception as error:
+        known = error if exit_codes.exit_code_for(error) is not None else (
+            path is not None and (as_credentials_error(error, path) or as_storage_error(error, path)))
+        if not known:
+            raise
+        logging.getLogger(__name__).debug("the error's traceback:", exc_info=error)
         fail(str(known), exit_codes.exit_code_for(known))

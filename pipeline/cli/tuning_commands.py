@@ -17,6 +17,7 @@ from pipeline.cli.options import (
     Checked,
     batcher_default,
     env_option,
+    exit_on_known_errors,
     fail,
     level_test_options,
     loadtest_default,
@@ -25,7 +26,6 @@ from pipeline.cli.options import (
     with_options,
 )
 from pipeline.core import exit_codes, values
-from pipeline.core.errors import UsageError
 from pipeline.core.settings import LOADTEST_VARIES, SWEEP_VARIES, cuda_batch_tokens, device_batch_limit
 from pipeline.offline.options import model_or_default, parse_storage_options
 from pipeline.online.config import BatcherConfig
@@ -74,15 +74,13 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
     if (vary == "max-batch-tokens" and max_batch_tokens is not None) or \
             (vary == "max-batch-rows" and max_batch_rows is not None):
         fail(f"--{vary} is the varied setting; give its levels with --values, not as a fixed value")
-    try:
+    with exit_on_known_errors():
         config = SweepConfig.of(input=tuple(inputs), vary=vary, values=values, out=out,
                                 model=model_or_default(model), max_batch_tokens=max_batch_tokens,
                                 max_batch_rows=max_batch_rows,
                                 storage_options=parse_storage_options(storage_option), save_recommendation=not no_save,
                                 **settings)
         outcome = run_sweep_report(config, Comparison(compare_with, max_throughput_drop, max_p99_rise), plot)
-    except UsageError as error:
-        fail(str(error))
     print_outcome(outcome, fail_on_regression)
 
 
@@ -155,7 +153,7 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
         fail("--max-batch-tokens is the varied setting; give its levels with --values, not as a fixed value")
     if duration_s <= 0:
         fail("--duration must be more than 0")
-    try:
+    with exit_on_known_errors():
         batcher = BatcherConfig.of(model=model_or_default(model), use_plan_cache=not no_plan_cache, **batcher_settings)
         config = OnlineLoadtestConfig.of(input=tuple(inputs), vary=vary, values=values, out=out, batcher=batcher,
                                          qps=qps, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
@@ -163,8 +161,6 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
                                          memory_headroom=memory_headroom, id_column=id_column, text_column=text_column,
                                          storage_options=parse_storage_options(storage_option))
         outcome = run_loadtest_report(config, Comparison(compare_with, max_throughput_drop, max_p99_rise), plot)
-    except UsageError as error:
-        fail(str(error))
     print_outcome(outcome, fail_on_regression)
 
 
