@@ -109,17 +109,11 @@ def level_status(rejected: int, timed_out: int, oom_splits: int, qps_achieved: f
     return "overloaded" if rejected or timed_out or falls_behind(qps_achieved, qps_offered) else "ok"
 
 
-def markdown_table(levels: Sequence[OnlineLevelResult], vary: str, recommended: int | None = None) -> str:
-    lines = [f"| {vary} | status | requests | req/s achieved | p50 ms | p95 ms | p99 ms | max ms | mean batch | "
-             "rejected | timed out | peak memory |",
-             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in levels:
-        mark = " ←" if r.level == recommended else ""
-        lines.append(f"| {r.level}{mark} | {r.status} | {r.requests:,} | {r.qps_achieved:,.1f} | "
-                     f"{r.latency_ms_p50:,.1f} | {r.latency_ms_p95:,.1f} | {r.latency_ms_p99:,.1f} | "
-                     f"{r.latency_ms_max:,.1f} | {r.mean_batch_size:.2f} | {r.rejected} | {r.timed_out} | "
-                     f"{r.peak_memory_bytes / 2**20:,.0f} MiB |")
-    return "\n".join(lines)
+LOADTEST_COLUMNS = (("requests", "{0.requests:,}"), ("req/s achieved", "{0.qps_achieved:,.1f}"),
+                    ("p50 ms", "{0.latency_ms_p50:,.1f}"), ("p95 ms", "{0.latency_ms_p95:,.1f}"),
+                    ("p99 ms", "{0.latency_ms_p99:,.1f}"), ("max ms", "{0.latency_ms_max:,.1f}"),
+                    ("mean batch", "{0.mean_batch_size:.2f}"), ("rejected", "{0.rejected}"),
+                    ("timed out", "{0.timed_out}"), ("peak memory", "peak_memory_bytes"))  # `levels.markdown_table`
 
 
 @dataclass
