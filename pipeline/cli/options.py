@@ -142,6 +142,20 @@ CONFIG_OPTION = click.option("--config", type=click.Path(dir_okay=False), callba
                                   "another command takes (e.g. `output` for sweep) are skipped.")
 
 
+def level_test_header(sampled: str, varies: tuple[str, ...], setting: str, example: str) -> list:
+    """The options that open `sweep` and `loadtest`: the input the sample comes from, the one setting
+    varied and its levels."""
+    return [
+        run_option("input", required=True,
+                   help=f"Shards to sample {sampled} from: a directory, a glob or a file, local or fsspec URL. "
+                        "Repeatable."),
+        env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*varies)),
+                   help=f"The one {setting} that changes between levels."),
+        env_option("--values", env="VALUES", required=True, type=Checked(values.IntegerList()),
+                   help=f"Its levels, e.g. {example}."),
+    ]
+
+
 def level_test_options(what: str, throughput: str, p99: str, config) -> list:
     """The recommendation, output and comparison options that `sweep` and `loadtest` share
     (`config`: the dataclass their defaults come from), with one env var each."""

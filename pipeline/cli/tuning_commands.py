@@ -19,6 +19,7 @@ from pipeline.cli.options import (
     env_option,
     exit_on_known_errors,
     fail,
+    level_test_header,
     level_test_options,
     loadtest_default,
     run_option,
@@ -34,12 +35,7 @@ from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 
 @click.command()
 @CONFIG_OPTION
-@run_option("input", required=True,
-            help="Shards to sample rows from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*SWEEP_VARIES)),
-            help="The one setting that changes between levels.")
-@env_option("--values", env="VALUES", required=True, type=Checked(values.IntegerList()),
-            help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
+@with_options(level_test_header("rows", SWEEP_VARIES, "setting", "512,1024,2048,4096,8192,16384"))
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
 @run_option("max_batch_tokens",
@@ -86,11 +82,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 
 @click.command()
 @CONFIG_OPTION
-@run_option("input", required=True,
-            help="Shards to sample request texts from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*LOADTEST_VARIES)),
-            help="The one batcher setting that changes between levels.")
-@env_option("--values", env="VALUES", required=True, type=Checked(values.IntegerList()), help="Its levels, e.g. 1,2,4,8,16,32,64.")
+@with_options(level_test_header("request texts", LOADTEST_VARIES, "batcher setting", "1,2,4,8,16,32,64"))
 @env_option("--qps", env="QPS", type=Checked(values.Number(0, low_open=True)), default=loadtest_default("qps"),
             show_default=True, help="Mean arrival rate, requests per second (Poisson arrivals, open loop).")
 @env_option("--concurrency", env="CONCURRENCY", type=Checked(values.Integer(1)),
