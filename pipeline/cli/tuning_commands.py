@@ -23,6 +23,7 @@ from pipeline.cli.options import (
     level_test_options,
     loadtest_default,
     run_option,
+    run_options,
     sweep_default,
     with_options,
 )
@@ -38,6 +39,7 @@ from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 @with_options(level_test_header("rows", SWEEP_VARIES, "setting", "512,1024,2048,4096,8192,16384"))
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
+@with_options(run_options("long_text", "segment_length"))  # the sweep measures the rows the run computes
 @run_option("max_batch_tokens",
             help="Held fixed while --vary max-batch-rows; auto: no token budget (rows alone limit a batch).")
 @run_option("max_batch_rows",
