@@ -304,17 +304,13 @@ class DynamicBatcher:
     def _records(self, batch: list[QueuedRequest], result) -> list[dict]:
         """Each request's row as the offline job writes it (see `output_records`)."""
         from pipeline.core.device import dtype_name
-        from pipeline.core.forward import finite_rows
+        from pipeline.core.forward import failed_rows
 
-        padded_length = batch_padded_length(batch)
         errors: list[str | None] = [None] * len(batch)
-        if result.outputs:
-            for position in np.flatnonzero(~finite_rows(result.outputs) & ~result.failed):
-                errors[position] = (f"the model gave a non-finite output (nan or inf) in "
-                                    f"{dtype_name(self.loaded.choice.dtype)}; use --dtype float32")
-        for position in np.flatnonzero(result.failed):
-            errors[position] = (f"out of memory even alone at padded length {padded_length}; lower --max-length "
-                                "or use a larger device")
+        for rows, error in failed_rows(result.outputs, result.failed, dtype_name(self.loaded.choice.dtype),
+                                       batch_padded_length(batch), non_finite_fix="use --dtype float32"):
+            for position in np.flatnonzero(rows):
+                errors[position] = error
         return output_records(self.loaded.job, self.loaded.model, [r.request_id for r in batch], result.outputs,
                               [r.truncated for r in batch], errors)
 
