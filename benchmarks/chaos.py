@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args, extra = parser.parse_known_args()
-    from pipeline.runtime.model import default_model_path
+    from pipeline.runtime.choice import default_model_path
 
     if args.engine == "ray":
         start_ray_head()

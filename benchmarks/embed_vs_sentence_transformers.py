@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.runtime.model import default_model_path  # noqa: E402
+from pipeline.runtime.choice import default_model_path  # noqa: E402
 
 DEFAULT_INPUT = str(ROOT.parent / "shared" / "data" / "imdb-reviews" / "*.parquet")
 

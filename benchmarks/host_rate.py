@@ -202,7 +202,7 @@ def with_zero_forward(sampler: CpuSampler) -> None:
 
 
 def model_folder() -> str:
-    from pipeline.runtime.model import default_model_path
+    from pipeline.runtime.choice import default_model_path
 
     return default_model_path()
 

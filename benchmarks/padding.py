@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import tokenizers
 
 from pipeline.core.buckets import MAX_BATCH_PADDING, bucket_bounds, padding_efficiency, plan_batches
-from pipeline.runtime.model import default_model_path
+from pipeline.runtime.choice import default_model_path
 
 BUDGETS = [(2048, 512), (32768, 4096), (262144, 4096)]  # (padded tokens, rows): CPU, CUDA for BERT-base, MiniLM
 WINDOWS = [8192, 65536]

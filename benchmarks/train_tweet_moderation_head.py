@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoTokenizer, BertForSequenceClassification
 
-from pipeline.runtime.model import default_model_path
+from pipeline.runtime.choice import default_model_path
 
 LABELS = ("offensive", "hate")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 
@@ -15,17 +14,16 @@ from pipeline.cli.options import (
     INPUT_OPTIONS,
     LOG_OPTIONS,
     MODEL_OPTIONS,
+    RUN_COMMAND_OPTIONS,
     WORKER_OPTIONS,
     Checked,
     env_option,
     fail,
-    fail_on_storage_error,
-    merge_config_table,
+    exit_on_known_errors,
     run_option,
     with_options,
 )
 from pipeline.core import exit_codes, values
-from pipeline.core.errors import StorageError, UsageError
 from pipeline.offline.config import RunConfig
 from pipeline.offline.options import model_or_default, parse_storage_options, run_config
 from pipeline.engines.execute import check_run_paths, execute_run
@@ -33,73 +31,13 @@ from pipeline.engines.execute import check_run_paths, execute_run
 
 @click.command(epilog=f"\b\nExit codes:\n{exit_codes.exit_codes_help()}")
 @CONFIG_OPTION
-@run_option("--input", "inputs", help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable.")
-@run_option("--output", help="Output directory (local or fsspec URL): one Parquet file per shard.")
-@run_option("--demo", help="Input: the 400-row sample that ships with lengthwise (what ./run.sh embeds), in place of --input; "
-                 "a first run of an installed package: lengthwise run --demo --output out/demo.")
-@with_options(MODEL_OPTIONS)
-@with_options(INPUT_OPTIONS)
-@run_option("--keep-columns", help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
-@run_option("--split", help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
-@run_option("--long-text", show_default=True,
-            help="Rows longer than --max-length: truncate (only the first --max-length tokens are judged), split "
-                 "(cut into segments at sentence boundaries, else overlapping token windows; each scored as a row, "
-                 "the row takes the maximum per label or the token-weighted mean embedding), or auto: split for "
-                 "--job moderate, truncate otherwise; a resume keeps what the output was made with.")
-@run_option("--segment-length", help="--long-text split: tokens per segment at most (specials included). Default: --max-length.")
-@with_options(BATCH_OPTIONS)
-@run_option("--probe/--no-probe", show_default=True,
-            help="Size batches by the memory plan (cached, or probed on the device first).")
-@run_option("--window-rows", show_default=True,
-            help="Rows sorted and packed together; bounds the rows in flight. auto: 16 batches of the row limit, "
-                 "8,192 to 65,536 (8,192 on a CPU, 65,536 at CUDA's 4,096 rows).")
-@run_option("--threshold", callback=merge_config_table,
-            help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the "
-                 "--config file a [thresholds] table, which a flag overrides label by label.")
-@run_option("--default-threshold", show_default=True,
-            help="--job moderate: the threshold of every flag label without a --threshold.")
-@run_option("--flag-labels", help="--job moderate: the labels that can flag a row, comma-separated. Default: all labels of a "
-                 "multi-label (sigmoid) model; a single-label (softmax) model needs it (e.g. all but `normal`).")
-@with_options(WORKER_OPTIONS)
-@run_option("--overwrite", help="Redo every shard, even ones done before or under other settings.")
-@run_option("--reuse", help="A previous output of the same settings (e.g. yesterday's): rows whose id and text are unchanged "
-                 "copy its result; only new and edited rows are computed. The output is complete, as a full run.")
-@run_option("--dedupe/--no-dedupe", show_default=True,
-            help="Rows with the same text in a window run once and copy the result, bit for bit (spam waves, "
-                 "retweets, copy-paste). --no-dedupe computes each row.")
-@run_option("--engine", show_default=True,
-            help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster "
-                 "(pip install 'lengthwise[ray]').")
-@run_option("--ray-address", help="--engine ray: the cluster, auto or ray://host:10001. Default: RAY_ADDRESS, else a local Ray.")
-@run_option("--workers", help="--engine ray: actors. Default: one per GPU of the cluster, else cluster CPUs / --threads-per-worker.")
-@run_option("--threads-per-worker", help="--engine ray: torch threads (and CPUs reserved) per actor. Default: 1 for CPU actors.")
-@run_option("--num-shards", show_default=True,
-            help="Run as one of N workers over the same input and output (Kubernetes Indexed Job, Slurm array, "
-                 "Airflow mapped task); worker I takes shards I, I+N, … of the sorted shard list.")
-@run_option("--shard-index", help="This worker's index, 0…N-1. Default: JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID.")
-@run_option("--fail-fast", help="Stop at the first shard that fails.")
-@run_option("--lock-lease", "lock_lease_s", show_default=True,
-            help="The output lock's lease (e.g. 5m): renewed every fifth of it; a lock not renewed for longer is "
-                 "taken over from any host, so a run killed with its node does not block the next one.")
-@run_option("--progress/--no-progress", help="Progress bar on stderr. Default: only when stderr is a terminal (never into a log file).")
-@run_option("--summary-json", help="Also write the run summary to this JSON file.")
-@run_option("--metrics-textfile", help="Prometheus metrics of the run for node_exporter's textfile collector (a .prom "
-                                       "file in its directory): rewritten atomically every --metrics-interval and at the end.")
-@run_option("--metrics-interval", "metrics_interval_s", show_default=True,
-            help="How often --metrics-textfile is rewritten during the run (e.g. 30s).")
-@run_option("--pushgateway", help="Push the run's Prometheus metrics to this Pushgateway at its end (job lengthwise, "
-                                  "instance: this host).")
+@with_options(RUN_COMMAND_OPTIONS)
 @with_options(LOG_OPTIONS)
 def run(**options) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
-    try:
+    with exit_on_known_errors():
         config = run_config(**options)
         summary = execute_run(config)
-    except UsageError as error:
-        fail(str(error))
-    except StorageError as error:  # one line; the traceback only with --verbose
-        logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
-        fail(str(error), exit_codes.STORAGE)
     click.echo(summary.to_text())
     if config.summary_json:
         click.echo(f"summary json    {config.summary_json}")
@@ -118,7 +56,8 @@ def run(**options) -> None:
             help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
 @env_option("--per-sample", env="PER_SAMPLE", type=Checked(values.Size()), default=None,
             help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
-@run_option("--input", "inputs", help="--estimate: the input shards of the run.")
+@run_option("input", help="The input shards of the run: --dtype auto's trial runs on their rows, as the "
+                                       "run's; --estimate reads them.")
 @with_options(INPUT_OPTIONS)
 @env_option("--estimate", env="ESTIMATE", is_flag=True,
             help="Predict the run's device and wall seconds on --input: rows from the footers, token lengths from a "
@@ -127,7 +66,7 @@ def run(**options) -> None:
             help="--estimate: the time the run must fit in (e.g. 4h); prints the --num-shards it needs.")
 @env_option("--sample-rows", env="SAMPLE_ROWS", type=Checked(values.Integer(1)), default=2000, show_default=True,
             help="--estimate: rows tokenized to learn the token lengths.")
-@run_option("--reuse", help="--estimate: the output the run will --reuse; the sampled rows it has cost no device time.")
+@run_option("reuse", help="--estimate: the output the run will --reuse; the sampled rows it has cost no device time.")
 @with_options(WORKER_OPTIONS)
 @with_options(LOG_OPTIONS)
 def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_option, estimate, window_s,
@@ -153,15 +92,18 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
         click.echo(json.dumps({"available_bytes": available, "per_sample_bytes": per_sample,
                                "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
         return
+    from pipeline.offline.source import list_source_shards
+    from pipeline.offline.workload import InputSample
     from pipeline.runtime import open_runtime
 
-    try:
-        config = RunConfig.of(output="", model=model_or_default(model), use_plan_cache=not no_plan_cache,
+    with exit_on_known_errors():
+        config = RunConfig.of(input=tuple(inputs), output="", model=model_or_default(model),
+                              use_plan_cache=not no_plan_cache, storage_options=parse_storage_options(storage_option),
                               **{**settings, "probe": True})  # the plan is what `plan` shows
         check_run_paths(config)
-        memory_plan = open_runtime(config.model, config.batch).plan
-    except UsageError as error:
-        fail(str(error))
+        # --dtype auto's trial on the input's rows, as the run's: the plan is made for the run's dtype
+        rows = InputSample(list_source_shards(config.source), config.source) if inputs else None
+        memory_plan = open_runtime(config, rows).plan
     if memory_plan is None:
         fail("no plan: the memory probe failed (see above)")
     click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
@@ -172,23 +114,19 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
 
     if not inputs:
         fail("--estimate needs --input: the shards the run will read")
-    try:
+    with exit_on_known_errors():  # a StorageError: the input's store could not be listed
         config = RunConfig.of(input=tuple(inputs), output="", model=model_or_default(model), progress=False,
                               storage_options=parse_storage_options(storage_option),
                               use_plan_cache=not no_plan_cache, **settings)
         check_run_paths(config)
         found = estimate_run(config, sample_rows, window_s)
-    except UsageError as error:
-        fail(str(error))
-    except StorageError as error:  # the input's store could not be listed
-        fail(str(error), exit_codes.STORAGE)
     click.echo(json.dumps({"estimate": found.to_dict()}, indent=2) if as_json else found.to_text())
 
 
 @click.command()
 @CONFIG_OPTION
-@run_option("--output", help="The output directory of a run (or `output` in the --config file).")
-@run_option("--storage-option", callback=merge_config_table,
+@run_option("output", help="The output directory of a run (or `output` in the --config file).")
+@run_option("storage_option",
             help="KEY=VALUE for fsspec. Repeatable; in the --config file a [storage] table.")
 @env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
 @env_option("--metrics", "as_metrics", env="METRICS", is_flag=True,
@@ -213,13 +151,8 @@ def status(output, storage_option, as_json, as_metrics) -> None:
 
     if not output:
         fail("no output directory; set --output (or `output` in the --config file)")
-    try:
+    with exit_on_known_errors(output):
         report = run_status(output, parse_storage_options(storage_option))
-    except UsageError as error:
-        fail(str(error))
-    except Exception as error:
-        fail_on_storage_error(error, output)
-        raise
     if as_json:
         click.echo(json.dumps(report, indent=2))
     elif as_metrics:
@@ -281,9 +214,9 @@ def lock_line(lock: dict) -> str:
 
 
 @click.command()
-@run_option("--input", "inputs", help="The input the output was made from. Default: the input recorded in the output's run.json.")
-@run_option("--output", required=True, help="The output directory of a run.")
-@run_option("--storage-option", help="KEY=VALUE for fsspec. Repeatable.")
+@run_option("input", help="The input the output was made from. Default: the input recorded in the output's run.json.")
+@run_option("output", required=True, help="The output directory of a run.")
+@run_option("storage_option", help="KEY=VALUE for fsspec. Repeatable.")
 @env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
 def verify(inputs, output, storage_option, as_json) -> None:
     """Check an output against its input: every shard committed under the recorded settings, every
@@ -294,13 +227,8 @@ def verify(inputs, output, storage_option, as_json) -> None:
     """
     from pipeline.offline.verify import verify_output
 
-    try:
+    with exit_on_known_errors(output):
         report = verify_output(list(inputs), output, parse_storage_options(storage_option))
-    except UsageError as error:
-        fail(str(error))
-    except Exception as error:
-        fail_on_storage_error(error, output)
-        raise
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.to_text())
     if not report.complete:
         sys.exit(exit_codes.SHARDS_FAILED)

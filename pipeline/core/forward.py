@@ -232,6 +232,20 @@ def finite_rows(outputs: dict[str, np.ndarray]) -> np.ndarray:
     return finite
 
 
+def failed_rows(outputs: dict[str, np.ndarray], out_of_memory: np.ndarray, dtype: str, padded_length: int,
+                non_finite_fix: str = "rerun with --dtype float32") -> list[tuple[np.ndarray, str]]:
+    """The rows of a batch that get an error in place of outputs, as (mask, error): a non-finite output
+    (in `dtype`; what to do: `non_finite_fix`), out of memory even alone at `padded_length`. The
+    wording the offline run and the online batcher share."""
+    failed = []
+    if outputs:
+        failed.append((~finite_rows(outputs) & ~out_of_memory,
+                       f"the model gave a non-finite output (nan or inf) in {dtype}; {non_finite_fix}"))
+    failed.append((out_of_memory, f"out of memory even alone at padded length {padded_length}; lower --max-length "
+                                  "or use a larger device"))
+    return [(mask, error) for mask, error in failed if mask.any()]
+
+
 @dataclass
 class ReadyBatch:
     """A collated batch on its way to the device, with the rows it answers for."""

@@ -119,6 +119,25 @@ def segment_length_of(segment_length: int | None, max_length: int) -> int:
 
 
 @dataclass(frozen=True)
+class LongRowSettings:
+    """What becomes of rows longer than max_length: the same for a run, its estimate and its sweep, so that
+    the sweep measures the rows the run computes."""
+
+    long_text: str = "auto"  # truncate | split (into segments, each scored, folded back: pipeline/core/segments.py)
+    # | auto = split for moderate, truncate otherwise; a resume keeps the output's
+    segment_length: int | None = None  # split: tokens per segment at most; None = max_length
+
+    def split_length(self, job: str, max_length: int) -> int | None:
+        """Tokens per segment when `job` splits rows longer than `max_length`, else None: they are truncated."""
+        if long_text_mode(self.long_text, job) == "truncate":
+            return None
+        return segment_length_of(self.segment_length, max_length)
+
+
+TRUNCATE = LongRowSettings(long_text="truncate")  # a product without an input (the batcher, its load test)
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     """Which model runs, where and how: the one model setup's input (`pipeline.runtime.open_runtime`),
     the same for a run, a sweep, the batcher and a load test."""
@@ -170,7 +189,24 @@ class InputSettings:
     storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
 
 
-SETTINGS_GROUPS = {"model": ModelSettings, "batch": BatchSettings, "source": InputSettings}
+BATCH_LIMITS = ("max_batch_tokens", "max_batch_rows")
+
+
+@dataclass(frozen=True)
+class RuntimeNeeds:
+    """What a product asks of the one setup, declared by its config (`runtime_needs()`) as data."""
+
+    limits: tuple[str, ...] = BATCH_LIMITS  # the batch limits it settles (None, auto → a number)
+    recommended: bool = True  # a sweep's saved recommendation applies (not to the batcher: a sweep measures
+    # offline batches)
+    input_rows: bool = True  # --dtype auto's trial runs on the input's rows and --compile auto weighs the input's
+    # work (given an input); else random ids and a workload counted as large (a service)
+    long_rows: LongRowSettings = TRUNCATE  # whether rows longer than max_length are split, and how
+    levels: tuple[BatchSettings, ...] = ()  # a load test's levels: the memory plan is made for the largest
+
+
+SETTINGS_GROUPS = {"model": ModelSettings, "batch": BatchSettings, "source": InputSettings,
+                   "long_rows": LongRowSettings}
 
 
 class SettingsTree:

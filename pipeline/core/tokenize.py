@@ -85,6 +85,26 @@ class EncodedRows:
     def __len__(self) -> int:
         return len(self.errors)
 
+    def with_segments(self) -> EncodedRows:
+        """What runs of these rows under --long-text split: the rows, then their segments (position
+        len(self) + i is segment i); themselves when nothing was split."""
+        segments = self.segments
+        if segments is None or not len(segments):
+            return self
+        return EncodedRows(np.concatenate([self.token_ids, segments.token_ids]),
+                           np.concatenate([self.offsets, self.offsets[-1] + segments.offsets[1:]]),
+                           np.concatenate([self.truncated, np.zeros(len(segments), bool)]),
+                           self.errors + [None] * len(segments), 0.0)
+
+    def scored_positions(self, rows: np.ndarray) -> np.ndarray:
+        """Positions in `with_segments()` of what runs for `rows`: each row that fit, the segments of each
+        that was split."""
+        segments = self.segments
+        if segments is None or not len(segments):
+            return rows
+        split = np.isin(segments.row, rows)
+        return np.concatenate([rows[~np.isin(rows, segments.row)], len(self) + np.flatnonzero(split)])
+
 
 def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: bool = False, prompt: str = "",
                         lowercase: bool = False) -> TokenizerSpec:

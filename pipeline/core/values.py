@@ -199,36 +199,36 @@ class Duration(Kind):
         return seconds
 
 
-def comma_separated(value) -> tuple[str, ...] | None:
-    """The non-empty, stripped parts of "a, b,c"; None for a list or tuple, which is already parts."""
-    if isinstance(value, (list, tuple)):
-        return None
-    return tuple(part.strip() for part in str(value).split(",") if part.strip())
+class CommaSeparated(Kind):
+    """Items given as a list, or as comma-separated text ("a, b,c": stripped, empty parts dropped)."""
+
+    def parse(self, value):
+        if isinstance(value, (list, tuple)):
+            return tuple(value)  # already items (a TOML list's are checked by `toml_problem`)
+        return self.parse_parts(tuple(part.strip() for part in str(value).split(",") if part.strip()), value)
+
+    def parse_parts(self, parts: tuple[str, ...], value) -> tuple:
+        """The value of the text `value` cut into `parts`; ValueError says what is wrong."""
+        raise NotImplementedError
 
 
-class Names(Kind):
+class Names(CommaSeparated):
     """Comma-separated names (a list too): offensive,hate."""
 
     metavar, toml_types, items, expected = "NAME,NAME,…", (list, str), (str,), "a list of strings or a string"
 
-    def parse(self, value):
-        names = comma_separated(value)
-        if names is None:
-            return tuple(value)
-        if not names:
+    def parse_parts(self, parts, value):
+        if not parts:
             raise ValueError(f"{value!r} names nothing; give comma-separated names")
-        return names
+        return parts
 
 
-class IntegerList(Kind):
+class IntegerList(CommaSeparated):
     """Comma-separated positive integers (a list too): 512,1024,2048."""
 
     metavar, toml_types, items, expected = "N,N,…", (list, str), (int,), "a list of integers or a string"
 
-    def parse(self, value):
-        parts = comma_separated(value)
-        if parts is None:
-            return tuple(value)
+    def parse_parts(self, parts, value):
         try:
             numbers = tuple(int(part) for part in parts)
         except ValueError:

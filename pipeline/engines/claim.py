@@ -28,8 +28,8 @@ from pipeline.offline.reuse import check_reusable
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot, list_source_shards
 from pipeline.offline.summary import RunSummary, output_totals
-from pipeline.offline.workload import input_trial_texts
-from pipeline.runtime.model import ModelChoice, choose_model
+from pipeline.offline.workload import InputSample
+from pipeline.runtime.choice import ModelChoice, choose_model
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     sink = ShardSink(config.output, config.source.storage_options)
     manifest = RunManifest(sink.fs, sink.output_dir)
     config, dtype_source = keep_recorded_choices(config, manifest)
-    trial_texts = input_trial_texts(shards, config.source)  # the bf16 trial of --dtype auto runs on the job's rows
+    trial_texts = InputSample(shards, config.source).texts  # the bf16 trial of --dtype auto runs on the job's rows
     with clock.step("model code and dtype"):  # importing the architecture's code is most of it
         choice = (choose or choose_here)(config, dtype_source, trial_texts)
     with clock.step("output check"):

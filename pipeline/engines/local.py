@@ -10,15 +10,16 @@ from collections.abc import Mapping
 from pipeline.core import exit_codes
 from pipeline.core.clock import SetupClock
 from pipeline.runtime import open_runtime
-from pipeline.runtime.model import ModelChoice, tokenizer_for
+from pipeline.runtime.choice import ModelChoice
+from pipeline.runtime.model import tokenizer_for
 from pipeline.core.settings import tokenize_workers_for
 from pipeline.offline.config import RunConfig
 from pipeline.engines.claim import ShardsRunner, run_claimed
 from pipeline.offline.runner import ShardRunner
-from pipeline.core.tokenize import TokenizerPool, TokenizerSpec
+from pipeline.core.tokenize import TokenizerPool
 from pipeline.offline.source import Shard, resolve_worker_slot
 from pipeline.offline.summary import RunSummary
-from pipeline.offline.workload import estimate_tokens
+from pipeline.offline.workload import InputSample
 
 
 def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSummary:
@@ -51,16 +52,11 @@ def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],
     """The local engine: the tokenizer pool started first, so that its processes come up while
     the model loads; the model loaded once in this process (compiled if that pays back over
     `todo`); one shard runner for all shards; the config with --compile settled."""
-    source = config.source
-
-    def workload(spec: TokenizerSpec) -> float:
-        return estimate_tokens(todo, source.id_column, source.text_column, spec, source.storage_options)
-
     with clock.step("tokenizer"):
-        tokenizer = tokenizer_for(config.model, choice, config.split_length(choice.max_length))
+        tokenizer = tokenizer_for(config.model, choice, config.runtime_needs().long_rows)
         pool = TokenizerPool(tokenizer, tokenize_workers_for(config.tokenize_workers, choice.device.type), wait=False)
     try:
-        runtime = open_runtime(config.model, config.batch, choice=choice, workload=workload, tokenizer=tokenizer,
+        runtime = open_runtime(config, InputSample(todo, config.source), choice=choice, tokenizer=tokenizer,
                                clock=clock)
         settled = config.with_settings(compile="on" if runtime.loaded.compile.compiled else "off")
         return ShardRunner(settled, runtime, pool, clock), settled

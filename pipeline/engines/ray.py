@@ -37,7 +37,7 @@ from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.runtime import open_runtime
-from pipeline.runtime.model import ModelChoice, choose_model
+from pipeline.runtime.choice import ModelChoice, choose_model
 from pipeline.core.settings import CUDA_HOST_THREADS
 from pipeline.offline.config import RunConfig
 from pipeline.engines.claim import run_claimed
@@ -76,7 +76,7 @@ class ShardWorker:
         self.start_error, self.device, self.dtype = None, None, None
         try:
             # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
-            runtime = open_runtime(config.model, config.batch, split_length=config.split_length)
+            runtime = open_runtime(config)
             choice = runtime.loaded.choice
             self.device, self.dtype = str(choice.device), dtype_name(choice.dtype)
             self.runner = ShardRunner(config, runtime, keep_pool=True)  # one tokenizer pool for the actor's life

@@ -20,7 +20,7 @@ from pipeline.offline.reuse import recorded_dtype, recorded_long_text, remove_st
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot
 from pipeline.offline.summary import RunSummary, output_totals
-from pipeline.runtime.model import ModelChoice, model_content_hash
+from pipeline.runtime.choice import ModelChoice
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
         dtype = recorded["fingerprint"].get("dtype")
         if config.model.dtype == "auto" and dtype in DTYPES:
             changes["dtype"], dtype_source = dtype, f"what {config.output} was made with (--dtype auto)"
-        if config.long_text == "auto":  # an output made before --long-text existed was truncated
+        if config.long_rows.long_text == "auto":  # an output made before --long-text existed was truncated
             changes["long_text"] = recorded["fingerprint"].get("long_text", "truncate")
         compiled = recorded.get("config", {}).get("compile")
         if config.model.compile == "auto" and compiled in ("on", "off"):
@@ -73,7 +73,7 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
         dtype = recorded_dtype(config.reuse, config.source.storage_options)
         if dtype in DTYPES:
             changes["dtype"], dtype_source = dtype, f"what {config.reuse} was made with (--dtype auto, --reuse)"
-    if config.reuse and changes.get("long_text", config.long_text) == "auto":
+    if config.reuse and changes.get("long_text", config.long_rows.long_text) == "auto":
         changes["long_text"] = recorded_long_text(config.reuse, config.source.storage_options) or "auto"
     return config.with_settings(**changes), dtype_source
 
@@ -137,7 +137,7 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
 def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     """Everything that changes the output values. Batch sizes, workers and memory settings
     are left out on purpose: they must not change results."""
-    return {"job": config.model.job, "model": model_content_hash(choice.path, config.batch.plan_cache),
+    return {"job": config.model.job, "model": choice.content_hash,
             "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
             "id_column": config.source.id_column, "text_column": config.source.text_column, **choice.job_options,
@@ -148,7 +148,7 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
 def long_text_fingerprint(config: RunConfig, max_length: int) -> dict:
     """Nothing for truncate (so outputs made before --long-text existed still match); split and
     its segment length for split."""
-    segment_length = config.split_length(max_length)
+    segment_length = config.long_rows.split_length(config.model.job, max_length)
     return {} if segment_length is None else {"long_text": "split", "segment_length": segment_length}
 
 

@@ -9,8 +9,8 @@ from pipeline.core.settings import (
     InputSettings,
     ModelSettings,
     SettingsTree,
-    long_text_mode,
-    segment_length_of,
+    LongRowSettings,
+    RuntimeNeeds,
 )
 
 
@@ -20,9 +20,7 @@ class RunConfig(SettingsTree):
     source: InputSettings = field(default_factory=InputSettings)
     model: ModelSettings = field(default_factory=lambda: ModelSettings(thresholds={}))  # a run checks its thresholds
     batch: BatchSettings = field(default_factory=BatchSettings)
-    long_text: str = "auto"  # rows longer than max_length: truncate | split (into segments, each scored, folded
-    # back: pipeline/core/segments.py) | auto = split for moderate, truncate otherwise; a resume keeps the output's
-    segment_length: int | None = None  # split: tokens per segment at most; None = max_length
+    long_rows: LongRowSettings = field(default_factory=LongRowSettings)  # --long-text, --segment-length
     keep_columns: tuple[str, ...] = ()  # input columns copied to the output unchanged, after `id`
     window_rows: int | None = None  # rows sorted and packed together; bounds memory in flight; None = auto:
     # 16 batches of the row limit, 8,192–65,536 (`auto_window_rows`)
@@ -47,9 +45,6 @@ class RunConfig(SettingsTree):
     metrics_interval_s: float = 30.0  # how often the textfile is rewritten during the run
     pushgateway: str | None = None  # a Prometheus Pushgateway the run's metrics are pushed to at its end
 
-    def split_length(self, max_length: int) -> int | None:
-        """Tokens per segment when this run splits rows longer than `max_length` (--long-text), else None:
-        they are truncated."""
-        if long_text_mode(self.long_text, self.model.job) == "truncate":
-            return None
-        return segment_length_of(self.segment_length, max_length)
+    def runtime_needs(self) -> RuntimeNeeds:
+        """Both batch limits, a sweep's recommendation, the input's rows for the dtype trial and the compile."""
+        return RuntimeNeeds(long_rows=self.long_rows)

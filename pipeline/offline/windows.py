@@ -79,12 +79,7 @@ class Window:
         self.scored, self.segment_counts = self.encoded, None
         if segments is not None:
             self.segment_counts = np.bincount(segments.row, minlength=self.num_rows)
-            if len(segments):
-                encoded = self.encoded
-                self.scored = EncodedRows(np.concatenate([encoded.token_ids, segments.token_ids]),
-                                          np.concatenate([encoded.offsets, encoded.offsets[-1] + segments.offsets[1:]]),
-                                          np.concatenate([encoded.truncated, np.zeros(len(segments), bool)]),
-                                          encoded.errors + [None] * len(segments), 0.0)
+            self.scored = self.encoded.with_segments()
 
     def rows_to_score(self, start: int, end: int) -> np.ndarray:
         """Positions in `scored` of what runs for rows start:end: the valid rows that fit, and the

@@ -4,8 +4,8 @@ their texts, tokenized as the model will see them. `--compile auto` weighs a com
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,11 +28,23 @@ def sample_texts(shards: Sequence[Shard], id_column: str, text_column: str, stor
     return None
 
 
-def input_trial_texts(shards: Sequence[Shard], source: InputSettings) -> Callable[[], list | None]:
-    """The texts the bf16 trial of `--dtype auto` runs on, read only if it runs: the input's own first
-    rows, the same for a run, a sweep and an estimate of it, so that they share one cached verdict and
-    settle one dtype (a sweep's recommendation is kept per dtype)."""
-    return functools.partial(sample_texts, shards, source.id_column, source.text_column, source.storage_options)
+@dataclass(frozen=True)
+class InputSample:
+    """An input as the one setup reads it (`pipeline.runtime.InputRows`), only where it needs it: the same
+    for a run, `plan`, a sweep and an estimate of it, so that they share one cached dtype verdict (a sweep's
+    recommendation is kept per dtype) and weigh a compile against the same work."""
+
+    shards: Sequence[Shard]
+    source: InputSettings
+
+    def texts(self) -> list | None:
+        """What the bf16 trial of `--dtype auto` runs on: the input's own first rows."""
+        return sample_texts(self.shards, self.source.id_column, self.source.text_column, self.source.storage_options)
+
+    def tokens(self, tokenizer: TokenizerSpec) -> float:
+        """What `--compile auto` weighs a compile against (`estimate_tokens`)."""
+        return estimate_tokens(self.shards, self.source.id_column, self.source.text_column, tokenizer,
+                               self.source.storage_options)
 
 
 def estimate_tokens(shards: Sequence[Shard], id_column: str, text_column: str, spec: TokenizerSpec,

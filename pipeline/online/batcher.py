@@ -48,9 +48,9 @@ class DynamicBatcher:
     event loop at a time.
     """
 
-    def __init__(self, loaded, config: BatcherConfig, limits=None):
-        """`loaded`: a pipeline.runtime.model.LoadedModel; `limits`: the memory plan's
-        pipeline.core.forward.BatchLimits, lowered after an out-of-memory split (None: no plan)."""
+    def __init__(self, runtime, config: BatcherConfig):
+        """`runtime`: a pipeline.runtime.Runtime (`open_runtime(config)`): the loaded model and its memory
+        plan's limits, lowered after an out-of-memory split; `config.batch`: limits settled as the runtime's."""
         from tokenizers import Tokenizer
 
         from pipeline.core.buckets import bucket_bounds
@@ -63,13 +63,14 @@ class DynamicBatcher:
         if config.max_batch_size < 1 or config.max_queue < 1 or config.max_queue_tokens < 1 or \
                 config.batch.max_batch_tokens < 1:
             raise ValueError("max_batch_size, max_batch_tokens, max_queue and max_queue_tokens must be positive")
+        loaded = runtime.loaded
         if config.model.max_length is not None and config.model.max_length != loaded.choice.max_length:
             raise ValueError(f"max_length {config.model.max_length} differs from the loaded model's "
                              f"{loaded.choice.max_length}; load the model with the same settings")
-        self.loaded, self.config, self.limits = loaded, config, limits
+        self.loaded, self.config, self.limits = loaded, config, runtime.limits
         device = loaded.choice.device
         self.rules = BatchRules(config.max_batch_size, config.batch.max_batch_tokens, config.batch_timeout_ms / 1000,
-                                limits.rows_for if limits is not None else None)
+                                runtime.limits.rows_for)
         self.bounds = bucket_bounds(loaded.choice.max_length, padding_multiple(device))
         self.stats = BatcherStats()
         self._tokenizer = Tokenizer.from_str(loaded.tokenizer.tokenizer_json)
@@ -93,8 +94,8 @@ class DynamicBatcher:
 
         from pipeline.runtime import open_runtime
 
-        runtime = open_runtime(config.model, config.batch, resolved=("max_batch_tokens",), recommended=False)
-        return cls(runtime.loaded, dataclasses.replace(config, batch=runtime.batch), runtime.limits)
+        runtime = open_runtime(config)
+        return cls(runtime, dataclasses.replace(config, batch=runtime.batch))
 
     # ── the caller's side ──
 
@@ -296,24 +297,20 @@ class DynamicBatcher:
             tensors, copied = self._feeder.send(input_ids, attention_mask)
             input_ids, attention_mask = self._feeder.receive(tensors, copied)
             result = HostCopy(forward_splitting_on_oom(forward, input_ids, attention_mask, device), device).read()
-        if result.splits and self.limits is not None:
+        if result.splits:
             self.limits.lower(padded_length, max(1, result.largest_ok_rows))
         return result, time.perf_counter() - started
 
     def _records(self, batch: list[QueuedRequest], result) -> list[dict]:
         """Each request's row as the offline job writes it (see `output_records`)."""
         from pipeline.core.device import dtype_name
-        from pipeline.core.forward import finite_rows
+        from pipeline.core.forward import failed_rows
 
-        padded_length = batch_padded_length(batch)
         errors: list[str | None] = [None] * len(batch)
-        if result.outputs:
-            for position in np.flatnonzero(~finite_rows(result.outputs) & ~result.failed):
-                errors[position] = (f"the model gave a non-finite output (nan or inf) in "
-                                    f"{dtype_name(self.loaded.choice.dtype)}; use --dtype float32")
-        for position in np.flatnonzero(result.failed):
-            errors[position] = (f"out of memory even alone at padded length {padded_length}; lower --max-length "
-                                "or use a larger device")
+        for rows, error in failed_rows(result.outputs, result.failed, dtype_name(self.loaded.choice.dtype),
+                                       batch_padded_length(batch), non_finite_fix="use --dtype float32"):
+            for position in np.flatnonzero(rows):
+                errors[position] = error
         return output_records(self.loaded.job, self.loaded.model, [r.request_id for r in batch], result.outputs,
                               [r.truncated for r in batch], errors)
 

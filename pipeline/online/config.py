@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.core.settings import BatchSettings, ModelSettings, SettingsTree
+from pipeline.core.settings import BatchSettings, ModelSettings, RuntimeNeeds, SettingsTree
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,11 @@ class BatcherConfig(SettingsTree):
     request_timeout_ms: float = 1000.0  # a request's deadline unless submit gives one; > batch_timeout_ms
     max_queue: int = 2000  # requests waiting (tokenizing or queued); one more fails at once with QueueFull
     max_queue_tokens: int = 2**18  # padded tokens waiting; the same
+
+    def runtime_needs(self) -> RuntimeNeeds:
+        """The token budget only (the batch size is its own setting), never a sweep's recommendation (a sweep
+        measures offline batches), no input: requests come one by one."""
+        return RuntimeNeeds(limits=("max_batch_tokens",), recommended=False, input_rows=False)
 
     @property
     def max_batch_size(self) -> int:

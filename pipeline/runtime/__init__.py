@@ -9,22 +9,20 @@ model, max length, batch limits and memory plan the same way.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
 from pipeline.core.clock import SetupClock
 from pipeline.core.forward import BatchLimits
 from pipeline.core.memory import MemoryPlan
 from pipeline.core.probe import memory_plan_for
-from pipeline.core.settings import BatchSettings, ModelSettings, set_torch_threads
+from pipeline.core.settings import BATCH_LIMITS, BatchSettings, ModelSettings, RuntimeNeeds
 from pipeline.core.tokenize import TokenizerSpec
-from pipeline.runtime.model import LoadedModel, ModelChoice, choose_model, load_model
+from pipeline.runtime.choice import ModelChoice, choose_model
+from pipeline.runtime.model import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
-
-BATCH_LIMITS = ("max_batch_tokens", "max_batch_rows")
-
 
 @dataclass
 class Runtime:
@@ -47,45 +45,57 @@ class Runtime:
         return sweep_reference(self.saved_for)
 
     def resolve(self, batch: BatchSettings) -> tuple[BatchSettings, str]:
-        """Other limits (a load test's level) settled as this runtime's were."""
-        return settle_limits(batch, self.loaded, self.saved_for, self.resolved)
+        """Other limits (a load test's level) settled as this runtime's were (`resolve_batch_setting`)."""
+        return resolve_batch_setting(batch, self.loaded.choice.device.type, self.saved_for, self.resolved,
+                                     model_config=self.loaded.model.config)
 
 
-def settle_limits(batch: BatchSettings, loaded: LoadedModel, saved_for: dict[str, dict | None],
-                  resolved: tuple[str, ...]) -> tuple[BatchSettings, str]:
-    """`batch` with the limits named in `resolved` settled for this model and device (`resolve_batch_setting`)."""
-    return resolve_batch_setting(batch, loaded.choice.device.type, saved_for, resolved,
-                                 model_config=loaded.model.config)
+class ProductConfig(Protocol):
+    """A product's config (run, sweep, batcher, load test): its model and batch settings and what it needs."""
+
+    model: ModelSettings
+    batch: BatchSettings
+
+    def runtime_needs(self) -> RuntimeNeeds:
+        """What this product asks of the setup."""
 
 
-def open_runtime(model: ModelSettings, batch: BatchSettings, *, choice: ModelChoice | None = None,
-                 trial_texts: Callable[[], list | None] | None = None,
-                 split_length: Callable[[int], int | None] | None = None,
-                 resolved: tuple[str, ...] = BATCH_LIMITS, recommended: bool = True,
-                 levels: Sequence[BatchSettings] = (), workload: Callable[[TokenizerSpec], float] | None = None,
+class InputRows(Protocol):
+    """The input a product runs on, read by the setup only where it needs it (`offline.workload.InputSample`)."""
+
+    def texts(self) -> list | None:
+        """A sample of the input's texts: what --dtype auto's bf16 trial runs on."""
+
+    def tokens(self, tokenizer: TokenizerSpec) -> float:
+        """The input's real tokens, estimated: what --compile auto weighs a compile against."""
+
+
+def open_runtime(config: ProductConfig, rows: InputRows | None = None, *, choice: ModelChoice | None = None,
                  tokenizer: TokenizerSpec | None = None, clock: SetupClock | None = None) -> Runtime:
     """Settle the model (`choice`: already settled, as a run settles it before checking its output;
-    else here, --dtype auto's trial on `trial_texts()`, the input's rows, where given) and load it
-    (`workload`, `tokenizer`, `clock`: as `load_model`; `split_length(max_length)`: the segment length
-    of a tokenizer that splits long rows, None to truncate). Then settle the limits named in `resolved`
-    (None = auto: the sweep's saved recommendation for this model, device, dtype and max length unless
-    not `recommended` (the online batcher: a sweep measures offline batches), else the device's default
-    for this model's size) and make the memory plan for the settled limits, or for the largest of
-    `levels` (a load test's: each settled the same way)."""
+    else here, --dtype auto's trial on the input's `rows` where the product reads them) and load it
+    (`tokenizer`: already loaded, as a run starts its pool with it; `clock`: the steps' seconds), with
+    the product's long-row setting and, for --compile auto, its input's work. Then settle the limits the
+    product settles (None = auto: the sweep's saved recommendation for this model, device, dtype, max
+    length and long-row setting where one applies, else the device's default for this model's size) and
+    make the memory plan for the settled limits, or for the largest of the product's levels."""
+    model, batch, needs = config.model, config.batch, config.runtime_needs()
+    rows = rows if needs.input_rows else None
     clock = clock or SetupClock()
-    set_torch_threads(model.torch_threads)  # before the model loads: the dtype and compile trials time with it
-    choice = choice or choose_model(model, batch.plan_cache, trial_texts=trial_texts)
-    segment_length = split_length(choice.max_length) if split_length else None
-    loaded = load_model(model, batch, choice, workload, tokenizer, clock, segment_length)
+    choice = choice or choose_model(model, batch.plan_cache, trial_texts=rows.texts if rows else None)
+    loaded = load_model(model, batch, choice, rows.tokens if rows else None, tokenizer, clock, needs.long_rows)
     with clock.step("batch plan"):
-        saved_for = saved_recommendations(batch.plan_cache, model.job, choice.max_length, choice.path,
-                                          choice.device, loaded.model) if recommended else {}
-        settled, setting = settle_limits(batch, loaded, saved_for, resolved)
+        saved_for = saved_recommendations(batch.plan_cache, model.job, choice.max_length,
+                                          loaded.tokenizer.segment_length or None, choice.path, choice.device_key,
+                                          loaded.model) if needs.recommended else {}
+        device, shape = choice.device.type, loaded.model.config
+        settled, setting = resolve_batch_setting(batch, device, saved_for, needs.limits, model_config=shape)
         log.info(f"batch setting: {setting}")
-        plan = memory_plan_for(largest_of([settle_limits(level, loaded, saved_for, resolved)[0] for level in levels]
-                                          or [settled]), model.job, choice.max_length, loaded.job, loaded.model,
-                               choice.path, choice.device) if batch.probe else None
-    return Runtime(loaded, settled, setting, plan, BatchLimits(plan), saved_for, resolved)
+        levels = [resolve_batch_setting(level, device, saved_for, needs.limits, model_config=shape)[0]
+                  for level in needs.levels]
+        plan = memory_plan_for(largest_of(levels or [settled]), model.job, choice.max_length, loaded.job,
+                               loaded.model, choice.path, choice.device) if batch.probe else None
+    return Runtime(loaded, settled, setting, plan, BatchLimits(plan), saved_for, needs.limits)
 
 
 def largest_of(batches: list[BatchSettings]) -> BatchSettings:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from pipeline.core.settings import BatchSettings, InputSettings, ModelSettings, SettingsTree
+from pipeline.core.settings import (
+    BatchSettings,
+    InputSettings,
+    LongRowSettings,
+    ModelSettings,
+    RuntimeNeeds,
+    SettingsTree,
+    VARIED_SETTINGS,
+)
 from pipeline.online.config import BatcherConfig
 
 
@@ -21,6 +30,7 @@ class SweepConfig(SettingsTree):
     model: ModelSettings = field(default_factory=ModelSettings)
     batch: BatchSettings = field(default_factory=lambda: BatchSettings(probe=False))  # no memory plan: each level
     # is measured; plan_cache: where the recommendation is saved
+    long_rows: LongRowSettings = field(default_factory=LongRowSettings)  # as the run's: its rows are measured
     rows: int = 2000  # measured rows per level
     warmup_rows: int = 200  # run before each level, not counted
     seed: int = 0  # which rows the sample takes
@@ -29,6 +39,11 @@ class SweepConfig(SettingsTree):
     tokenize_workers: int | None = None  # as RunConfig's
     prefetch_batches: int = 4
     save_recommendation: bool = True
+
+    def runtime_needs(self) -> RuntimeNeeds:
+        """Rows as the run has them (the token budget is the varied or fixed level), its recommendation
+        saved, not taken; the input's rows for the dtype trial and the compile, as the run's."""
+        return RuntimeNeeds(limits=("max_batch_rows",), recommended=False, long_rows=self.long_rows)
 
 
 @dataclass(frozen=True)
@@ -48,3 +63,19 @@ class OnlineLoadtestConfig(SettingsTree):
     seed: int = 0
     max_p99_ms: float | None = None  # recommendation: p99 latency limit
     memory_headroom: float = 0.10
+
+    @property
+    def model(self) -> ModelSettings:
+        return self.batcher.model
+
+    @property
+    def batch(self) -> BatchSettings:
+        return self.batcher.batch
+
+    def runtime_needs(self) -> RuntimeNeeds:
+        """The batcher's, with one memory plan for the largest batches its levels may form."""
+        return dataclasses.replace(self.batcher.runtime_needs(), levels=tuple(level.batch for level in self.levels()))
+
+    def levels(self) -> list[BatcherConfig]:
+        """The batcher setting of each level, smallest first."""
+        return [self.batcher.with_settings(**{VARIED_SETTINGS[self.vary]: value}) for value in sorted(set(self.values))]

@@ -211,7 +211,7 @@ def diagnose_loadtest(rows: Sequence[dict]) -> list[Finding]:
         missing = [key for key in LOADTEST_KEYS if key not in row]
         if missing:
             raise ValueError(f"a load-test row lacks {', '.join(missing)}")
-    checks = (_batches_never_fill, _token_capped, _queue_grows, _rejections, _timeouts, _online_tail)
+    checks = (_batches_never_fill, _token_capped, _queue_grows, *map(_lost_requests, LOST_REQUESTS), _online_tail)
     return [finding for check in checks if (finding := check(rows)) is not None]
 
 
@@ -278,28 +278,29 @@ def _queue_grows(rows: list[dict]) -> Finding | None:
         + "another replica, or admit less (rate limit)")
 
 
-def _rejections(rows: list[dict]) -> Finding | None:
-    hit = [r for r in rows if r["rejected"] > 0]
-    if not hit:
-        return None
-    return Finding(
-        "rejections",
-        "; ".join(f"{_at(r)}: {r['rejected']:,} of {r['requests']:,} requests rejected "
-                  f"({r['rejected'] / max(r['requests'], 1):.1%})" for r in hit),
-        "the queue was full: the offered rate is above capacity; add capacity (a replica, a larger max batch size "
-        "if batches are full); a longer queue only trades rejections for latency")
+LOST_REQUESTS = {  # the load test's count of lost requests → (finding code, what a level that lost some says, advice)
+    "rejected": ("rejections",
+                 lambda r: f"{_at(r)}: {r['rejected']:,} of {r['requests']:,} requests rejected "
+                           f"({r['rejected'] / max(r['requests'], 1):.1%})",
+                 "the queue was full: the offered rate is above capacity; add capacity (a replica, a larger max "
+                 "batch size if batches are full); a longer queue only trades rejections for latency"),
+    "timed_out": ("timeouts",
+                  lambda r: f"{_at(r)}: {r['timed_out']:,} of {r['requests']:,} requests timed out, p99 "
+                            f"{r['latency_ms_p99']:,.0f} ms, max {r['latency_ms_max']:,.0f} ms",
+                  "requests waited past their timeout: capacity is below the offered rate, or the batch wait plus "
+                  "one batch's compute exceeds the timeout; a smaller max batch size shortens each batch"),
+}
 
 
-def _timeouts(rows: list[dict]) -> Finding | None:
-    hit = [r for r in rows if r["timed_out"] > 0]
-    if not hit:
-        return None
-    return Finding(
-        "timeouts",
-        "; ".join(f"{_at(r)}: {r['timed_out']:,} of {r['requests']:,} requests timed out, p99 "
-                  f"{r['latency_ms_p99']:,.0f} ms, max {r['latency_ms_max']:,.0f} ms" for r in hit),
-        "requests waited past their timeout: capacity is below the offered rate, or the batch wait plus one "
-        "batch's compute exceeds the timeout; a smaller max batch size shortens each batch")
+def _lost_requests(count: str):
+    """The check of one kind of lost request (`LOST_REQUESTS`): a finding over the levels that lost any."""
+    code, says, advice = LOST_REQUESTS[count]
+
+    def check(rows: list[dict]) -> Finding | None:
+        hit = [r for r in rows if r[count] > 0]
+        return Finding(code, "; ".join(map(says, hit)), advice) if hit else None
+
+    return check
 
 
 def _online_tail(rows: list[dict]) -> Finding | None:

@@ -130,7 +130,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     from pipeline.core.clock import SetupClock
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.runtime import open_runtime
-    from pipeline.offline.workload import input_trial_texts
+    from pipeline.offline.workload import InputSample
     from pipeline.offline.source import list_source_shards
     from pipeline.tuning.sweep import LevelSettings, measure_level, read_sample
 
@@ -140,8 +140,7 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     # the model, batch setting and memory plan the run will take (the plan probed here once and cached, so the run
     # does not probe); --dtype auto's trial on the input's rows, as the run's: the throughput depends on the dtype
     started, clock = time.perf_counter(), SetupClock()
-    runtime = open_runtime(config.model, config.batch, trial_texts=input_trial_texts(shards, source),
-                           split_length=config.split_length, clock=clock)
+    runtime = open_runtime(config, InputSample(shards, source), clock=clock)
     loaded, plan = runtime.loaded, runtime.plan
     setup_s = time.perf_counter() - started - clock.steps.get("batch plan", 0.0)  # a cached plan costs the run nothing
     sample = read_sample(shards, source.text_column, source.id_column, sample_rows, 0, source.storage_options,
@@ -168,7 +167,8 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
         measured = usable[len(warmup):len(warmup) + MEASURED_ROWS]
         batch = runtime.batch
         level = LevelSettings(batch.max_batch_tokens, batch.max_batch_rows, runtime.max_length, config.prefetch_batches)
-        result = measure_level(loaded.job, loaded.model, loaded.choice.device, encoded, warmup, measured, level, 0,
+        result = measure_level(loaded.job, loaded.model, loaded.choice.device, encoded.with_segments(),
+                               encoded.scored_positions(warmup), encoded.scored_positions(measured), level, 0,
                                loaded.tokenizer.pad_token_id)
         tokens_per_s = result.tokens_per_s
         basis = (f"measured here on {len(measured)} sampled rows at --max-batch-tokens {batch.max_batch_tokens}, "

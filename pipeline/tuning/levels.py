@@ -222,16 +222,27 @@ def read_sweep_csv(path: str, result_type: type = LevelResult) -> list:
         raise UsageError(f"{path} has a value that is not a number: {error}") from error
 
 
-def markdown_table(levels: Sequence[LevelResult], recommended: int | None = None) -> str:
-    lines = ["| level | status | rows/s | tokens/s | padding eff. | batch p50 ms | batch p99 ms | row p50 ms | "
-             "row p99 ms | peak memory | batches | OOM splits |",
-             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in levels:
-        mark = " ←" if r.level == recommended else ""
-        lines.append(f"| {r.level}{mark} | {r.status} | {r.rows_per_s:,.1f} | {r.tokens_per_s:,.0f} | "
-                     f"{r.padding_efficiency:.3f} | {r.batch_latency_ms_p50:,.0f} | {r.batch_latency_ms_p99:,.0f} | "
-                     f"{r.row_latency_ms_p50:,.0f} | {r.row_latency_ms_p99:,.0f} | {format_bytes(r.peak_device_bytes)} | "
-                     f"{r.batches:,} | {r.oom_splits} |")
+SWEEP_COLUMNS = (("rows/s", "{0.rows_per_s:,.1f}"), ("tokens/s", "{0.tokens_per_s:,.0f}"),
+                 ("padding eff.", "{0.padding_efficiency:.3f}"), ("batch p50 ms", "{0.batch_latency_ms_p50:,.0f}"),
+                 ("batch p99 ms", "{0.batch_latency_ms_p99:,.0f}"), ("row p50 ms", "{0.row_latency_ms_p50:,.0f}"),
+                 ("row p99 ms", "{0.row_latency_ms_p99:,.0f}"), ("peak memory", "peak_device_bytes"),
+                 ("batches", "{0.batches:,}"), ("OOM splits", "{0.oom_splits}"))
+
+
+def markdown_table(levels: Sequence, recommended: int | None = None, columns: Sequence[tuple[str, str]] = SWEEP_COLUMNS,
+                   first: str = "level") -> str:
+    """The levels of a sweep or a load test as a Markdown table, the recommended one marked: the level
+    (headed `first`) and its status, then `columns`, each (header, a format of the level result, or the
+    name of a field of bytes, printed as `format_bytes` prints a size)."""
+    def cell(result, spec: str) -> str:
+        return spec.format(result) if "{" in spec else format_bytes(getattr(result, spec))
+
+    lines = ["| " + " | ".join([first, "status", *(header for header, _ in columns)]) + " |",
+             "|---:|:---|" + "---:|" * len(columns)]
+    for result in levels:
+        mark = " ←" if result.level == recommended else ""
+        lines.append(f"| {result.level}{mark} | {result.status} | "
+                     + " | ".join(cell(result, spec) for _, spec in columns) + " |")
     return "\n".join(lines)
 
 

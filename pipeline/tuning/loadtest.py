@@ -25,7 +25,7 @@ import numpy as np
 
 from pipeline.core.errors import UsageError
 from pipeline.core.findings import as_dicts
-from pipeline.core.settings import LOADTEST_VARIES, VARIED_SETTINGS
+from pipeline.core.settings import LOADTEST_VARIES
 from pipeline.tuning.config import OnlineLoadtestConfig
 from pipeline.online.batcher import DynamicBatcher
 from pipeline.online.rules import QueueFull, check_timeouts
@@ -109,17 +109,11 @@ def level_status(rejected: int, timed_out: int, oom_splits: int, qps_achieved: f
     return "overloaded" if rejected or timed_out or falls_behind(qps_achieved, qps_offered) else "ok"
 
 
-def markdown_table(levels: Sequence[OnlineLevelResult], vary: str, recommended: int | None = None) -> str:
-    lines = [f"| {vary} | status | requests | req/s achieved | p50 ms | p95 ms | p99 ms | max ms | mean batch | "
-             "rejected | timed out | peak memory |",
-             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in levels:
-        mark = " ←" if r.level == recommended else ""
-        lines.append(f"| {r.level}{mark} | {r.status} | {r.requests:,} | {r.qps_achieved:,.1f} | "
-                     f"{r.latency_ms_p50:,.1f} | {r.latency_ms_p95:,.1f} | {r.latency_ms_p99:,.1f} | "
-                     f"{r.latency_ms_max:,.1f} | {r.mean_batch_size:.2f} | {r.rejected} | {r.timed_out} | "
-                     f"{r.peak_memory_bytes / 2**20:,.0f} MiB |")
-    return "\n".join(lines)
+LOADTEST_COLUMNS = (("requests", "{0.requests:,}"), ("req/s achieved", "{0.qps_achieved:,.1f}"),
+                    ("p50 ms", "{0.latency_ms_p50:,.1f}"), ("p95 ms", "{0.latency_ms_p95:,.1f}"),
+                    ("p99 ms", "{0.latency_ms_p99:,.1f}"), ("max ms", "{0.latency_ms_max:,.1f}"),
+                    ("mean batch", "{0.mean_batch_size:.2f}"), ("rejected", "{0.rejected}"),
+                    ("timed out", "{0.timed_out}"), ("peak memory", "peak_memory_bytes"))  # `levels.markdown_table`
 
 
 @dataclass
@@ -176,20 +170,28 @@ async def send_arrivals(batcher: DynamicBatcher, texts: Sequence[str], arrivals:
     return PhaseOutcome(latencies, answered_at, counts["rejected"], counts["timed_out"], loop.time() - start, depth)
 
 
-def warm_up_process(loaded, batcher_config, limits, texts: Sequence[str], config: OnlineLoadtestConfig) -> None:
+def warm_up_process(runtime, batcher_config, texts: Sequence[str], config: OnlineLoadtestConfig) -> None:
     """One warm-up phase before the first level, outside its memory measurement: the process's
     one-off costs (thread pools, kernel caches, allocator growth) must not count as that level's
     peak memory or slow its first requests."""
     arrivals = poisson_arrivals(config.qps, config.warmup_s, np.random.default_rng(config.seed))
 
     async def warm_up() -> None:
-        async with DynamicBatcher(loaded, batcher_config, limits) as batcher:
+        async with DynamicBatcher(fresh_limits(runtime), batcher_config) as batcher:
             await send_arrivals(batcher, list(texts), arrivals, config.concurrency)
 
     asyncio.run(warm_up())
 
 
-def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], config: OnlineLoadtestConfig,
+def fresh_limits(runtime):
+    """`runtime` with its memory plan's limits as planned: each level starts from the plan, not from what an
+    out-of-memory split of an earlier level lowered."""
+    from pipeline.core.forward import BatchLimits
+
+    return dataclasses.replace(runtime, limits=BatchLimits(runtime.plan))
+
+
+def measure_online_level(runtime, batcher_config, texts: Sequence[str], config: OnlineLoadtestConfig,
                          level: int) -> OnlineLevelResult:
     """Warm-up, measured arrivals and drain for one batcher setting, in a fresh event loop;
     the peak memory is what the whole level added. Every level gets the same arrival times
@@ -204,14 +206,14 @@ def measure_online_level(loaded, batcher_config, limits, texts: Sequence[str], c
     found = {}
 
     async def run_level() -> None:
-        async with DynamicBatcher(loaded, batcher_config, limits) as batcher:
+        async with DynamicBatcher(fresh_limits(runtime), batcher_config) as batcher:
             await send_arrivals(batcher, shuffled, warmup, config.concurrency)
             batcher.stats.reset()
             found["outcome"] = await send_arrivals(batcher, shuffled[len(warmup):] + shuffled[:len(warmup)],
                                                    measured, config.concurrency)
             found["stats"] = batcher.stats
 
-    peak = measure_peak_bytes(lambda: asyncio.run(run_level()), loaded.choice.device)
+    peak = measure_peak_bytes(lambda: asyncio.run(run_level()), runtime.loaded.choice.device)
     outcome, stats = found["outcome"], found["stats"]
     latency = percentiles_ms(outcome.latencies_s)
     wait = percentiles_ms(list(stats.wait_s))
@@ -253,14 +255,12 @@ def level_configs(config: OnlineLoadtestConfig) -> list:
         raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(LOADTEST_VARIES)}")
     if not config.values or min(config.values) < 1:
         raise UsageError("--values must be positive integers, e.g. 1,2,4,8,16,32,64")
-    settings = []
-    for value in sorted(set(config.values)):
-        level = config.batcher.with_settings(**{VARIED_SETTINGS[config.vary]: value})
+    settings = list(zip(sorted(set(config.values)), config.levels()))
+    for value, level in settings:
         try:
             check_timeouts(level.batch_timeout_ms, level.request_timeout_ms)
         except ValueError as error:
             raise UsageError(f"{config.vary} {value}: {error}") from None
-        settings.append((value, level))
     return settings
 
 
@@ -269,7 +269,6 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     import torch
 
     from pipeline.core.device import available_memory_bytes, device_name, dtype_name
-    from pipeline.core.forward import BatchLimits
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.runtime import open_runtime
     from pipeline.offline.source import list_source_shards
@@ -278,8 +277,7 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
 
     fixed, levels_asked = config.batcher, level_configs(config)
     # one plan for every level: made for the largest batches they may form
-    runtime = open_runtime(fixed.model, fixed.batch, resolved=("max_batch_tokens",), recommended=False,
-                           levels=[level.batch for _, level in levels_asked])
+    runtime = open_runtime(config)
     loaded, plan = runtime.loaded, runtime.plan
     levels_to_run = [(value, dataclasses.replace(level, batch=runtime.resolve(level.batch)[0]))
                      for value, level in levels_asked]
@@ -312,9 +310,9 @@ def run_online_loadtest(config: OnlineLoadtestConfig) -> OnlineLoadtestReport:
     log.info(f"sample: {len(texts):,} texts, token length median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
              f"p99 {lengths['p99']:.0f}, max {lengths['max']}")
     levels = []
-    warm_up_process(loaded, levels_to_run[0][1], BatchLimits(plan), texts, config)
+    warm_up_process(runtime, levels_to_run[0][1], texts, config)
     for value, level_config in levels_to_run:
-        result = measure_online_level(loaded, level_config, BatchLimits(plan), texts, config, value)
+        result = measure_online_level(runtime, level_config, texts, config, value)
         levels.append(result)
         log.info(f"{config.vary} {value}: {result.qps_achieved:,.1f} of {config.qps:g} requests/s, p50 "
                  f"{result.latency_ms_p50:,.1f} ms, p99 {result.latency_ms_p99:,.1f} ms, mean batch "

@@ -80,7 +80,7 @@ def run_loadtest_report(config: OnlineLoadtestConfig, comparison: Comparison, pl
              f"{fixed['qps']:g} requests/s Poisson for {fixed['duration_s']:g} s (+{fixed['warmup_s']:g} s warm-up) · "
              f"concurrency {fixed['concurrency']} · " +
              " · ".join(f"{name} {fixed[name]}" for name in shown if fixed[name] is not None),
-             online.markdown_table(report.levels, config.vary, report.recommendation.level),
+             analysis.markdown_table(report.levels, report.recommendation.level, online.LOADTEST_COLUMNS, config.vary),
              *diagnosis_lines(report.diagnosis), "", f"recommendation: {report.recommendation.reason}"]
     title = (f"online · {fixed['job']} · {fixed['device']} · {fixed['qps']:g} req/s Poisson · "
              f"{fixed['duration_s']:g} s per level")

@@ -177,7 +177,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     from pipeline.runtime import open_runtime
     from pipeline.core.tokenize import TokenizerPool
     from pipeline.offline.source import list_source_shards
-    from pipeline.offline.workload import input_trial_texts
+    from pipeline.offline.workload import InputSample
 
     if config.vary not in SWEEP_VARIES:
         raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(SWEEP_VARIES)}")
@@ -188,8 +188,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     # and --dtype auto's trial on the input's rows, as the run's: the recommendation is kept for the run's dtype
     source = config.source
     shards = list_source_shards(source)
-    runtime = open_runtime(config.model, config.batch, trial_texts=input_trial_texts(shards, source),
-                           resolved=("max_batch_rows",), recommended=False)
+    runtime = open_runtime(config, InputSample(shards, source))
     loaded = runtime.loaded
     job, model, spec = loaded.job, loaded.model, loaded.tokenizer
     model_path, device, dtype, max_length = (loaded.choice.path, loaded.choice.device, loaded.choice.dtype,
@@ -220,7 +219,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     settings = {
         "vary": config.vary, "values": sorted(config.values), "job": config.model.job, "model": model_path,
         "device": device_name(device), "dtype": dtype_name(dtype), "compile": loaded.compile.reason,
-        "max_length": max_length,
+        "max_length": max_length, "long_text": "split" if spec.segment_length else "truncate",
+        **({"segment_length": spec.segment_length} if spec.segment_length else {}),
         "max_batch_tokens": None if config.vary == "max-batch-tokens" else batch.max_batch_tokens,
         "max_batch_rows": None if config.vary == "max-batch-rows" else batch.max_batch_rows,
         "prefetch_batches": config.prefetch_batches, "torch_threads": torch.get_num_threads(),
@@ -229,9 +229,11 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         "input": list(source.input), "sample_token_lengths": lengths, "sample_truncated_share": round(truncated, 4),
     }
     levels: list[LevelResult] = []
+    scored = encoded.with_segments()  # --long-text split: the segments run, as in the run
+    scored_warmup, scored_measured = encoded.scored_positions(warmup_rows), encoded.scored_positions(measured_rows)
     for value in sorted(set(config.values)):
         level_settings = LevelSettings(**{**fixed.__dict__, VARIED_SETTINGS[config.vary]: value})
-        result = measure_level(job, model, device, encoded, warmup_rows, measured_rows, level_settings, value,
+        result = measure_level(job, model, device, scored, scored_warmup, scored_measured, level_settings, value,
                                spec.pad_token_id)
         levels.append(result)
         log.info(f"{config.vary} {value}: {result.rows_per_s:,.1f} rows/s, {result.tokens_per_s:,.0f} tokens/s, "
@@ -245,7 +247,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     saved_to, not_saved = None, why_not_saved(settings["diagnosis"], config.vary)
     if config.save_recommendation and recommendation.level is not None and not_saved is None:
         key, name = recommendation_key(model_memory_fingerprint(model_path), config.model.job, device_name(device),
-                                       dtype_name(dtype), max_length, config.vary)
+                                       dtype_name(dtype), max_length, spec.segment_length or None, config.vary)
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         saved_to = save_recommendation(config.batch.plan_cache, name, key, recommendation,
                                        config.out, created)

@@ -18,11 +18,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+def benchmark_module(name: str):
+    """benchmarks/NAME.py, imported (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def gpu_check_module():
+    return benchmark_module("gpu_check")
 
 
 def gpu_measure_module():
@@ -31,10 +36,7 @@ def gpu_measure_module():
 
 
 def gpu_report_module():
-    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "benchmarks" / "gpu_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("gpu_report")
 
 
 def test_the_check_reports_cold_past_setup_steady_and_device_rates():

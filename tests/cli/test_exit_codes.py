@@ -101,3 +101,28 @@ def test_a_bug_exits_1_with_its_redacted_traceback_not_as_a_usage_error(tmp_path
     assert "hunter2" not in result.stderr and "AKIDSECRET" not in result.stderr
     assert "error: " not in result.stderr  # no one-line usage error
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_one_handler_maps_the_tables_errors_to_their_codes_and_lets_a_bug_pass(capsys):
+    """Every command ends through `exit_on_known_errors`: the table's errors exit with its code and one line;
+    an error met reaching a storage path stands for one; anything else is a bug and passes as it is."""
+    import errno
+
+    from pipeline.cli.options import exit_on_known_errors
+
+    def code_of(error: BaseException, path: str | None = None) -> int:
+        with pytest.raises(SystemExit) as ended:
+            with exit_on_known_errors(path):
+                raise error
+        return ended.value.code
+
+    assert code_of(UsageError("set --output")) == 2 and capsys.readouterr().err == "error: set --output\n"
+    assert code_of(StorageError("bucket down")) == 4 and capsys.readouterr().err == "error: bucket down\n"
+    assert code_of(OSError(errno.ENOSPC, "No space left on device"), "out/") == 4
+    assert capsys.readouterr().err.startswith("error: out/: no space left")
+    with pytest.raises(OSError):  # without the path it reached, an OSError is not known to be the storage's
+        with exit_on_known_errors():
+            raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(KeyError):
+        with exit_on_known_errors("out/"):
+            raise KeyError("a bug")

@@ -93,9 +93,10 @@ def test_a_cuda_compile_trial_runs_the_runs_own_batch_shapes():
 def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_path, tiny_encoder_path, monkeypatch):
     """5M tokens at 50k eager tokens/s save 50 s at the best 2x: worth a trial against the CPU's
     30 s figure, not against the 1,000 s this device measured."""
-    import pipeline.runtime.model
+    import pipeline.runtime.compile_decision
     from pipeline.core.cache import write_keyed
-    from pipeline.runtime.model import device_compile_seconds, load_model, settle_compile
+    from pipeline.runtime.compile_decision import device_compile_seconds, settle_compile
+    from pipeline.runtime.model import load_model
 
     trials = []
 
@@ -103,17 +104,17 @@ def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_pat
         trials.append(shapes)
         raise RuntimeError("trial stopped here")
 
-    monkeypatch.setattr(pipeline.runtime.model, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
-    monkeypatch.setattr(pipeline.runtime.model, "compile_trial", trial)
+    monkeypatch.setattr(pipeline.runtime.compile_decision, "eager_tokens_per_s", lambda job, model, device, shapes: 50_000.0)
+    monkeypatch.setattr(pipeline.runtime.compile_decision, "compile_trial", trial)
     config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
                           max_length=64, plan_cache=str(tmp_path))
     loaded = load_model(config.model, config.batch)
     auto = config.with_settings(compile="auto")
-    assert device_compile_seconds(tmp_path, loaded.choice.device)[0] == 30.0  # none measured yet: the CPU's figure
+    assert device_compile_seconds(tmp_path, loaded.choice.device_key)[0] == 30.0  # none measured yet: the CPU's figure
     _, choice = settle_compile(auto.model, auto.batch, loaded.choice, loaded.job, loaded.model, 5_000_000)
     assert choice.reason == "eager: the compile trial failed (RuntimeError: trial stopped here)"
     assert trials == [((64, 32), (16, 128))]
-    _, path, key = device_compile_seconds(tmp_path, loaded.choice.device)
+    _, path, key = device_compile_seconds(tmp_path, loaded.choice.device_key)
     write_keyed(path, key, {"compile_s": 1000.0})  # what this device measured for a cold compile
     _, choice = settle_compile(auto.model, auto.batch, loaded.choice, loaded.job, loaded.model, 5_000_000)
     assert choice.reason == "eager: 5,000,000 tokens are too few to try a compile (1000 s on this device)"

@@ -61,7 +61,7 @@ def test_the_attention_implementation_is_settled_from_the_architecture(tiny_enco
 
 def test_the_output_fingerprint_holds_the_attention_implementation(tiny_encoder_path):
     from pipeline.offline.config import RunConfig
-    from pipeline.runtime.model import choose_model
+    from pipeline.runtime.choice import choose_model
     from pipeline.offline.claim import output_fingerprint
 
     config = RunConfig.of(input=("x",), output="y", model=tiny_encoder_path, device="cpu", dtype="float32")

@@ -204,3 +204,17 @@ def test_after_an_out_of_memory_error_its_tensors_are_freed_without_a_full_colle
             assert held[0]() is None, "the activations outlived the release"
     finally:
         gc.enable()
+
+
+def test_rows_without_outputs_get_the_one_wording_of_the_run_and_the_batcher():
+    from pipeline.core.forward import failed_rows
+
+    outputs = {"embedding": np.array([[0.1, 0.2], [np.nan, 0.3], [0.0, 0.0], [np.inf, 1.0]], dtype=np.float32)}
+    out_of_memory = np.array([False, False, False, True])
+    (non_finite, first), (alone, second) = failed_rows(outputs, out_of_memory, "float16", 128)
+    assert non_finite.tolist() == [False, True, False, False] and alone.tolist() == out_of_memory.tolist()
+    assert first == "the model gave a non-finite output (nan or inf) in float16; rerun with --dtype float32"
+    assert second == "out of memory even alone at padded length 128; lower --max-length or use a larger device"
+    assert failed_rows({}, np.zeros(2, bool), "float32", 64) == []  # nothing failed: no error
+    [(_, online)] = failed_rows(outputs, np.zeros(4, bool), "float16", 128, non_finite_fix="use --dtype float32")
+    assert online.endswith("in float16; use --dtype float32")

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from pipeline.cli import cli
 from pipeline.core.errors import UsageError
-from pipeline.runtime.model import choose_model, load_model
+from pipeline.runtime.choice import choose_model
+from pipeline.runtime.model import load_model
 from pipeline.core.positions import (
     PositionLimit,
     check_max_length,

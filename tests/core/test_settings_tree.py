@@ -26,7 +26,7 @@ def test_an_unknown_name_is_a_usage_error_that_lists_the_known_ones():
 def test_with_settings_changes_only_what_it_names_in_one_step():
     config = RunConfig.of(output="out", dtype="auto", compile="auto", max_batch_rows=8)
     kept = config.with_settings(dtype="bfloat16", compile="off", long_text="truncate")
-    assert (kept.model.dtype, kept.model.compile, kept.long_text) == ("bfloat16", "off", "truncate")
+    assert (kept.model.dtype, kept.model.compile, kept.long_rows.long_text) == ("bfloat16", "off", "truncate")
     assert kept.batch is config.batch and kept.source is config.source
     assert config.model.dtype == "auto"  # frozen: the original is untouched
 

@@ -17,7 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from jobs.registry import get_job
 from pipeline.core.errors import UsageError
 from pipeline.offline.config import RunConfig
-from pipeline.runtime.model import choose_model, load_model, settle_compile
+from pipeline.runtime.choice import choose_model
+from pipeline.runtime.compile_decision import settle_compile
+from pipeline.runtime.model import load_model
 from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, packed_layout, run_on_device
 from pipeline.core.tokenize import EncodedRows
 from pipeline.core.unpadded import PackedBatch, cumulative_lengths, runs_unpadded, settle_unpad

@@ -173,6 +173,17 @@ def shard_lines(output: str, prefix: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith(prefix)]
 
 
+def assert_status_says_the_middle_shard_is_not_done(output, finished_run, why: str) -> str:
+    """`status` of the 3-shard run whose second shard's output no longer backs its marker: exit 1, 2 of 3
+    done, that shard not done for `why`. Returns the shard's URL."""
+    shard_url = f"file://{finished_run / 'in' / 'part-00001.parquet'}"
+    status = CliRunner().invoke(cli, ["status", "--output", str(output)])
+    assert status.exit_code == 1, status.output
+    assert status.output.splitlines()[0] == f"{output}: 2 of 3 shards done, 0 failed, 1 pending; 50 of 90 rows done"
+    assert shard_lines(status.output, "not done") == [f"not done  {shard_url}: marked done but {why}; a run redoes it"]
+    return shard_url
+
+
 @pytest.mark.parametrize("damage", UNREADABLE_OUTPUTS)
 def test_an_unreadable_done_output_is_pending_in_status_reported_by_verify_and_redone(output, finished_run,
                                                                                       tiny_encoder_path,
@@ -181,13 +192,7 @@ def test_an_unreadable_done_output_is_pending_in_status_reported_by_verify_and_r
     damaged = output / "part-00001.parquet"
     damage_it(damaged)
     reason = f"its output file {damaged} {problem}"
-    shard_url = f"file://{finished_run / 'in' / 'part-00001.parquet'}"
-
-    status = CliRunner().invoke(cli, ["status", "--output", str(output)])
-    assert status.exit_code == 1, status.output
-    assert status.output.splitlines()[0] == f"{output}: 2 of 3 shards done, 0 failed, 1 pending; 50 of 90 rows done"
-    assert shard_lines(status.output, "not done") == [
-        f"not done  {shard_url}: marked done but {reason}; a run redoes it"]
+    shard_url = assert_status_says_the_middle_shard_is_not_done(output, finished_run, reason)
     report = json.loads(CliRunner().invoke(cli, ["status", "--output", str(output), "--json"]).output)
     assert (report["done"], report["pending"], report["rows_done"]) == (2, 1, 50)
     assert report["untrusted_shards"] == [{"shard": shard_url, "reason": reason}]
@@ -217,12 +222,8 @@ def test_an_unreadable_done_output_is_pending_in_status_reported_by_verify_and_r
 def test_status_says_a_committed_shard_that_lost_a_row_is_not_done(output, finished_run):
     shrunk = output / "part-00001.parquet"
     pq.write_table(pq.read_table(shrunk).slice(0, 39), shrunk)  # rewritten with one row fewer
-    shard_url = f"file://{finished_run / 'in' / 'part-00001.parquet'}"
-    status = CliRunner().invoke(cli, ["status", "--output", str(output)])
-    assert status.exit_code == 1, status.output
-    assert status.output.splitlines()[0] == f"{output}: 2 of 3 shards done, 0 failed, 1 pending; 50 of 90 rows done"
-    assert shard_lines(status.output, "not done") == [
-        f"not done  {shard_url}: marked done but its output file has 39 rows and the input shard 40; a run redoes it"]
+    assert_status_says_the_middle_shard_is_not_done(output, finished_run,
+                                                    "its output file has 39 rows and the input shard 40")
     verify = CliRunner().invoke(cli, ["verify", "--output", str(output)])
     assert verify.exit_code == 1 and "shard     part-00001: 1 row(s) missing: ids " in verify.output
 

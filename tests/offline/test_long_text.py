@@ -167,7 +167,7 @@ def test_auto_splits_for_moderate_only_and_the_segment_length_fits_the_window():
     config = RunConfig.of(input=("x",), output="y", segment_length=600)
     with pytest.raises(UsageError, match="--segment-length 600 is more than --max-length 512, .*--segment-length "
                                          "512 or less"):
-        segment_length_of(config.segment_length, 512)
+        segment_length_of(config.long_rows.segment_length, 512)
     assert segment_length_of(None, 256) == 256
 
 

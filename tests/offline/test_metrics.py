@@ -34,23 +34,28 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
     return found
 
 
+def named(got: dict, expected: dict) -> dict:
+    """The samples of `got` that `expected` names, as "name{label=value}" (the exposition's own spelling)."""
+    def key(sample: str) -> tuple:
+        name, _, labels = sample.rstrip("}").partition("{")
+        return name, tuple(sorted(tuple(pair.split("=")) for pair in labels.split(",") if pair))
+
+    return {sample: got[key(sample)] for sample in expected}
+
+
 def test_a_summary_becomes_gauges_with_its_counts_and_the_common_labels():
     summary = {"rows": 120, "error_rows": 3, "reused_rows": 40, "deduplicated_rows": 7, "truncated_rows": 2,
                "shards": 4, "shards_done_before": 1, "failed_shards": [], "real_tokens": 5000, "wall_s": 12.5,
                "rows_per_s": 9.6, "padding_efficiency": 0.91, "device_busy_fraction": 0.8, "peak_rss_bytes": 1 << 30}
     text = exposition(run_figures(summary, 1_700_000_000.0, None), LABELS).decode()
     got = samples(text)
-    assert got[("lengthwise_run_rows", (("status", "done"),))] == 120
-    assert got[("lengthwise_run_rows", (("status", "error"),))] == 3
-    assert got[("lengthwise_run_rows", (("status", "reused"),))] == 40
-    assert got[("lengthwise_run_rows", (("status", "deduplicated"),))] == 7
-    assert got[("lengthwise_run_shards", (("state", "failed"),))] == 0
-    assert got[("lengthwise_run_tokens", ())] == 5000
-    assert got[("lengthwise_run_duration_seconds", ())] == 12.5
-    assert got[("lengthwise_run_padding_efficiency_ratio", ())] == 0.91
-    assert got[("lengthwise_run_peak_memory_bytes", (("kind", "resident"),))] == 1 << 30
-    assert got[("lengthwise_run_success", ())] == 1
-    assert got[("lengthwise_last_success_timestamp_seconds", ())] == 1_700_000_000.0
+    expected = {"lengthwise_run_rows{status=done}": 120, "lengthwise_run_rows{status=error}": 3,
+                "lengthwise_run_rows{status=reused}": 40, "lengthwise_run_rows{status=deduplicated}": 7,
+                "lengthwise_run_shards{state=failed}": 0, "lengthwise_run_tokens": 5000,
+                "lengthwise_run_duration_seconds": 12.5, "lengthwise_run_padding_efficiency_ratio": 0.91,
+                "lengthwise_run_peak_memory_bytes{kind=resident}": 1 << 30, "lengthwise_run_success": 1,
+                "lengthwise_last_success_timestamp_seconds": 1_700_000_000.0}
+    assert named(got, expected) == expected
     assert 'lengthwise_job="embed",model="/models/minilm",output="s3://bucket/out"' in text
     # a night with a failed shard keeps the last success an earlier run recorded, and says it failed
     failed = samples(exposition(run_figures({**summary, "failed_shards": [{"shard": "a", "error": "x"}]},
@@ -92,16 +97,13 @@ def finished_run(tmp_path_factory, sample_table, tiny_encoder_path):
 def test_a_runs_textfile_holds_its_real_counts(finished_run):
     summary = json.loads((finished_run / "summary.json").read_text())
     got = samples((finished_run / "textfiles" / "lengthwise.prom").read_text())
-    assert got[("lengthwise_run_rows", (("status", "done"),))] == summary["rows"] == 60
-    assert got[("lengthwise_run_rows", (("status", "error"),))] == summary["error_rows"]
-    assert got[("lengthwise_run_tokens", ())] == summary["real_tokens"] > 0
-    assert got[("lengthwise_run_shards", (("state", "total"),))] == 3
-    assert got[("lengthwise_shards", (("state", "done"),))] == 3
-    assert got[("lengthwise_shards", (("state", "pending"),))] == 0
-    assert got[("lengthwise_rows", (("status", "done"),))] == 60
-    assert got[("lengthwise_complete", ())] == 1
-    assert got[("lengthwise_run_in_progress", ())] == 0
-    assert got[("lengthwise_run_peak_memory_bytes", (("kind", "resident"),))] == summary["peak_rss_bytes"] > 0
+    assert summary["rows"] == 60 and summary["real_tokens"] > 0 and summary["peak_rss_bytes"] > 0
+    expected = {"lengthwise_run_rows{status=done}": 60, "lengthwise_run_rows{status=error}": summary["error_rows"],
+                "lengthwise_run_tokens": summary["real_tokens"], "lengthwise_run_shards{state=total}": 3,
+                "lengthwise_shards{state=done}": 3, "lengthwise_shards{state=pending}": 0,
+                "lengthwise_rows{status=done}": 60, "lengthwise_complete": 1, "lengthwise_run_in_progress": 0,
+                "lengthwise_run_peak_memory_bytes{kind=resident}": summary["peak_rss_bytes"]}
+    assert named(got, expected) == expected
     assert abs(got[("lengthwise_last_success_timestamp_seconds", ())] - time.time()) < 600
 
 

@@ -19,6 +19,7 @@ from pipeline.online.batcher import DynamicBatcher
 from pipeline.cli import cli
 from pipeline.online.config import BatcherConfig
 from pipeline.core.settings import BatchSettings, ModelSettings
+from pipeline.runtime import Runtime
 from pipeline.runtime.model import load_model
 from pipeline.core.forward import BatchLimits
 from tests.conftest import read_outputs, write_shards
@@ -48,7 +49,8 @@ def long_texts(sample_table) -> list[str]:
 def batcher_for(loaded, limits=None, **settings) -> DynamicBatcher:
     settings.setdefault("max_batch_tokens", 10**6)  # no token budget unless a test sets one
     settings.setdefault("request_timeout_ms", 2 * LONG_WINDOW_MS)  # the first forwards on a busy CPU are slow
-    return DynamicBatcher(loaded, BatcherConfig.of(**settings), limits or BatchLimits(None))
+    runtime = Runtime(loaded, BatchSettings(), "", None, limits or BatchLimits(None), {})  # no memory plan
+    return DynamicBatcher(runtime, BatcherConfig.of(**settings))
 
 
 @pytest.mark.slow

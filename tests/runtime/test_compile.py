@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import jobs.registry
-import pipeline.runtime.model
+import pipeline.runtime.compile_decision
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from jobs.classify import ClassifyJob
 from pipeline.core.compile import CompileVerdict, job_pays_back, pick_compile, worth_a_trial
-from pipeline.runtime.model import choose_model, compiled_package_path
+from pipeline.runtime.choice import choose_model
+from pipeline.runtime.compile_decision import compiled_package_path
 from pipeline.offline.config import RunConfig
 from pipeline.engines.local import run_job
 from tests.conftest import read_outputs, write_shards
@@ -68,10 +69,10 @@ def run(tmp_path, shards, model, output="out", **settings):
 @pytest.mark.slow
 def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resume_keeps_the_recorded_choice(
         tmp_path, shards, tiny_encoder_path, monkeypatch):
-    monkeypatch.setattr(pipeline.runtime.model, "COLD_COMPILE_S", 0.0)  # this small job counts as large enough
+    monkeypatch.setattr(pipeline.runtime.compile_decision, "COLD_COMPILE_S", 0.0)  # this small job counts as large enough
     # a damaged package where the compile will go (cut short by a full disk, say): compiled anew, not a failure
     settings = RunConfig.of(input=(str(shards),), output="", model=tiny_encoder_path, dtype="float32", max_length=128)
-    damaged = compiled_package_path(tmp_path / "cache", settings.model, str(tmp_path / "cache"),
+    damaged = compiled_package_path(tmp_path / "cache", settings.model,
                                     choose_model(settings.model, str(tmp_path / "cache")))
     damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"PK\x03\x04 not a whole package")
@@ -90,7 +91,7 @@ def test_auto_trials_once_caches_the_verdict_compiles_equal_to_eager_and_a_resum
     def no_second_trial(*args):
         raise AssertionError("the cached verdict should have been used")
 
-    monkeypatch.setattr(pipeline.runtime.model, "compile_trial", no_second_trial)
+    monkeypatch.setattr(pipeline.runtime.compile_decision, "compile_trial", no_second_trial)
     compiled, second = run(tmp_path, shards, tiny_encoder_path, "second")
     eager, eager_summary = run(tmp_path, shards, tiny_encoder_path, "eager", compile="off")
     assert eager_summary["compile"] == "eager: --compile off"
@@ -138,7 +139,7 @@ def test_a_compiled_forward_that_disagrees_falls_back_to_eager(tmp_path, shards,
     """Also the classify job's way through the compile: its call exported, compiled and run (the trial
     compares its outputs; a compile that failed would say so instead)."""
     monkeypatch.setitem(jobs.registry.JOBS, "classify-drifts", DriftingClassifyJob())
-    monkeypatch.setattr(pipeline.runtime.model, "COLD_COMPILE_S", 0.0)
+    monkeypatch.setattr(pipeline.runtime.compile_decision, "COLD_COMPILE_S", 0.0)
     eager, _ = run(tmp_path, shards, tiny_classifier_path, "eager", job="classify", compile="off")
     ours, summary = run(tmp_path, shards, tiny_classifier_path, "auto", job="classify-drifts")
     assert summary["compile"].startswith("eager: the compiled forward disagrees with eager (same top label on")

@@ -7,12 +7,14 @@ import logging
 import numpy as np
 import torch
 
-import pipeline.runtime.model
+import pipeline.runtime.choice
+import pipeline.runtime.dtype_trial
 from pipeline.offline.config import RunConfig
 from pipeline.core.forward import DeviceFeeder
 from pipeline.core.device import native_bf16_feature, padding_multiple
 from pipeline.core.settings import ModelSettings
-from pipeline.runtime.model import choose_model, pick_cpu_dtype
+from pipeline.runtime.choice import choose_model
+from pipeline.runtime.dtype_trial import pick_cpu_dtype
 from pipeline.core.forward import BatchLimits, collate_batches
 from pipeline.core.tokenize import EncodedRows
 
@@ -35,15 +37,15 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 
 
 def test_auto_without_native_bf16_is_float32_and_says_why(monkeypatch, tiny_encoder_path):
-    monkeypatch.setattr(pipeline.runtime.model, "native_bf16_feature", lambda: None)
+    monkeypatch.setattr(pipeline.runtime.dtype_trial, "native_bf16_feature", lambda: None)
     choice = choose_model(ModelSettings(model=tiny_encoder_path, device="cpu"))
     assert choice.dtype == torch.float32
     assert choice.dtype_reason == f"float32: no native bf16 ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def test_explicit_bf16_without_native_support_warns(monkeypatch, tiny_encoder_path, caplog):
-    monkeypatch.setattr(pipeline.runtime.model, "native_bf16_feature", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="pipeline.runtime.model"):
+    monkeypatch.setattr(pipeline.runtime.choice, "native_bf16_feature", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="pipeline.runtime.choice"):
         choice = choose_model(ModelSettings(model=tiny_encoder_path, device="cpu", dtype="bfloat16"))
     assert choice.dtype == torch.bfloat16
     assert "is emulated and runs several times slower" in caplog.text
@@ -51,15 +53,15 @@ def test_explicit_bf16_without_native_support_warns(monkeypatch, tiny_encoder_pa
 
 def test_the_trial_decides_once_and_the_decision_is_cached(monkeypatch, tmp_path, tiny_encoder_path):
     """With a native feature the trial batch runs in both dtypes; its verdict is kept."""
-    monkeypatch.setattr(pipeline.runtime.model, "native_bf16_feature", lambda: "avx512_bf16")
+    monkeypatch.setattr(pipeline.runtime.dtype_trial, "native_bf16_feature", lambda: "avx512_bf16")
     trials = []
-    real_trial = pipeline.runtime.model.bf16_trial
+    real_trial = pipeline.runtime.dtype_trial.bf16_trial
 
     def counted(*args):
         trials.append(args)
         return real_trial(*args)
 
-    monkeypatch.setattr(pipeline.runtime.model, "bf16_trial", counted)
+    monkeypatch.setattr(pipeline.runtime.dtype_trial, "bf16_trial", counted)
     config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", plan_cache=str(tmp_path))
     first = choose_model(config.model, config.batch.plan_cache)
     assert first.dtype in (torch.float32, torch.bfloat16)

@@ -9,10 +9,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import pipeline.runtime.model
+import pipeline.runtime.dtype_trial
 from jobs.registry import get_job
 from pipeline.core.settings import ModelSettings
-from pipeline.runtime.model import TRIAL_ROWS, choose_model, spread_over_lengths
+from pipeline.runtime.choice import choose_model
+from pipeline.runtime.dtype_trial import TRIAL_ROWS, spread_over_lengths
 from pipeline.offline.config import RunConfig
 from pipeline.core.tokenize import encode_texts, load_tokenizer_spec
 from tests.conftest import write_shards
@@ -29,14 +30,14 @@ def test_the_trial_rows_spread_over_the_lengths_shortest_to_longest():
 def trials(monkeypatch):
     """The trials that ran: (job, path, loading, trial batches, length) each; the real trial runs.
     A native bf16 feature is assumed so that the trial runs on any CPU (emulated bf16 is only slower)."""
-    monkeypatch.setattr(pipeline.runtime.model, "native_bf16_feature", lambda: "avx512_bf16")
-    ran, real_trial = [], pipeline.runtime.model.bf16_trial
+    monkeypatch.setattr(pipeline.runtime.dtype_trial, "native_bf16_feature", lambda: "avx512_bf16")
+    ran, real_trial = [], pipeline.runtime.dtype_trial.bf16_trial
 
     def recorded(*args):
         ran.append(args)
         return real_trial(*args)
 
-    monkeypatch.setattr(pipeline.runtime.model, "bf16_trial", recorded)
+    monkeypatch.setattr(pipeline.runtime.dtype_trial, "bf16_trial", recorded)
     return ran
 
 

@@ -16,7 +16,9 @@ import pipeline.core.cache
 from pipeline.core.cache import hash_files, model_content_files, model_content_hash, model_memory_fingerprint
 from pipeline.core.compile import CompileVerdict
 from pipeline.core.device import native_bf16_feature
-from pipeline.runtime.model import choose_model, compile_verdict_key, dtype_verdict_key, settle_compile
+from pipeline.runtime.choice import choose_model
+from pipeline.runtime.compile_decision import compile_verdict_key, settle_compile
+from pipeline.runtime.dtype_trial import dtype_verdict_key
 from pipeline.offline.config import RunConfig
 from pipeline.offline.claim import output_fingerprint
 from tests.conftest import TOKENIZER_FILES
@@ -66,12 +68,12 @@ def settings(tmp_path, model, job="classify", **extra) -> RunConfig:
 
 def verdict_name(run: RunConfig) -> str:
     """The file name of the dtype verdict a run on its input's rows looks for."""
-    return dtype_verdict_key(run.model, run.batch.plan_cache, run.model.model, run.model.max_length, {}, "", True)[1]
+    return dtype_verdict_key(run.model.job, choose_here(run), True)[1]
 
 
 def verdict_of(run: RunConfig, choice) -> str:
     """The file name of the compile verdict a run looks for."""
-    return compile_verdict_key(run.model, run.batch.plan_cache, choice)[1]
+    return compile_verdict_key(run.model, choice)[1]
 
 
 def choose_here(run: RunConfig):
@@ -107,7 +109,7 @@ def test_a_compile_verdict_is_read_for_its_own_model_only(tmp_path, retrained):
 
     runs = [settings(tmp_path, model, dtype="float32", compile="auto") for model in retrained]
     choices = [choose_model(run.model, run.batch.plan_cache) for run in runs]
-    key, name = compile_verdict_key(runs[0].model, runs[0].batch.plan_cache, choices[0])
+    key, name = compile_verdict_key(runs[0].model, choices[0])
     write_keyed(tmp_path / "cache" / f"compile-{name}.json", key,
                 {**CompileVerdict(1.05, True, "min cosine 1.00000", 1e4, 20.0).__dict__})
     job = object()  # settle_compile reaches neither the job nor the model on these two eager paths

@@ -175,3 +175,15 @@ def test_a_real_load_test_end_to_end(tmp_path, tiny_encoder_path):
     assert settings["vary"] == "max-batch-size" and settings["max_batch_size"] is None
     assert settings["qps"] == 20 and settings["duration_s"] == 2.0 and settings["sample_token_lengths"]["max"] <= 64
     assert (tmp_path / "online.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_load_test_table_is_the_sweeps_with_its_own_columns_and_sizes_as_lengthwise_prints_them():
+    from pipeline.tuning.levels import markdown_table
+    from pipeline.tuning.loadtest import LOADTEST_COLUMNS, OnlineLevelResult
+
+    values = {field.name: 0 for field in dataclasses.fields(OnlineLevelResult)}
+    result = OnlineLevelResult(**{**values, "level": 8, "status": "ok", "requests": 1200, "qps_achieved": 39.94,
+                                  "latency_ms_p99": 81.25, "mean_batch_size": 2.5, "peak_memory_bytes": 3 * 2**29})
+    header, rule, row = markdown_table([result], 8, LOADTEST_COLUMNS, "max-batch-size").splitlines()
+    assert header.startswith("| max-batch-size | status | requests | req/s achieved |") and rule.count("|") == 13
+    assert row == "| 8 ← | ok | 1,200 | 39.9 | 0.0 | 0.0 | 81.2 | 0.0 | 2.50 | 0 | 0 | 1.50 GiB |"
