@@ -39,6 +39,8 @@ from pipeline.engines.execute import check_run_paths, execute_run
                  "a first run of an installed package: lengthwise run --demo --output out/demo.")
 @with_options(MODEL_OPTIONS)
 @with_options(INPUT_OPTIONS)
+@run_option("--pair-column", help="--job pair: the input column of each text's pair (a cross-encoder's second text; a "
+                 "null or empty one is a row error).")
 @run_option("--keep-columns", help="Input columns copied to the output unchanged, after id, comma-separated (e.g. label,lang).")
 @run_option("--split", help="The split to read when --input is a `datasets` DatasetDict folder (DatasetDict.save_to_disk).")
 @run_option("--long-text", show_default=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.core.errors import UsageError
 from pipeline.core.settings import (
     BatchSettings,
     InputSettings,
@@ -47,9 +48,23 @@ class RunConfig(SettingsTree):
     metrics_interval_s: float = 30.0  # how often the textfile is rewritten during the run
     pushgateway: str | None = None  # a Prometheus Pushgateway the run's metrics are pushed to at its end
 
+    def __post_init__(self) -> None:
+        check_named_inputs(self.model.job, self.source.pair_column, self.long_text)
+
     def split_length(self, max_length: int) -> int | None:
         """Tokens per segment when this run splits rows longer than `max_length` (--long-text), else None:
         they are truncated."""
         if long_text_mode(self.long_text, self.model.job) == "truncate":
             return None
         return segment_length_of(self.segment_length, max_length)
+
+
+def check_named_inputs(job: str, pair_column: str | None, long_text: str) -> None:
+    """--job pair reads a text and its pair (--pair-column) and never splits them; no other job reads a pair."""
+    if job == "pair" and not pair_column:
+        raise UsageError("--job pair scores a text with its pair: set --pair-column to the input column of the pairs")
+    if job != "pair" and pair_column:
+        raise UsageError(f"--pair-column is for --job pair, not --job {job}; drop --pair-column or set --job pair")
+    if job == "pair" and long_text == "split":
+        raise UsageError("--long-text split cuts one text into segments, which a pair cannot be: --job pair truncates "
+                         "the longer text first (longest_first); drop --long-text split")

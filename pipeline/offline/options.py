@@ -65,6 +65,7 @@ RUN_OPTIONS: dict[str, RunOption] = {
     "trust_remote_code": RunOption(FLAG, False),
     "id_column": RunOption(TEXT, _field("id_column")),
     "text_column": RunOption(TEXT, _field("text_column")),
+    "pair_column": RunOption(TEXT),
     "storage_option": RunOption(TEXT, multiple=True),  # KEY=VALUE pairs; a TOML [storage] table
     "keep_columns": RunOption(values.Names(), _field("keep_columns")),
     "split": RunOption(TEXT),

@@ -40,7 +40,7 @@ class Shard:
 
 @dataclass(frozen=True)
 class RowBlock:
-    """A contiguous run of one shard's rows: ids and texts from `first_row` on."""
+    """A contiguous run of one shard's rows: ids and texts (and a pair job's pairs) from `first_row` on."""
 
     shard_index: int
     first_row: int
@@ -50,6 +50,7 @@ class RowBlock:
     failure: str | None = None  # set on a row-less block: this shard broke here, drop all of it
     kept: dict[str, pa.Array] = field(default_factory=dict)  # --keep-columns, copied to the output as they are
     reuse: object | None = None  # --reuse: offline/reuse.py's ReusedRows (rows that take yesterday's result)
+    pairs: pa.Array | None = None  # --job pair: each text's pair (--pair-column); None for a one-text job
 
     @property
     def num_rows(self) -> int:
@@ -207,7 +208,8 @@ def slot_of(urls: Sequence[str], slot: WorkerSlot) -> list[str]:
 
 def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
                 storage_options: dict | None = None, slot: WorkerSlot = WorkerSlot(),
-                keep_columns: Sequence[str] = (), split: str | None = None) -> list[Shard]:
+                keep_columns: Sequence[str] = (), split: str | None = None,
+                pair_column: str | None = None) -> list[Shard]:
     """Every shard named by `inputs` that `slot` takes, in order, with its row count from the
     Parquet footer (an Arrow file's batches are counted).
 
@@ -237,7 +239,7 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
     mine = slot_of(urls, slot)
     if not mine:
         return []
-    shards = [_inspect_shard(url, stem_of[url], id_column, text_column, storage_options, keep_columns)
+    shards = [_inspect_shard(url, stem_of[url], id_column, text_column, storage_options, keep_columns, pair_column)
               for url in mine]
     problems = [shard.problem for shard in shards if shard.problem]
     if len(problems) == len(shards):
@@ -250,11 +252,11 @@ def list_source_shards(source: InputSettings, slot: WorkerSlot = WorkerSlot(),
                        keep_columns: Sequence[str] = ()) -> list[Shard]:
     """`list_shards` of a product's input settings (a run's, a sweep's, a load test's, an estimate's)."""
     return list_shards(source.input, source.id_column, source.text_column, source.storage_options, slot, keep_columns,
-                       source.split)
+                       source.split, source.pair_column)
 
 
 def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storage_options: dict,
-                   keep_columns: Sequence[str] = ()) -> Shard:
+                   keep_columns: Sequence[str] = (), pair_column: str | None = None) -> Shard:
     """The shard with its footer's row count, or with the problem that stops it being read."""
     def read_footer() -> tuple[pa.Schema, int, object]:
         with fsspec.open(url, "rb", **storage_options) as f:
@@ -275,15 +277,19 @@ def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storag
         raise UsageError(f"shard {url} has no column {', '.join(map(repr, missing))} to keep (its columns: "
                          f"{', '.join(schema.names)}{''.join(f', {k} (partition)' for k in partition_values(stem))}"
                          "); check --keep-columns")
-    for column, flag in ((id_column, "--id-column"), (text_column, "--text-column")):
+    named = ((id_column, "--id-column"), (text_column, "--text-column"), *([(pair_column, "--pair-column")]
+                                                                           if pair_column else []))
+    for column, flag in named:
         if column not in schema.names:
             return Shard(url, stem, num_rows, f"shard {url} has no column {column!r} (columns: "
                                               f"{', '.join(schema.names)}); set {flag}")
-    text_type = schema.field(text_column).type
-    if not is_text_type(text_type):
-        return Shard(url, stem, num_rows, f"shard {url}: text column {text_column!r} is {text_type}, not a "
-                                          "string; set --text-column to a string column")
-    problem = metadata and footer_problem(url, metadata, [id_column, text_column], max_row_group_bytes(os.environ))
+    for column, flag in named[1:]:
+        text_type = schema.field(column).type
+        if not is_text_type(text_type):
+            return Shard(url, stem, num_rows, f"shard {url}: text column {column!r} is {text_type}, not a "
+                                              f"string; set {flag} to a string column")
+    problem = metadata and footer_problem(url, metadata, [column for column, _ in named],
+                                          max_row_group_bytes(os.environ))
     return Shard(url, stem, num_rows, problem or None)
 
 
@@ -292,7 +298,8 @@ class ShardError(Exception):
 
 
 def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block_rows: int,
-                storage_options: dict | None = None, keep_columns: Sequence[str] = ()) -> Iterator[RowBlock]:
+                storage_options: dict | None = None, keep_columns: Sequence[str] = (),
+                pair_column: str | None = None) -> Iterator[RowBlock]:
     """Stream every shard's rows in order as RowBlocks of at most `block_rows` rows.
 
     A shard with a `problem`, or one that breaks while being read, ends with a row-less
@@ -305,7 +312,7 @@ def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block
             if shard.problem:
                 raise ShardError(shard.problem)
             yield from _read_shard(shard_index, shard, id_column, text_column, block_rows, storage_options,
-                                   keep_columns)
+                                   keep_columns, pair_column)
         except (ShardError, pa.ArrowException, OSError, EOFError) as error:
             reason = str(error) if isinstance(error, ShardError) else \
                 f"reading {shard.url} failed: {type(error).__name__}: {error}"
@@ -314,18 +321,21 @@ def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block
 
 
 def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str, block_rows: int,
-                storage_options: dict, keep_columns: Sequence[str] = ()) -> Iterator[RowBlock]:
+                storage_options: dict, keep_columns: Sequence[str] = (),
+                pair_column: str | None = None) -> Iterator[RowBlock]:
     first_row = 0
     pending = None
     partition = partition_values(shard.stem)  # a kept partition key comes from the path, as hive readers do
-    columns = list(dict.fromkeys([id_column, text_column, *(c for c in keep_columns if c not in partition)]))
+    columns = list(dict.fromkeys([id_column, text_column, *([pair_column] if pair_column else []),
+                                  *(c for c in keep_columns if c not in partition)]))
     for record_batch in _record_batches(shard.url, columns, block_rows, storage_options):
         if pending is not None:
             yield pending
         kept = {name: pa.array([partition[name]] * record_batch.num_rows, pa.string()) if name in partition
                 else record_batch.column(name) for name in keep_columns}
         pending = RowBlock(shard_index, first_row, plain_column(record_batch.column(id_column)),
-                           text_values(record_batch.column(text_column)), False, kept=kept)
+                           text_values(record_batch.column(text_column)), False, kept=kept,
+                           pairs=text_values(record_batch.column(pair_column)) if pair_column else None)
         first_row += record_batch.num_rows
     if first_row != shard.num_rows:
         raise ShardError(f"{shard.url}: read {first_row} rows but the footer says {shard.num_rows}")
