@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import glob
 import itertools
 import json
@@ -107,6 +108,7 @@ def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: boo
                          pair_types=pair and pair_types_differ(whole_tokenizer(backend.to_str())))
 
 
+@functools.lru_cache(maxsize=4)
 def whole_tokenizer(tokenizer_json: str):
     """The tokenizer with truncation off: a pair is truncated after it is encoded (pipeline/core/pairs.py)."""
     from tokenizers import Tokenizer
@@ -203,6 +205,7 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
     computed here too (`EncodedRows.hashes`). With `pairs` (a pair job's), each row is its
     text and its pair, encoded as one sequence (`encode_pair_rows`)."""
     started = time.perf_counter()
+    whole = _worker_whole_tokenizer if spec is None else None  # a spec of the caller's: its own, below
     tokenizer, spec = tokenizer or _worker_tokenizer, spec or _worker_spec
     texts = texts.to_pylist() if isinstance(texts, pa.Array) else texts
     pairs = pairs.to_pylist() if isinstance(pairs, pa.Array) else pairs
@@ -210,8 +213,7 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
     if ids is not None:
         hashes = hash_columns(ids.to_pylist() if isinstance(ids, pa.Array) else ids, texts, pairs)
     if pairs is not None:
-        encoded = encode_pair_rows(tokenizer, _worker_whole_tokenizer or whole_tokenizer(spec.tokenizer_json), spec,
-                                   texts, pairs)
+        encoded = encode_pair_rows(tokenizer, whole or whole_tokenizer(spec.tokenizer_json), spec, texts, pairs)
         return dataclasses.replace(encoded, encode_s=time.perf_counter() - started, hashes=hashes)
     checked = [check_text(value) for value in texts]
     errors = [error for _, error in checked]
