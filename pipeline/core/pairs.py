@@ -63,32 +63,37 @@ def encode_pairs(tokenizer, whole_tokenizer, tokenizer_json: str, max_length: in
     second_read = [prefix_of(tokenizer, text, cut) for text in seconds]
     encodings = whole_tokenizer.encode_batch([(a, b) for (a, _), (b, _) in zip(first_read, second_read)]) \
         if len(firsts) else []
-    limit = word_limit_for(tokenizer_json)
     rows = len(encodings)
-    lengths, truncated = np.zeros(rows, np.int64), np.zeros(rows, bool)
-    cut_tokens, first_tokens, second_tokens = (np.zeros(rows, np.int64) for _ in range(3))
-    token_parts, type_parts = [], []
-    for row, encoding in enumerate(encodings):
-        sequence = np.array([-1 if s is None else s for s in encoding.sequence_ids], np.int8)
-        counts = np.array([(sequence == 0).sum(), (sequence == 1).sum()], np.int64)
-        shares = np.array([first_read[row][1], second_read[row][1]])
-        full = np.rint(counts / shares).astype(np.int64)  # a prefix's text: estimated from its tokens per character
-        budget = max_length - int((sequence < 0).sum())
-        kept = np.array([k[0] for k in longest_first(full[:1], full[1:], budget)])
-        rank = np.where(sequence == 0, np.cumsum(sequence == 0), np.cumsum(sequence == 1)) - 1
-        keep = (sequence < 0) | ((sequence == 0) & (rank < kept[0])) | ((sequence == 1) & (rank < kept[1]))
-        token_parts.append(np.array(encoding.ids, np.int32)[keep])
-        if with_types:
-            type_parts.append(np.array(encoding.type_ids, np.int8)[keep])
-        lengths[row] = int(keep.sum())
-        first_tokens[row], second_tokens[row] = counts
-        cut_tokens[row] = int((full - kept).sum())
-        truncated[row] = cut_tokens[row] > 0 or (limit is not None and has_long_word(encoding, limit))
-    concat = np.concatenate
-    return {"token_ids": concat(token_parts) if token_parts else np.zeros(0, np.int32),
-            "type_ids": (concat(type_parts) if type_parts else np.zeros(0, np.int8)) if with_types else None,
-            "lengths": lengths, "truncated": truncated, "cut_tokens": cut_tokens, "first_tokens": first_tokens,
-            "second_tokens": second_tokens}
+    sizes = np.fromiter((len(e.ids) for e in encodings), np.int64, count=rows)
+    total = int(sizes.sum())
+    token_ids = np.fromiter((t for e in encodings for t in e.ids), np.int32, count=total)
+    sequence = np.fromiter((-1 if s is None else s for e in encodings for s in e.sequence_ids), np.int8, count=total)
+    type_ids = np.fromiter((t for e in encodings for t in e.type_ids), np.int8, count=total) if with_types else None
+    row_of = np.repeat(np.arange(rows), sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    counts, ranks = [], []
+    for side in (0, 1):  # each token's rank within its text, and each text's tokens
+        mine = sequence == side
+        seen = np.cumsum(mine)
+        before = np.where(starts > 0, seen[np.maximum(starts - 1, 0)], 0) if total else np.zeros(rows, np.int64)
+        ranks.append(seen - 1 - before[row_of])
+        counts.append(np.bincount(row_of[mine], minlength=rows))
+    shares = [np.array([share for _, share in read]) for read in (first_read, second_read)]
+    # a prefix's text: its full length estimated from the prefix's tokens per character
+    full = [np.rint(count / share).astype(np.int64) for count, share in zip(counts, shares)]
+    budget = max_length - (sizes - counts[0] - counts[1])  # less the template's special tokens
+    kept = longest_first(full[0], full[1], budget)
+    keep = (sequence < 0) | ((sequence == 0) & (ranks[0] < kept[0][row_of])) | \
+        ((sequence == 1) & (ranks[1] < kept[1][row_of]))
+    cut_tokens = full[0] + full[1] - kept[0] - kept[1]
+    truncated = cut_tokens > 0
+    limit = word_limit_for(tokenizer_json)
+    if limit is not None:  # a word WordPiece read as one [UNK] for its length: only rows with an [UNK] are looked at
+        for row in np.unique(row_of[token_ids == limit.unk_id]).tolist():
+            truncated[row] |= has_long_word(encodings[row], limit)
+    return {"token_ids": token_ids[keep], "type_ids": None if type_ids is None else type_ids[keep],
+            "lengths": np.bincount(row_of[keep], minlength=rows).astype(np.int64), "truncated": truncated,
+            "cut_tokens": cut_tokens, "first_tokens": counts[0], "second_tokens": counts[1]}
 
 
 def pair_types_differ(whole_tokenizer) -> bool:

@@ -72,6 +72,10 @@ def test_a_row_with_either_text_missing_is_a_row_error_never_dropped(minilm_path
                               "text has no tokens", "pair text has no tokens"]
     assert encoded.lengths.tolist()[1:] == [0] * 5 and encoded.lengths[0] > 0
     assert len(encoded.type_ids) == len(encoded.token_ids) == encoded.lengths.sum()
+    nothing = encode_texts([None, "a"], Tokenizer.from_str(spec.tokenizer_json), spec, pairs=["a rule", None])
+    assert nothing.lengths.tolist() == [0, 0] and len(nothing.type_ids) == 0
+    single = encode_texts(["a comment"], Tokenizer.from_str(spec.tokenizer_json), load_tokenizer_spec(minilm_path, 32))
+    assert single.type_ids is None  # a one-text job carries no types
 
 
 def test_a_rows_pair_hash_is_its_text_and_its_pair_and_a_single_texts_hash_is_unchanged():
