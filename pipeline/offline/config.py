@@ -48,9 +48,6 @@ class RunConfig(SettingsTree):
     metrics_interval_s: float = 30.0  # how often the textfile is rewritten during the run
     pushgateway: str | None = None  # a Prometheus Pushgateway the run's metrics are pushed to at its end
 
-    def __post_init__(self) -> None:
-        check_named_inputs(self.model.job, self.source.pair_column, self.long_text)
-
     def split_length(self, max_length: int) -> int | None:
         """Tokens per segment when this run splits rows longer than `max_length` (--long-text), else None:
         they are truncated."""
