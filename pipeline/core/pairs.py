@@ -18,6 +18,7 @@ hand the odd token to the other text than transformers would.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,17 +52,17 @@ def prefix_of(tokenizer, text: str, cut) -> tuple[str, float]:
     return prefix, share
 
 
-def encode_pairs(tokenizer, whole_tokenizer, tokenizer_json: str, max_length: int, firsts: Sequence[str],
+def encode_pairs(tokenizer, whole, tokenizer_json: str, max_length: int, firsts: Sequence[str],
                  seconds: Sequence[str], with_types: bool) -> dict:
     """Encode pairs of prepared texts: `tokenizer` truncates at max_length (it finds long texts'
-    prefixes), `whole_tokenizer` is the same with truncation off. Returns flat `token_ids` (int32)
+    prefixes), `whole` is the same with truncation off (`whole_tokenizer`). Returns flat `token_ids` (int32)
     and `type_ids` (int8, or None unless `with_types`), per pair `lengths`, `truncated`, `cut_tokens`
     (estimated tokens truncation dropped) and `first_tokens`/`second_tokens` (each text's content
     tokens before truncation: 0 is a text with no tokens)."""
     cut = text_cut_for(tokenizer_json, max_length)
     first_read = [prefix_of(tokenizer, text, cut) for text in firsts]
     second_read = [prefix_of(tokenizer, text, cut) for text in seconds]
-    encodings = whole_tokenizer.encode_batch([(a, b) for (a, _), (b, _) in zip(first_read, second_read)]) \
+    encodings = whole.encode_batch([(a, b) for (a, _), (b, _) in zip(first_read, second_read)]) \
         if len(firsts) else []
     rows = len(encodings)
     sizes = np.fromiter((len(e.ids) for e in encodings), np.int64, count=rows)
@@ -96,7 +97,17 @@ def encode_pairs(tokenizer, whole_tokenizer, tokenizer_json: str, max_length: in
             "cut_tokens": cut_tokens, "first_tokens": counts[0], "second_tokens": counts[1]}
 
 
-def pair_types_differ(whole_tokenizer) -> bool:
+def pair_types_differ(whole) -> bool:
     """Whether the tokenizer gives a pair's second text another token type than its first (BERT's 0
     and 1; RoBERTa's and XLM-R's templates type every token 0): only then do types travel with a batch."""
-    return any(whole_tokenizer.encode("a", "b").type_ids)
+    return any(whole.encode("a", "b").type_ids)
+
+
+@functools.lru_cache(maxsize=4)
+def whole_tokenizer(tokenizer_json: str):
+    """The tokenizer with truncation off: a pair is truncated after it is encoded (`encode_pairs`)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.no_truncation()
+    return tokenizer

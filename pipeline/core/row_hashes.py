@@ -1,7 +1,7 @@
-"""Stable 64-bit hashes of a row's id and text (a pair job's: its text and its pair): what dedupe, the duplicate-id count and tomorrow's
-`--reuse` recognise a row by (the text-hash files keep them, so they never change). The
-tokenizer workers compute them, where the strings already are, so that the main process handles
-hash columns, not rows."""
+"""Stable 64-bit hashes of a row's id and text (a pair job's: its text and its pair, as one key): what
+dedupe, the duplicate-id count and tomorrow's `--reuse` recognise a row by (the text-hash files keep
+them, so they never change). The tokenizer workers compute them, where the strings already are, so
+that the main process handles hash columns, not rows."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import glob
 import itertools
 import json
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.pairs import encode_pairs, pair_types_differ
+from pipeline.core.pairs import encode_pairs, pair_types_differ, whole_tokenizer
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
 from pipeline.core.textcut import encode_long_text, has_long_word, text_cut_for, word_limit_for
@@ -106,16 +105,6 @@ def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: boo
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return TokenizerSpec(backend.to_str(), max_length, int(pad_token_id), prompt, lowercase, pair=pair,
                          pair_types=pair and pair_types_differ(whole_tokenizer(backend.to_str())))
-
-
-@functools.lru_cache(maxsize=4)
-def whole_tokenizer(tokenizer_json: str):
-    """The tokenizer with truncation off: a pair is truncated after it is encoded (pipeline/core/pairs.py)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_str(tokenizer_json)
-    tokenizer.no_truncation()
-    return tokenizer
 
 
 def count_prompt_tokens(spec: TokenizerSpec) -> int:
@@ -230,7 +219,7 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
     cut_tokens = np.zeros(len(texts), dtype=np.int64)  # of a prefix: estimated from its tokens per character
     estimated = np.rint((content + overflow) / np.array(shares, dtype=float)).astype(np.int64)
     cut_tokens[good_positions] = estimated - content
-    for index in np.flatnonzero(content <= _prompt_content_tokens(tokenizer, spec)):
+    for index in np.flatnonzero(content <= prompt_content_tokens(tokenizer, spec)):
         position = good_positions[index]  # only special (and prompt) tokens, e.g. U+FFFD alone
         errors[position] = "text has no tokens" if shares[index] == 1 else "text has no tokens in its first " \
             f"{text_cut_for(spec.tokenizer_json, spec.max_length).last_cut_chars:,} characters, the most a row is read"
@@ -248,31 +237,28 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
 
 
 def encode_pair_rows(tokenizer, whole, spec: TokenizerSpec, texts: list, pairs: list) -> EncodedRows:
-    """Rows of a text and its pair (pipeline/core/pairs.py); either one null, empty or without
-    tokens is the row's error (the pair's named `pair …`). The prompt goes before the text."""
-    checked = [check_text(value) for value in texts]
-    checked_pairs = [check_text(value) for value in pairs]
-    errors = [error or (pair_error and f"pair {pair_error}") for (_, error), (_, pair_error) in
-              zip(checked, checked_pairs)]
+    """Rows of a text and its pair (pipeline/core/pairs.py); either one null, empty or without tokens is
+    the row's error (the pair's says `pair …`). The prompt goes before the text."""
+    checked, checked_pairs = [check_text(value) for value in texts], [check_text(value) for value in pairs]
+    errors = [error or (pair_error and f"pair {pair_error}")
+              for (_, error), (_, pair_error) in zip(checked, checked_pairs)]
     good = np.flatnonzero(np.array([error is None for error in errors], dtype=bool))
-    prepare_pair = (lambda text: text.lower()) if spec.lowercase else (lambda text: text)
     encoded = encode_pairs(tokenizer, whole, spec.tokenizer_json, spec.max_length,
                            [prepare_text(spec, checked[row][0]) for row in good],
-                           [prepare_pair(checked_pairs[row][0]) for row in good], spec.pair_types)
-    prompt_tokens = _prompt_content_tokens(tokenizer, spec)
-    for index in np.flatnonzero((encoded["first_tokens"] <= prompt_tokens) | (encoded["second_tokens"] == 0)):
-        errors[good[index]] = "text has no tokens" if encoded["first_tokens"][index] <= prompt_tokens \
-            else "pair text has no tokens"
-    kept = np.array([errors[row] is None for row in good], dtype=bool)
-    lengths, truncated, cut_tokens = (np.zeros(len(texts), np.int64), np.zeros(len(texts), bool),
-                                      np.zeros(len(texts), np.int64))
-    lengths[good[kept]] = encoded["lengths"][kept]
-    truncated[good[kept]] = encoded["truncated"][kept]
-    cut_tokens[good[kept]] = encoded["cut_tokens"][kept]
-    token_mask = np.repeat(kept, encoded["lengths"])  # drop the tokens of rows found to have none after all
-    type_ids = encoded["type_ids"]
-    return EncodedRows(encoded["token_ids"][token_mask], np.concatenate([[0], np.cumsum(lengths)]), truncated, errors,
-                       0.0, cut_tokens, type_ids=None if type_ids is None else type_ids[token_mask])
+                           [checked_pairs[row][0].lower() if spec.lowercase else checked_pairs[row][0] for row in good],
+                           spec.pair_types)
+    no_text = encoded["first_tokens"] <= prompt_content_tokens(tokenizer, spec)
+    empty = no_text | (encoded["second_tokens"] == 0)
+    for index in np.flatnonzero(empty):
+        errors[good[index]] = "text has no tokens" if no_text[index] else "pair text has no tokens"
+    lengths, truncated, cut_tokens = np.zeros(len(texts), np.int64), np.zeros(len(texts), bool), np.zeros(len(texts),
+                                                                                                          np.int64)
+    for values, name in ((lengths, "lengths"), (truncated, "truncated"), (cut_tokens, "cut_tokens")):
+        values[good[~empty]] = encoded[name][~empty]
+    tokens = np.repeat(~empty, encoded["lengths"])  # a row found to have no tokens after all keeps none
+    types = encoded["type_ids"]
+    return EncodedRows(encoded["token_ids"][tokens], np.concatenate([[0], np.cumsum(lengths)]), truncated, errors, 0.0,
+                       cut_tokens, type_ids=None if types is None else types[tokens])
 
 
 def _rows_with_long_words(spec: TokenizerSpec, token_ids: np.ndarray, offsets: np.ndarray, encodings: list,
@@ -326,7 +312,7 @@ def _encode_prepared(tokenizer, spec: TokenizerSpec, texts: list) -> tuple[list,
     return [encoding for encoding, _ in results], [share for _, share in results]
 
 
-def _prompt_content_tokens(tokenizer, spec: TokenizerSpec) -> int:
+def prompt_content_tokens(tokenizer, spec: TokenizerSpec) -> int:
     """Tokens other than special ones the prompt alone gives: a row with no more has no text tokens."""
     if not spec.prompt:
         return 0

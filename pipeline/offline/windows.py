@@ -189,7 +189,8 @@ def dedupe_windows(windows: Iterable[Window]) -> Iterator[Window]:
     the text-hash file keeps, so it is computed once) run once; the block's hashes are kept for that file."""
     for window in windows:
         window.blocks = [block if block.reuse is not None else dataclasses.replace(
-            block, reuse=ReusedRows(hash_rows(block.ids, block.texts, block.pairs), np.zeros(block.num_rows, bool), None))
+            block, reuse=ReusedRows(hash_rows(block.ids, block.texts, block.pairs), np.zeros(block.num_rows, bool),
+                                    None))
             for block in window.blocks]
         if window.blocks:
             hashes = pa.concat_arrays([block.reuse.hashes.text_hashes for block in window.blocks])
