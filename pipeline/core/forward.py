@@ -348,7 +348,7 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
             token_type_ids = packing.pop(0) if item.typed else None
             result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded, packing=packing), input_ids,
                                               attention_mask, device, limits.rows_for(item.padded_length),
-                                              token_type_ids)
+                                              token_type_ids=token_type_ids)
             if result.splits:
                 limits.lower(item.padded_length, max(1, result.largest_ok_rows))
             launched = (item, HostCopy(result, device, started_event))

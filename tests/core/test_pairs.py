@@ -112,3 +112,21 @@ def test_named_inputs_that_do_not_fit_the_job_are_usage_errors(job, pair_column,
         check_named_inputs(job, pair_column, long_text)
     check_named_inputs("pair", "rule", "truncate")
     check_named_inputs("embed", None, "split")
+
+
+def test_an_out_of_memory_split_cuts_token_types_with_their_rows():
+    import torch
+
+    from pipeline.core.forward import forward_splitting_on_oom
+
+    def forward(ids, mask, types):
+        if ids.shape[0] > 3:
+            raise torch.OutOfMemoryError("out of memory")
+        assert (types == ids % 2).all()  # each part's types are its own rows'
+        return {"sum": (ids + 10 * types).float()}
+
+    ids = torch.arange(10).reshape(10, 1)
+    result = forward_splitting_on_oom(forward, ids, torch.ones_like(ids), torch.device("cpu"), max_rows=8,
+                                      token_type_ids=ids % 2)
+    assert result.outputs["sum"][:, 0].tolist() == [i + 10 * (i % 2) for i in range(10)]
+    assert result.splits == 3 and not result.failed.any()  # 8 → 4+4 → (2+2)+(2+2): three halvings; 2 left run whole
