@@ -3,7 +3,7 @@ wherever it is now, and send only new and edited rows (and rows whose error a re
 
 How a row is recognised: every commit also writes `OUTPUT/.lengthwise/text-hashes/<stem>.hashes`
 (Parquet), one row per output row, in output order: `id_hash` (64-bit blake2b of the id),
-`text_hash` (64-bit blake2b of the text) and `status` (OK, an error a retry may fix, one it
+`text_hash` (64-bit blake2b of the text; a pair job's, of the text and its pair) and `status` (OK, an error a retry may fix, one it
 cannot). Not a user-facing column: readers of the output never see it. A file of an older
 version has no `status` and a null text hash for every error: those rows are retried.
 
