@@ -97,10 +97,14 @@ def encode_pairs(tokenizer, whole, tokenizer_json: str, max_length: int, firsts:
             "cut_tokens": cut_tokens, "first_tokens": counts[0], "second_tokens": counts[1]}
 
 
-def pair_types_differ(whole) -> bool:
-    """Whether the tokenizer gives a pair's second text another token type than its first (BERT's 0
-    and 1; RoBERTa's and XLM-R's templates type every token 0): only then do types travel with a batch."""
-    return any(whole.encode("a", "b").type_ids)
+def carries_pair_types(tokenizer) -> bool:
+    """Whether a pair's token types travel with its batch: the model takes them (the transformers
+    tokenizer's `model_input_names` say so, as transformers decides whether to return them; DistilBERT's
+    do not) and the tokenizer gives the second text another type than the first (BERT's 0 and 1;
+    RoBERTa's and XLM-R's templates type every token 0)."""
+    if "token_type_ids" not in getattr(tokenizer, "model_input_names", ()):
+        return False
+    return any(whole_tokenizer(tokenizer.backend_tokenizer.to_str()).encode("a", "b").type_ids)
 
 
 @functools.lru_cache(maxsize=4)

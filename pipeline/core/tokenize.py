@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.pairs import encode_pairs, pair_types_differ, whole_tokenizer
+from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenizer
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
 from pipeline.core.textcut import encode_long_text, has_long_word, text_cut_for, word_limit_for
@@ -93,7 +93,7 @@ class EncodedRows:
 def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: bool = False, prompt: str = "",
                         lowercase: bool = False, pair: bool = False) -> TokenizerSpec:
     """Load the model's fast tokenizer once, truncating at max_length and never padding; `pair`:
-    the job's rows are pairs of texts."""
+    the job's rows are pairs of texts (`carries_pair_types`: whether their token types travel)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -104,7 +104,7 @@ def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: boo
     backend.enable_truncation(max_length=max_length)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return TokenizerSpec(backend.to_str(), max_length, int(pad_token_id), prompt, lowercase, pair=pair,
-                         pair_types=pair and pair_types_differ(whole_tokenizer(backend.to_str())))
+                         pair_types=pair and carries_pair_types(tokenizer))
 
 
 def count_prompt_tokens(spec: TokenizerSpec) -> int:

@@ -130,3 +130,14 @@ def test_an_out_of_memory_split_cuts_token_types_with_their_rows():
                                       token_type_ids=ids % 2)
     assert result.outputs["sum"][:, 0].tolist() == [i + 10 * (i % 2) for i in range(10)]
     assert result.splits == 3 and not result.failed.any()  # 8 → 4+4 → (2+2)+(2+2): three halvings; 2 left run whole
+
+
+def test_types_travel_only_where_the_model_takes_them_and_they_differ(minilm_path, tiny_xlmr_reranker_path):
+    from transformers import AutoTokenizer
+
+    from pipeline.core.pairs import carries_pair_types
+
+    assert carries_pair_types(AutoTokenizer.from_pretrained(minilm_path))  # BERT: 0 and 1
+    assert not carries_pair_types(AutoTokenizer.from_pretrained(tiny_xlmr_reranker_path))  # every token 0
+    distilbert_like = AutoTokenizer.from_pretrained(minilm_path, model_input_names=["input_ids", "attention_mask"])
+    assert not carries_pair_types(distilbert_like)  # DistilBERT's forward takes no token_type_ids
