@@ -241,12 +241,12 @@ def forward_token_cap(cap_tokens: int):
 
     original = shared_forward.forward_splitting_on_oom
 
-    def capped(forward, input_ids, attention_mask, device, max_rows=None):
-        def forward_under_cap(ids, mask):
+    def capped(forward, input_ids, attention_mask, device, max_rows=None, token_type_ids=None):
+        def forward_under_cap(ids, mask, *types):
             if ids.numel() > cap_tokens:
                 raise torch.OutOfMemoryError(f"induced: {ids.numel()} tokens over the {cap_tokens}-token cap")
-            return forward(ids, mask)
-        return original(forward_under_cap, input_ids, attention_mask, device, max_rows)
+            return forward(ids, mask, *types)
+        return original(forward_under_cap, input_ids, attention_mask, device, max_rows, token_type_ids)
 
     shared_forward.forward_splitting_on_oom = capped
     try:

@@ -19,8 +19,15 @@ from pipeline.core.errors import UsageError
 
 
 class Job(Protocol):
+    """Every member below is required. Optional hooks, looked up with hasattr/getattr where they are
+    used: `options(settings, model_path) -> dict` (jobs/registry.py: output-changing settings, checked
+    before anything runs, passed to `load`), `split_schema(model)` (offline/runner.py: columns
+    --long-text split adds), `count_flagged(model, table)` (offline/runner.py: the summary's flag
+    counts). docs/jobs.md lists them all."""
+
     name: str
     auto_class: type  # the transformers Auto class its model loads with
+    inputs: tuple[str, ...]  # the row's named inputs: ("text",), or ("text", "pair") for a text and its pair
 
     def load(self, model_path: str, device: torch.device, dtype: torch.dtype, prompt_tokens: int = 0,
              **loading) -> torch.nn.Module:
@@ -29,10 +36,12 @@ class Job(Protocol):
         to load_pretrained (allow_pickle, trust_remote_code)."""
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                padded: bool = True, packing: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                padded: bool = True, packing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                token_type_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Per-row float32 outputs of one batch, each shaped (rows, …); `padded` False says, from
         the host, that no row of the batch has padding (see `model_attention_mask`); `packing`: the
-        batch's packed layout from the host, for the unpadded forward (`pipeline.core.unpadded.PackedBatch`)."""
+        batch's packed layout from the host, for the unpadded forward (`pipeline.core.unpadded.PackedBatch`);
+        `token_type_ids`: a pair's token types, passed (as a keyword) only to a job whose `inputs` has a pair."""
 
     def agreement(self, reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
                   strict: bool = False, model: torch.nn.Module | None = None) -> tuple[bool, str]:

@@ -25,17 +25,19 @@ def uses_sigmoid(config) -> bool:
 class ClassifyJob:
     name = "classify"
     auto_class = AutoModelForSequenceClassification
+    inputs = ("text",)
 
     def load(self, model_path, device, dtype, prompt_tokens: int = 0, **loading):
         return load_pretrained(AutoModelForSequenceClassification, model_path, device, dtype, **loading)
 
-    def forward(self, model, input_ids, attention_mask, padded: bool = True, packing=None):
+    def forward(self, model, input_ids, attention_mask, padded: bool = True, packing=None, token_type_ids=None):
         unpadded = getattr(model, "unpadded", None)  # where `--unpad` settled on one (pipeline/core/unpadded.py)
         if padded and unpadded is not None:
-            logits = unpadded.logits(input_ids, attention_mask, packing).float()
+            logits = unpadded.logits(input_ids, attention_mask, packing, token_type_ids).float()
         else:
             mask = model_attention_mask(model, attention_mask, padded)
-            logits = model(input_ids=input_ids, attention_mask=mask).logits.float()
+            types = {} if token_type_ids is None else {"token_type_ids": token_type_ids}  # the call stays as it was
+            logits = model(input_ids=input_ids, attention_mask=mask, **types).logits.float()
         scores = logits.sigmoid() if uses_sigmoid(model.config) else logits.softmax(dim=-1)
         return {"scores": scores}
 

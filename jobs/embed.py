@@ -98,6 +98,7 @@ MIN_COSINE_STRICT = 0.9999  # a compiled forward must keep it this close to eage
 class EmbedJob:
     name = "embed"
     auto_class = AutoModel
+    inputs = ("text",)
 
     def load(self, model_path, device, dtype, prompt_tokens: int = 0, **loading):
         """`prompt_tokens`: how many leading tokens the run's prompt takes (for recipes that

@@ -83,8 +83,10 @@ class Moderator(torch.nn.Module):
         # the classifier's verdict on a prepared mask (jobs.base.model_attention_mask)
         self.takes_prepared_mask = getattr(classifier, "takes_prepared_mask", False)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        return self.classifier(input_ids=input_ids, attention_mask=attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                token_type_ids: torch.Tensor | None = None):
+        types = {} if token_type_ids is None else {"token_type_ids": token_type_ids}  # a pair's (jobs/pair.py)
+        return self.classifier(input_ids=input_ids, attention_mask=attention_mask, **types)
 
 
 class ModerateJob(ClassifyJob):

@@ -5,10 +5,11 @@ from __future__ import annotations
 from jobs.classify import ClassifyJob
 from jobs.embed import EmbedJob
 from jobs.moderate import ModerateJob
+from jobs.pair import PairJob
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import ModelSettings
 
-JOBS = {job.name: job for job in (EmbedJob(), ClassifyJob(), ModerateJob())}
+JOBS = {job.name: job for job in (EmbedJob(), ClassifyJob(), ModerateJob(), PairJob())}
 
 
 def get_job(name: str):
@@ -26,6 +27,6 @@ def job_options(settings: ModelSettings, model_path: str) -> dict:
     resolve = getattr(job, "options", None)
     if resolve is None:
         if settings.thresholds or settings.flag_labels:
-            raise UsageError(f"--threshold and --flag-labels are for --job moderate, not --job {settings.job}")
+            raise UsageError(f"--threshold and --flag-labels are for --job moderate or pair, not --job {settings.job}")
         return {}
     return resolve(settings, model_path)

@@ -207,3 +207,44 @@ def run_one_huge_row(tmp_path: Path, model: str, text: str, *extra: str, cap_byt
     _, short_rows_peak = _peak_of_one_run(tmp_path / "short", model, "a short row", extra, cap_bytes)
     finished, peak = _peak_of_one_run(tmp_path, model, text, extra, cap_bytes)
     return finished, peak - short_rows_peak
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_encoder_path(tmp_path_factory, minilm_path) -> str:
+    """A BERT cross-encoder layout: MiniLM's config shape and tokenizer, two token types (the pair's
+    second text typed 1), two sigmoid labels; weights drawn ten times wider than BERT's init, so that scores
+    spread over 0…1 (at BERT's they all lie within 1e-3 of each other, too close to tell a wrong token apart)."""
+    return _tiny_bert(tmp_path_factory.mktemp("tiny-cross-encoder"), minilm_path, "BertForSequenceClassification",
+                      type_vocab_size=2, initializer_range=0.2, num_labels=2, problem_type="multi_label_classification",
+                      id2label={0: "relevant", 1: "breaks_rule"}, label2id={"relevant": 0, "breaks_rule": 1})
+
+
+@pytest.fixture(scope="session")
+def tiny_xlmr_reranker_path(tmp_path_factory, sample_table) -> str:
+    """An XLM-R reranker layout (one logit, no token types): a real Unigram tokenizer trained offline on
+    the sample's texts with XLM-R's specials and pair template, wrapped as XLMRobertaTokenizerFast."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    folder = tmp_path_factory.mktemp("tiny-xlmr-reranker")
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    texts = [text for text in sample_table["text"].to_pylist() if text]
+    tokenizer.train_from_iterator(texts, trainers.UnigramTrainer(vocab_size=800, special_tokens=specials,
+                                                                 unk_token="<unk>"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    transformers.XLMRobertaTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                         sep_token="</s>", cls_token="<s>", unk_token="<unk>", pad_token="<pad>",
+                                         mask_token="<mask>").save_pretrained(folder)
+    config = transformers.XLMRobertaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=64, max_position_embeddings=130,
+                                           pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
+                                           num_labels=1, initializer_range=0.2)  # spread scores, as above
+    torch.manual_seed(0)
+    transformers.XLMRobertaForSequenceClassification(config).eval().save_pretrained(folder, safe_serialization=True)
+    return str(folder)

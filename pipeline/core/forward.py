@@ -21,15 +21,18 @@ from pipeline.core.tokenize import EncodedRows
 
 
 def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded_length: int,
-            pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Padded (rows, padded_length) input ids and attention mask from flat token arrays."""
+            pad_token_id: int, type_ids: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """Padded (rows, padded_length) input ids and attention mask from flat token arrays, and the
+    token type ids (0 at padding) where `type_ids` (a pair's, beside `token_ids`) are given."""
     starts = offsets[rows]
     lengths = offsets[rows + 1] - starts
     positions = np.arange(padded_length)
     attention_mask = positions[None, :] < lengths[:, None]
     gather = np.where(attention_mask, starts[:, None] + positions[None, :], 0)
     input_ids = np.where(attention_mask, token_ids[gather], pad_token_id).astype(np.int64)
-    return input_ids, attention_mask.astype(np.int64)
+    if type_ids is None:
+        return input_ids, attention_mask.astype(np.int64)
+    return input_ids, attention_mask.astype(np.int64), np.where(attention_mask, type_ids[gather], 0).astype(np.int64)
 
 
 def packed_layout(lengths: np.ndarray, padded_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -150,20 +153,25 @@ class SplitForward:
 
 
 def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             device: torch.device, max_rows: int | None = None) -> SplitForward:
-    """Run `forward(ids, mask) → {name: tensor}`; on out-of-memory halve the batch and retry
-    each half, down to single rows. Every row is computed once; a row that fails alone is
-    reported in `failed` instead of raising. Outputs stay on the device (see `HostCopy`).
-    A batch of more than `max_rows` (collated before a split lowered the limits) runs in parts
-    of that many rows from the start, without failing first."""
+                             device: torch.device, max_rows: int | None = None,
+                             token_type_ids: torch.Tensor | None = None) -> SplitForward:
+    """Run `forward(ids, mask) → {name: tensor}` (`forward(ids, mask, types)` with `token_type_ids`,
+    a pair job's); on out-of-memory halve the batch and retry each half, down to single rows.
+    Every row is computed once; a row that fails alone is reported in `failed` instead of raising.
+    Outputs stay on the device (see `HostCopy`). A batch of more than `max_rows` (collated before a
+    split lowered the limits) runs in parts of that many rows from the start, without failing first."""
     rows = input_ids.shape[0]
+
+    def part(s: slice) -> SplitForward:
+        return forward_splitting_on_oom(forward, input_ids[s], attention_mask[s], device,
+                                        token_type_ids=None if token_type_ids is None else token_type_ids[s])
+
     if max_rows is not None and rows > max_rows:
-        parts = [forward_splitting_on_oom(forward, input_ids[start:start + max_rows],
-                                          attention_mask[start:start + max_rows], device)
-                 for start in range(0, rows, max_rows)]
+        parts = [part(slice(start, start + max_rows)) for start in range(0, rows, max_rows)]
         return joined(parts, splits=sum(p.splits for p in parts))
     try:
-        return SplitForward(dict(forward(input_ids, attention_mask)), np.zeros(rows, dtype=bool), 0, rows)
+        inputs = (input_ids, attention_mask) if token_type_ids is None else (input_ids, attention_mask, token_type_ids)
+        return SplitForward(dict(forward(*inputs)), np.zeros(rows, dtype=bool), 0, rows)
     except BaseException as error:
         if not is_out_of_memory(error):
             raise
@@ -171,8 +179,7 @@ def forward_splitting_on_oom(forward, input_ids: torch.Tensor, attention_mask: t
     if rows == 1:
         return SplitForward({}, np.ones(1, dtype=bool), 0, 0)
     half = rows // 2
-    parts = [forward_splitting_on_oom(forward, input_ids[s], attention_mask[s], device)
-             for s in (slice(0, half), slice(half, rows))]
+    parts = [part(s) for s in (slice(0, half), slice(half, rows))]
     return joined(parts, splits=1 + sum(p.splits for p in parts))
 
 
@@ -252,13 +259,15 @@ class ReadyBatch:
 
     rows: np.ndarray  # positions in the encoded rows (of `window`, if any)
     padded_length: int
-    tensors: list[torch.Tensor]  # input ids, attention mask (and its packed layout), on their way to the device
+    tensors: list[torch.Tensor]  # input ids, attention mask (token type ids if `typed`; the packed layout), on
+    # their way to the device
     copied: object  # the CUDA event of their copy, or None
     real_tokens: int
     padded_tokens: int
     window: object = None  # the offline runner's Window these rows belong to, if any
     entered: float = 0.0  # when the packer handed these rows on (the sweep's row latency starts here)
     padded: bool = True  # some row is shorter than padded_length (else the encoder runs without a mask)
+    typed: bool = False  # token type ids follow the mask (a pair job whose model types its texts)
 
 
 class BatchLimits:
@@ -294,14 +303,15 @@ def collate_batches(encoded: EncodedRows, rows: np.ndarray, max_batch_tokens: in
     for batch in plan_batches(lengths, max_batch_tokens, max_batch_rows, bounds, limits.rows_for):
         entered = time.perf_counter()
         picked = rows[batch.rows]
-        arrays = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length, pad_token_id)
+        arrays = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length, pad_token_id,
+                         encoded.type_ids)
         batch_lengths = lengths[batch.rows]
         padded = has_padding(batch_lengths, batch.padded_length)
         if packed and padded:
             arrays += packed_layout(batch_lengths, batch.padded_length)
         tensors, copied = feeder.send(*arrays)
         ready = ReadyBatch(picked, batch.padded_length, tensors, copied, int(batch_lengths.sum()), batch.padded_tokens,
-                           window, entered, padded)
+                           window, entered, padded, encoded.type_ids is not None)
         if times is not None:
             times.collate += time.perf_counter() - entered
         yield ready
@@ -321,13 +331,14 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
     yielded at once."""
     keep_in_flight = device.type == "cuda"
 
-    def forward(input_ids, attention_mask, padded=True, packing=()):
+    def forward(input_ids, attention_mask, token_type_ids=None, padded=True, packing=()):
         # inputs still on the host (their copy ran out of memory) move here, under the back-off; the
         # host's packed layout is the whole batch's, so a part split off after running out of memory has none
         whole = bool(packing) and input_ids.shape[0] == packing[1].shape[0] - 1
         layout = tuple(t.to(device, non_blocking=True) for t in packing) if whole else None
+        types = {} if token_type_ids is None else {"token_type_ids": token_type_ids.to(device, non_blocking=True)}
         return job.forward(model, input_ids.to(device, non_blocking=True),
-                           attention_mask.to(device, non_blocking=True), padded, layout)
+                           attention_mask.to(device, non_blocking=True), padded, layout, **types)
 
     def read_back(item: ReadyBatch, copy: HostCopy) -> tuple[ReadyBatch, SplitForward]:
         result = copy.read()
@@ -348,8 +359,10 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
             started = time.perf_counter()
             started_event = device_timer_start(device)
             input_ids, attention_mask, *packing = feeder.receive(item.tensors, item.copied)
+            token_type_ids = packing.pop(0) if item.typed else None
             result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded, packing=packing), input_ids,
-                                              attention_mask, device, limits.rows_for(item.padded_length))
+                                              attention_mask, device, limits.rows_for(item.padded_length),
+                                              token_type_ids=token_type_ids)
             if result.splits:
                 limits.lower(item.padded_length, max(1, result.largest_ok_rows))
             launched = (item, HostCopy(result, device, started_event))

@@ -142,7 +142,7 @@ class ModelSettings:
     """Which model runs, where and how: the one model setup's input (`pipeline.runtime.open_runtime`),
     the same for a run, a sweep, the batcher and a load test."""
 
-    job: str = "embed"  # what to compute: embed | classify | moderate
+    job: str = "embed"  # what to compute: embed | classify | moderate | pair
     model: str | None = None  # Hugging Face model folder; None = packaged all-MiniLM-L6-v2
     max_length: int | None = None  # tokens per row, longer texts truncated (and flagged); None = the model
     # folder's sentence-transformers max_seq_length, else 256
@@ -185,6 +185,7 @@ class InputSettings:
     input: tuple[str, ...] = ()  # directories, globs or files; local paths or fsspec URLs
     id_column: str = "id"
     text_column: str = "text"
+    pair_column: str | None = None  # --job pair: the input column of each text's pair
     split: str | None = None  # the split of a `datasets` DatasetDict folder given as --input
     storage_options: dict = field(default_factory=dict)  # passed to fsspec for input and output
 

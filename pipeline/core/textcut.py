@@ -136,12 +136,19 @@ def encode_long_text(tokenizer, text: str, cut: TextCut):
     whole (collapsed) text, share 1.0; but never more than cut.last_cut_chars of it, where a
     text the check cannot pass (one word, a run of zero-token characters) is cut, share below 1:
     a truncated row, whether or not its tokens overflow."""
+    prefix, encoding, share = long_text_prefix(tokenizer, text, cut)
+    return encoding, share
+
+
+def long_text_prefix(tokenizer, text: str, cut: TextCut):
+    """(the prefix, its encoding, its share of the text) that `encode_long_text` settles on: a pair
+    job encodes the pair from its texts' prefixes (pipeline/core/pairs.py)."""
     chars = cut.first_cut_chars
     while True:
         prefix, whole = text_prefix(text, chars, cut.collapse_runs)
         encoding = tokenizer.encode(prefix)
         if whole or chars >= cut.last_cut_chars or keeps_full_tokens(encoding, len(prefix), cut.added_token_chars):
-            return encoding, 1.0 if whole else len(prefix) / len(text)
+            return prefix, encoding, 1.0 if whole else len(prefix) / len(text)
         chars = min(2 * chars, cut.last_cut_chars)
 
 

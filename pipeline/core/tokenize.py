@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenizer
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
 from pipeline.core.textcut import encode_long_text, has_long_word, text_cut_for, word_limit_for
@@ -58,6 +59,8 @@ class TokenizerSpec:
     lowercase: bool = False  # lower-case prompt + text first (sentence-transformers do_lower_case)
     segment_length: int = 0  # --long-text split: rows longer than max_length become segments of at most this
     # many tokens (pipeline/core/segments.py); 0 = truncate them
+    pair: bool = False  # the job's rows are a text and its pair, encoded as one sequence (pipeline/core/pairs.py)
+    pair_types: bool = False  # a pair's texts have different token types (BERT): they travel with the batch
 
 
 @dataclass
@@ -72,6 +75,7 @@ class EncodedRows:
     cut_tokens: np.ndarray | None = None  # int64, tokens truncation cut off each row (None: nothing cut)
     segments: RowSegments | None = None  # --long-text split: the segments of rows longer than max_length
     hashes: HashColumns | None = None  # the rows' id and text hashes, where their ids were given
+    type_ids: np.ndarray | None = None  # int8 beside token_ids: a pair's token types, where they differ
 
     @property
     def lengths(self) -> np.ndarray:
@@ -107,8 +111,9 @@ class EncodedRows:
 
 
 def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: bool = False, prompt: str = "",
-                        lowercase: bool = False) -> TokenizerSpec:
-    """Load the model's fast tokenizer once, truncating at max_length and never padding."""
+                        lowercase: bool = False, pair: bool = False) -> TokenizerSpec:
+    """Load the model's fast tokenizer once, truncating at max_length and never padding; `pair`:
+    the job's rows are pairs of texts (`carries_pair_types`: whether their token types travel)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -118,7 +123,8 @@ def load_tokenizer_spec(model_path: str, max_length: int, trust_remote_code: boo
     backend.no_padding()
     backend.enable_truncation(max_length=max_length)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TokenizerSpec(backend.to_str(), max_length, int(pad_token_id), prompt, lowercase)
+    return TokenizerSpec(backend.to_str(), max_length, int(pad_token_id), prompt, lowercase, pair=pair,
+                         pair_types=pair and carries_pair_types(tokenizer))
 
 
 def count_prompt_tokens(spec: TokenizerSpec) -> int:
@@ -158,11 +164,12 @@ def check_text(value) -> tuple[str | None, str | None]:
 
 
 _worker_tokenizer = None
+_worker_whole_tokenizer = None  # a pair job's: truncation off
 _worker_spec: TokenizerSpec | None = None
 
 
 def _init_worker(spec: TokenizerSpec, in_worker: bool = True) -> None:
-    global _worker_tokenizer, _worker_spec
+    global _worker_tokenizer, _worker_whole_tokenizer, _worker_spec
     if in_worker:
         # Ctrl-C and a group SIGTERM reach the workers too; the parent decides how to stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -172,6 +179,7 @@ def _init_worker(spec: TokenizerSpec, in_worker: bool = True) -> None:
     from tokenizers import Tokenizer
 
     _worker_tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+    _worker_whole_tokenizer = whole_tokenizer(spec.tokenizer_json) if spec.pair else None
     _worker_spec = spec
 
 
@@ -198,18 +206,24 @@ def _exit_with_parent() -> None:
 
 
 def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec | None = None,
-                 ids: Sequence | pa.Array | None = None) -> EncodedRows:
+                 ids: Sequence | pa.Array | None = None, pairs: Sequence | pa.Array | None = None) -> EncodedRows:
     """Tokenize one chunk of texts with `tokenizer` prepared by `spec` (default: this
     process's, set by _init_worker; the online batcher passes its own). A long text is
     tokenized from a prefix that keeps the same tokens (pipeline/core/textcut.py). Arrow
     arrays become Python values here, in the worker; with `ids`, the rows' hashes are
-    computed here too (`EncodedRows.hashes`)."""
+    computed here too (`EncodedRows.hashes`). With `pairs` (a pair job's), each row is its
+    text and its pair, encoded as one sequence (`encode_pair_rows`)."""
     started = time.perf_counter()
+    whole = _worker_whole_tokenizer if spec is None else None  # a spec of the caller's: its own, below
     tokenizer, spec = tokenizer or _worker_tokenizer, spec or _worker_spec
     texts = texts.to_pylist() if isinstance(texts, pa.Array) else texts
+    pairs = pairs.to_pylist() if isinstance(pairs, pa.Array) else pairs
     hashes = None
     if ids is not None:
-        hashes = hash_columns(ids.to_pylist() if isinstance(ids, pa.Array) else ids, texts)
+        hashes = hash_columns(ids.to_pylist() if isinstance(ids, pa.Array) else ids, texts, pairs)
+    if pairs is not None:
+        encoded = encode_pair_rows(tokenizer, whole or whole_tokenizer(spec.tokenizer_json), spec, texts, pairs)
+        return dataclasses.replace(encoded, encode_s=time.perf_counter() - started, hashes=hashes)
     checked = [check_text(value) for value in texts]
     errors = [error for _, error in checked]
     good_positions = np.flatnonzero(np.array([e is None for e in errors], dtype=bool))
@@ -225,7 +239,7 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
     cut_tokens = np.zeros(len(texts), dtype=np.int64)  # of a prefix: estimated from its tokens per character
     estimated = np.rint((content + overflow) / np.array(shares, dtype=float)).astype(np.int64)
     cut_tokens[good_positions] = estimated - content
-    for index in np.flatnonzero(content <= _prompt_content_tokens(tokenizer, spec)):
+    for index in np.flatnonzero(content <= prompt_content_tokens(tokenizer, spec)):
         position = good_positions[index]  # only special (and prompt) tokens, e.g. U+FFFD alone
         errors[position] = "text has no tokens" if shares[index] == 1 else "text has no tokens in its first " \
             f"{text_cut_for(spec.tokenizer_json, spec.max_length).last_cut_chars:,} characters, the most a row is read"
@@ -240,6 +254,31 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
     truncated[_rows_with_long_words(spec, token_ids, offsets, encodings, good_positions)] = True  # a row that fit
     return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens, segments,
                        hashes)
+
+
+def encode_pair_rows(tokenizer, whole, spec: TokenizerSpec, texts: list, pairs: list) -> EncodedRows:
+    """Rows of a text and its pair (pipeline/core/pairs.py); either one null, empty or without tokens is
+    the row's error (the pair's says `pair …`). The prompt goes before the text."""
+    checked, checked_pairs = [check_text(value) for value in texts], [check_text(value) for value in pairs]
+    errors = [error or (pair_error and f"pair {pair_error}")
+              for (_, error), (_, pair_error) in zip(checked, checked_pairs)]
+    good = np.flatnonzero(np.array([error is None for error in errors], dtype=bool))
+    encoded = encode_pairs(tokenizer, whole, spec.tokenizer_json, spec.max_length,
+                           [prepare_text(spec, checked[row][0]) for row in good],
+                           [checked_pairs[row][0].lower() if spec.lowercase else checked_pairs[row][0] for row in good],
+                           spec.pair_types)
+    no_text = encoded["first_tokens"] <= prompt_content_tokens(tokenizer, spec)
+    empty = no_text | (encoded["second_tokens"] == 0)
+    for index in np.flatnonzero(empty):
+        errors[good[index]] = "text has no tokens" if no_text[index] else "pair text has no tokens"
+    lengths, truncated, cut_tokens = np.zeros(len(texts), np.int64), np.zeros(len(texts), bool), np.zeros(len(texts),
+                                                                                                          np.int64)
+    for values, name in ((lengths, "lengths"), (truncated, "truncated"), (cut_tokens, "cut_tokens")):
+        values[good[~empty]] = encoded[name][~empty]
+    tokens = np.repeat(~empty, encoded["lengths"])  # a row found to have no tokens after all keeps none
+    types = encoded["type_ids"]
+    return EncodedRows(encoded["token_ids"][tokens], np.concatenate([[0], np.cumsum(lengths)]), truncated, errors, 0.0,
+                       cut_tokens, type_ids=None if types is None else types[tokens])
 
 
 def _rows_with_long_words(spec: TokenizerSpec, token_ids: np.ndarray, offsets: np.ndarray, encodings: list,
@@ -293,7 +332,7 @@ def _encode_prepared(tokenizer, spec: TokenizerSpec, texts: list) -> tuple[list,
     return [encoding for encoding, _ in results], [share for _, share in results]
 
 
-def _prompt_content_tokens(tokenizer, spec: TokenizerSpec) -> int:
+def prompt_content_tokens(tokenizer, spec: TokenizerSpec) -> int:
     """Tokens other than special ones the prompt alone gives: a row with no more has no text tokens."""
     if not spec.prompt:
         return 0
@@ -314,6 +353,7 @@ def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
         segments=concat_segments([p.segments for p in parts]) if parts and parts[0].segments is not None else None,
         hashes=concat_hash_columns([p.hashes for p in parts]) if parts and all(p.hashes is not None for p in parts)
         else None,
+        type_ids=np.concatenate([p.type_ids for p in parts]) if parts and parts[0].type_ids is not None else None,
     )
 
 
@@ -435,16 +475,18 @@ class TokenizerPool:
                     f"`if __name__ == \"__main__\":` (its error is above); or set tokenize_workers=0 "
                     f"(--tokenize-workers 0) to tokenize in this process")
 
-    def submit(self, texts: Sequence | pa.Array, ids: pa.Array | None = None) -> list:
-        """Tokenize `texts` (and hash the rows, given their `ids`) in chunks; an Arrow array's chunks
-        go to the workers as compact Arrow buffers and become Python values there."""
+    def submit(self, texts: Sequence | pa.Array, ids: pa.Array | None = None, pairs: pa.Array | None = None) -> list:
+        """Tokenize `texts` (with their `pairs`, a pair job's; and hash the rows, given their `ids`) in
+        chunks; an Arrow array's chunks go to the workers as compact Arrow buffers and become Python
+        values there."""
         self.ready()
         step = self.chunk_rows or chunk_rows_for(len(texts), self.workers)
-        chunks = [(chunk_of(texts, i, step), None if ids is None else chunk_of(ids, i, step))
-                  for i in range(0, len(texts), step)]
+        chunks = [(chunk_of(texts, i, step), None if ids is None else chunk_of(ids, i, step),
+                   None if pairs is None else chunk_of(pairs, i, step)) for i in range(0, len(texts), step)]
         if self._executor is None:
-            return [encode_texts(chunk, ids=chunk_ids) for chunk, chunk_ids in chunks]
-        return [self._executor.submit(encode_texts, chunk, None, None, chunk_ids) for chunk, chunk_ids in chunks]
+            return [encode_texts(chunk, ids=chunk_ids, pairs=chunk_pairs) for chunk, chunk_ids, chunk_pairs in chunks]
+        return [self._executor.submit(encode_texts, chunk, None, None, chunk_ids, chunk_pairs)
+                for chunk, chunk_ids, chunk_pairs in chunks]
 
     def result(self, pending: list) -> EncodedRows:
         return concat_encoded([p if self._executor is None else p.result() for p in pending])

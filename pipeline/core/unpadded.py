@@ -137,13 +137,15 @@ class UnpaddedEncoder:
             return (torch.cumsum(kept, dim=1).type_as(kept) * kept).long() + padding_idx
         return self.encoder.embeddings.position_ids[:, :input_ids.shape[1]].expand_as(input_ids)
 
-    def embed(self, input_ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        """(tokens, hidden) embeddings of the real tokens, each at its own position and token type."""
+    def embed(self, input_ids: torch.Tensor, batch: PackedBatch,
+              token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(tokens, hidden) embeddings of the real tokens, each at its own position and token type
+        (type 0 for every token without `token_type_ids`, as the model's own forward takes it)."""
         embeddings = self.encoder.embeddings
         positions = self.positions(input_ids).reshape(-1)[batch.indices]
         states = embeddings.word_embeddings(input_ids.reshape(-1)[batch.indices])
-        # the jobs pass no token types, so the model's own forward takes type 0 for every token
-        states = states + embeddings.token_type_embeddings(torch.zeros_like(positions))
+        types = torch.zeros_like(positions) if token_type_ids is None else token_type_ids.reshape(-1)[batch.indices]
+        states = states + embeddings.token_type_embeddings(types)
         states = states + embeddings.position_embeddings(positions)
         return embeddings.LayerNorm(states)
 
@@ -171,11 +173,11 @@ class UnpaddedEncoder:
         hidden = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(states))
         return layer.output.LayerNorm(layer.output.dense(hidden) + states)
 
-    def packed_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      packing=None) -> tuple[torch.Tensor, PackedBatch]:
+    def packed_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing=None,
+                      token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, PackedBatch]:
         """(the last layer's (tokens, hidden) states of the real tokens, where they are)."""
         batch = PackedBatch(attention_mask, packing)
-        states = self.embed(input_ids, batch)
+        states = self.embed(input_ids, batch, token_type_ids)
         for layer in self.encoder.encoder.layer:
             states = self.layer(layer, states, batch)
         return states, batch
@@ -186,9 +188,10 @@ class UnpaddedEncoder:
         states, batch = self.packed_states(input_ids, attention_mask, packing)
         return batch.padded(states)
 
-    def first_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing=None) -> torch.Tensor:
+    def first_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing=None,
+                     token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(rows, 1, hidden): each row's first real token's state, what a classification head reads."""
-        states, batch = self.packed_states(input_ids, attention_mask, packing)
+        states, batch = self.packed_states(input_ids, attention_mask, packing, token_type_ids)
         return states[batch.offsets[:-1].long()].unsqueeze(1)
 
 
@@ -202,8 +205,9 @@ class UnpaddedClassifier:
         self.encoder = UnpaddedEncoder(model.base_model, kernel)
         self.kernel, self.name = kernel, type(model).__name__
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing=None) -> torch.Tensor:
-        first = self.encoder.first_states(input_ids, attention_mask, packing)
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packing=None,
+               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        first = self.encoder.first_states(input_ids, attention_mask, packing, token_type_ids)
         if self.encoder.model_type == "bert":
             return self.model.classifier(self.model.dropout(self.model.base_model.pooler(first)))
         return self.model.classifier(first)
@@ -241,6 +245,16 @@ def agreement_batch(model, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return input_ids.to(device), attention_mask.to(device)
 
 
+def agreement_types(job, model, attention_mask: torch.Tensor) -> dict:
+    """For a pair job whose model has token types: the agreement batch's second half of each row
+    typed 1, as a pair's second text is; else nothing."""
+    if "pair" not in getattr(job, "inputs", ()) or getattr(model.config, "type_vocab_size", 1) < 2:
+        return {}
+    lengths = attention_mask.sum(dim=1, keepdim=True)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :]
+    return {"token_type_ids": ((positions >= lengths // 2) & attention_mask.bool()).long()}
+
+
 def settle_unpad(setting: str, job, model, device: torch.device, dtype: torch.dtype) -> str:
     """Settle `--unpad` for a loaded eager model: set `model.unpadded` (the unpadded forward the
     job's `forward` runs for padded batches) or leave it None; returns why, for the log and the
@@ -258,11 +272,12 @@ def settle_unpad(setting: str, job, model, device: torch.device, dtype: torch.dt
         (log.warning if setting == "on" else log.info)(f"--unpad {setting}: {reason}")
         return reason
     input_ids, attention_mask = agreement_batch(model, device)
+    types = agreement_types(job, model, attention_mask)
     try:
         with torch.inference_mode():
-            padded = job.forward(model, input_ids, attention_mask, True)
+            padded = job.forward(model, input_ids, attention_mask, True, **types)
             model.unpadded = forward
-            unpadded = job.forward(model, input_ids, attention_mask, True)
+            unpadded = job.forward(model, input_ids, attention_mask, True, **types)
     except Exception as error:  # noqa: BLE001 - a kernel missing on this device: the padded forward always runs
         model.unpadded = None
         log.warning(f"--unpad {setting}: the unpadded forward failed ({type(error).__name__}: {error}); padded")

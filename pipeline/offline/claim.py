@@ -140,7 +140,8 @@ def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
     return {"job": config.model.job, "model": choice.content_hash,
             "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,
-            "id_column": config.source.id_column, "text_column": config.source.text_column, **choice.job_options,
+            "id_column": config.source.id_column, "text_column": config.source.text_column,
+            **({"pair_column": config.source.pair_column} if config.source.pair_column else {}), **choice.job_options,
             **({"keep_columns": list(config.keep_columns)} if config.keep_columns else {}),
             **long_text_fingerprint(config, choice.max_length)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.core.errors import UsageError
 from pipeline.core.settings import (
     BatchSettings,
     InputSettings,
@@ -48,3 +49,14 @@ class RunConfig(SettingsTree):
     def runtime_needs(self) -> RuntimeNeeds:
         """Both batch limits, a sweep's recommendation, the input's rows for the dtype trial and the compile."""
         return RuntimeNeeds(long_rows=self.long_rows)
+
+
+def check_named_inputs(job: str, pair_column: str | None, long_text: str) -> None:
+    """--job pair reads a text and its pair (--pair-column) and never splits them; no other job reads a pair."""
+    if job == "pair" and not pair_column:
+        raise UsageError("--job pair scores a text with its pair: set --pair-column to the input column of the pairs")
+    if job != "pair" and pair_column:
+        raise UsageError(f"--pair-column is for --job pair, not --job {job}; drop --pair-column or set --job pair")
+    if job == "pair" and long_text == "split":
+        raise UsageError("--long-text split cuts one text into segments, which a pair cannot be: --job pair truncates "
+                         "the longer text first (longest_first); drop --long-text split")

@@ -158,6 +158,12 @@ def _low_padding(s: dict) -> Finding | None:
 
 
 SPLIT_ADVICE = "--long-text split judges all of every row (its segments scored as rows, folded into one result)"
+PAIR_ADVICE = "a larger --max-length, up to the model's positions (a pair is truncated, never split)"
+
+
+def split_advice(s: dict) -> str:
+    """What judges the rest of a long row: split it, or for a pair job (never split) a larger --max-length."""
+    return PAIR_ADVICE if (s.get("settings") or {}).get("pair") else SPLIT_ADVICE
 
 
 def _truncated_unflagged(s: dict) -> Finding | None:
@@ -171,8 +177,13 @@ def _truncated_unflagged(s: dict) -> Finding | None:
         "truncated-unflagged",
         f"{rows:,} truncated rows were not flagged: only their first {max_length} tokens were judged, and a text "
         "padded past them hides what follows",
+        f"rerun with {PAIR_ADVICE}" if settings_of(s).get("pair") else
         f"rerun with {SPLIT_ADVICE} (the default of --job moderate; --long-text truncate made this output, so give "
         "--overwrite or another --output)")
+
+
+def settings_of(s: dict) -> dict:
+    return s.get("settings") or {}
 
 
 def _truncated_rows(s: dict) -> Finding | None:
@@ -189,13 +200,14 @@ def _truncated_rows(s: dict) -> Finding | None:
         covering = math.ceil(lengths["p99"] / LENGTH_STEP) * LENGTH_STEP
         if positions and covering > positions:
             if max_length is not None and max_length >= positions:
-                action = (f"--max-length is at the model's limit ({positions} positions): {SPLIT_ADVICE}")
+                action = (f"--max-length is at the model's limit ({positions} positions): {split_advice(s)}")
             else:
                 action = (f"--max-length {positions} (the model's limit) keeps more of each row; p99 is beyond "
-                          f"what the model takes, so {SPLIT_ADVICE}")
+                          f"what the model takes, so {split_advice(s)}")
         else:
             action = (f"--max-length {covering} covers 99% of the rows (longer rows cost more per batch: "
-                      f"`lengthwise plan --max-length {covering}` shows the rows per batch); or {SPLIT_ADVICE}")
+                      f"`lengthwise plan --max-length {covering}` shows the rows per batch)"
+                      + ("" if settings.get("pair") else f"; or {SPLIT_ADVICE}"))
     else:
         action = "a larger --max-length (the summary has no token lengths to size it)"
     return Finding("truncated-rows", evidence, action)

@@ -97,6 +97,9 @@ RUN_OPTIONS: dict[str, RunOption] = {  # in the order `lengthwise run --help` li
     "text_column": RunOption(TEXT, _field("text_column"),
         help="The input column of texts (strings, or a dictionary of them; null, empty, whitespace-only or "
              "invisible-only texts are row errors)."),
+    "pair_column": RunOption(TEXT,
+        help="--job pair: the input column of each text's pair (a cross-encoder's second text; a null or "
+             "empty one is a row error)."),
     # KEY=VALUE pairs; a TOML [storage] table
     "storage_option": RunOption(TEXT, multiple=True,
         help="KEY=VALUE passed to fsspec for input and output (e.g. endpoint_url=...). Repeatable; in the --config "

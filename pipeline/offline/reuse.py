@@ -3,7 +3,7 @@ wherever it is now, and send only new and edited rows (and rows whose error a re
 
 How a row is recognised: every commit also writes `OUTPUT/.lengthwise/text-hashes/<stem>.hashes`
 (Parquet), one row per output row, in output order: `id_hash` (64-bit blake2b of the id),
-`text_hash` (64-bit blake2b of the text) and `status` (OK, an error a retry may fix, one it
+`text_hash` (64-bit blake2b of the text; a pair job's, of the text and its pair) and `status` (OK, an error a retry may fix, one it
 cannot). Not a user-facing column: readers of the output never see it. A file of an older
 version has no `status` and a null text hash for every error: those rows are retried.
 
@@ -75,8 +75,9 @@ class RowHashes:
     text_hashes: pa.Array  # int64 with nulls
 
 
-def hash_rows(ids: pa.Array, texts: pa.Array) -> RowHashes:
-    return row_hashes(hash_columns(ids.to_pylist(), texts.to_pylist()))
+def hash_rows(ids: pa.Array, texts: pa.Array, pairs: pa.Array | None = None) -> RowHashes:
+    """A block's hashes; a pair job's text hash is of the text and its pair (`pair_hash`)."""
+    return row_hashes(hash_columns(ids.to_pylist(), texts.to_pylist(), None if pairs is None else pairs.to_pylist()))
 
 
 def row_hashes(columns: HashColumns) -> RowHashes:
@@ -123,7 +124,7 @@ class TextHashSink:
 
     def write(self, shard_index: int, shard: Shard, block: RowBlock, errors: pa.Array) -> None:
         """Hash one block's rows, with each row's status: OK, an error a retry may fix, or one it cannot."""
-        hashes = block.reuse.hashes if block.reuse is not None else hash_rows(block.ids, block.texts)
+        hashes = block.reuse.hashes if block.reuse is not None else hash_rows(block.ids, block.texts, block.pairs)
         status = error_statuses(errors)
         if shard_index not in self._writers:
             final = hashes_path(self.root, shard.stem)
@@ -380,7 +381,7 @@ def mark_reused(windows: Iterable[list[RowBlock]], previous: PreviousOutput) -> 
 
 
 def reuse_block(block: RowBlock, previous: PreviousOutput) -> RowBlock:
-    hashes = hash_rows(block.ids, block.texts)
+    hashes = hash_rows(block.ids, block.texts, block.pairs)
     has_text = hashes.text_hashes.is_valid().to_numpy(zero_copy_only=False)
     matches = previous.index.match(hashes.id_hashes, hashes.text_hashes.fill_null(0).to_numpy(), has_text)
     results = previous.take_results(matches, block.ids)

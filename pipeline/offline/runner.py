@@ -115,7 +115,8 @@ class ShardRunner:
         """The shards' rows in windows of row blocks, with --reuse's rows marked."""
         config = self.config
         blocks = timed(read_blocks(shards, config.source.id_column, config.source.text_column, self.window_rows,
-                                   config.source.storage_options, config.keep_columns), times, "read")
+                                   config.source.storage_options, config.keep_columns, config.source.pair_column),
+                       times, "read")
         grouped = group_into_windows(blocks, self.window_rows)
         return mark_reused(grouped, self._previous_output()) if config.reuse else grouped
 
@@ -282,7 +283,7 @@ def diagnosis_settings(runtime: Runtime, window_rows: int, tokenize_workers: int
             "window_rows": window_rows, "tokenize_workers": tokenize_workers, "cores": usable_cores(),
             "torch_threads": torch.get_num_threads(),
             "safety": runtime.batch.safety, "max_batch_tokens": runtime.batch.max_batch_tokens,
-            "max_batch_rows": runtime.batch.max_batch_rows}
+            "max_batch_rows": runtime.batch.max_batch_rows, **({"pair": True} if runtime.loaded.tokenizer.pair else {})}
 
 
 def import_arrow_conversions() -> None:

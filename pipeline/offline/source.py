@@ -38,7 +38,7 @@ class Shard:
 
 @dataclass(frozen=True)
 class RowBlock:
-    """A contiguous run of one shard's rows: ids and texts from `first_row` on."""
+    """A contiguous run of one shard's rows: ids and texts (and a pair job's pairs) from `first_row` on."""
 
     shard_index: int
     first_row: int
@@ -49,6 +49,7 @@ class RowBlock:
     kept: dict[str, pa.Array] = field(default_factory=dict)  # --keep-columns, copied to the output as they are
     reuse: object | None = None  # --reuse: offline/reuse.py's ReusedRows (rows that take yesterday's result)
     errors: pa.Array | None = None  # per row, why its reader could not read it whole (a JSONL line's); null: it could
+    pairs: pa.Array | None = None  # --job pair: each text's pair (--pair-column); None for a one-text job
 
     @property
     def num_rows(self) -> int:
@@ -186,7 +187,8 @@ def slot_of(urls: Sequence[str], slot: WorkerSlot) -> list[str]:
 
 def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
                 storage_options: dict | None = None, slot: WorkerSlot = WorkerSlot(),
-                keep_columns: Sequence[str] = (), split: str | None = None) -> list[Shard]:
+                keep_columns: Sequence[str] = (), split: str | None = None,
+                pair_column: str | None = None) -> list[Shard]:
     """Every shard named by `inputs` that `slot` takes, in order, with its row count from its
     reader (a Parquet footer; an Arrow file's batches, a JSONL file's lines, counted).
 
@@ -216,7 +218,7 @@ def list_shards(inputs: Sequence[str], id_column: str, text_column: str,
     mine = slot_of(urls, slot)
     if not mine:
         return []
-    shards = [_inspect_shard(url, stem_of[url], id_column, text_column, storage_options, keep_columns)
+    shards = [_inspect_shard(url, stem_of[url], id_column, text_column, storage_options, keep_columns, pair_column)
               for url in mine]
     problems = [shard.problem for shard in shards if shard.problem]
     if len(problems) == len(shards):
@@ -229,15 +231,16 @@ def list_source_shards(source: InputSettings, slot: WorkerSlot = WorkerSlot(),
                        keep_columns: Sequence[str] = ()) -> list[Shard]:
     """`list_shards` of a product's input settings (a run's, a sweep's, a load test's, an estimate's)."""
     return list_shards(source.input, source.id_column, source.text_column, source.storage_options, slot, keep_columns,
-                       source.split)
+                       source.split, source.pair_column)
 
 
 def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storage_options: dict,
-                   keep_columns: Sequence[str] = ()) -> Shard:
+                   keep_columns: Sequence[str] = (), pair_column: str | None = None) -> Shard:
     """The shard with its row count, or with the problem that stops it being read."""
     reader = format_of(url)
     partition = partition_values(stem)
-    columns = Columns(id_column, (text_column,), tuple(c for c in keep_columns if c not in partition))
+    texts = (text_column, pair_column) if pair_column else (text_column,)
+    columns = Columns(id_column, texts, tuple(c for c in keep_columns if c not in partition))
 
     def count() -> ShardFacts:
         with fsspec.open(url, "rb", **storage_options) as f:
@@ -255,19 +258,23 @@ def _inspect_shard(url: str, stem: str, id_column: str, text_column: str, storag
         raise UsageError(f"shard {url} has no column {', '.join(map(repr, missing))} to keep (its columns: "
                          f"{', '.join(found)}{''.join(f', {k} (partition)' for k in partition)}"
                          "); check --keep-columns")
-    for column, flag in ((id_column, "--id-column"), (text_column, "--text-column")):
+    named = ((id_column, "--id-column"), (text_column, "--text-column"), *([(pair_column, "--pair-column")]
+                                                                           if pair_column else []))
+    for column, flag in named:
         if column not in found:
             return Shard(url, stem, num_rows, f"shard {url} has no column {column!r} (columns: "
                                               f"{', '.join(found)}); set {flag}")
-    text_type = found[text_column]
-    if text_type is not None and not is_text_type(text_type):
-        return Shard(url, stem, num_rows, f"shard {url}: text column {text_column!r} is {text_type}, not a "
-                                          "string; set --text-column to a string column")
+    for column, flag in named[1:]:
+        text_type = found[column]
+        if text_type is not None and not is_text_type(text_type):
+            return Shard(url, stem, num_rows, f"shard {url}: text column {column!r} is {text_type}, not a "
+                                              f"string; set {flag} to a string column")
     return Shard(url, stem, num_rows, facts.problem)
 
 
 def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block_rows: int,
-                storage_options: dict | None = None, keep_columns: Sequence[str] = ()) -> Iterator[RowBlock]:
+                storage_options: dict | None = None, keep_columns: Sequence[str] = (),
+                pair_column: str | None = None) -> Iterator[RowBlock]:
     """Stream every shard's rows in order as RowBlocks of at most `block_rows` rows.
 
     A shard with a `problem`, or one that breaks while being read, ends with a row-less
@@ -280,7 +287,7 @@ def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block
             if shard.problem:
                 raise ShardError(shard.problem)
             yield from _read_shard(shard_index, shard, id_column, text_column, block_rows, storage_options,
-                                   keep_columns)
+                                   keep_columns, pair_column)
         except (ShardError, pa.ArrowException, OSError, EOFError) as error:
             reason = str(error) if isinstance(error, ShardError) else \
                 f"reading {shard.url} failed: {type(error).__name__}: {error}"
@@ -289,11 +296,13 @@ def read_blocks(shards: Sequence[Shard], id_column: str, text_column: str, block
 
 
 def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str, block_rows: int,
-                storage_options: dict, keep_columns: Sequence[str] = ()) -> Iterator[RowBlock]:
+                storage_options: dict, keep_columns: Sequence[str] = (),
+                pair_column: str | None = None) -> Iterator[RowBlock]:
     first_row = 0
     pending = None
     partition = partition_values(shard.stem)  # a kept partition key comes from the path, as hive readers do
-    columns = Columns(id_column, (text_column,), tuple(c for c in keep_columns if c not in partition))
+    texts = (text_column, pair_column) if pair_column else (text_column,)
+    columns = Columns(id_column, texts, tuple(c for c in keep_columns if c not in partition))
     for record_batch in record_batches(shard.url, columns, block_rows, storage_options):
         if pending is not None:
             yield pending
@@ -301,7 +310,8 @@ def _read_shard(shard_index: int, shard: Shard, id_column: str, text_column: str
                 else record_batch.column(name) for name in keep_columns}
         errors = record_batch.column(ROW_ERROR_COLUMN) if ROW_ERROR_COLUMN in record_batch.schema.names else None
         pending = RowBlock(shard_index, first_row, plain_column(record_batch.column(id_column)),
-                           text_values(record_batch.column(text_column)), False, kept=kept, errors=errors)
+                           text_values(record_batch.column(text_column)), False, kept=kept, errors=errors,
+                           pairs=text_values(record_batch.column(pair_column)) if pair_column else None)
         first_row += record_batch.num_rows
     if first_row != shard.num_rows:
         raise ShardError(f"{shard.url}: read {first_row} rows but {format_of(shard.url).COUNTED_BY} says "

@@ -39,6 +39,7 @@ def group_into_windows(blocks: Iterable[RowBlock], window_rows: int) -> Iterator
                                               ids=block.ids.slice(start, take), texts=block.texts.slice(start, take),
                                               kept={name: values.slice(start, take) for name, values in block.kept.items()},
                                               errors=None if block.errors is None else block.errors.slice(start, take),
+                                              pairs=None if block.pairs is None else block.pairs.slice(start, take),
                                               is_last_of_shard=block.is_last_of_shard and end == block.num_rows))
             filled += take
             start = end
@@ -218,11 +219,12 @@ def first_of_each_text(text_hashes: np.ndarray, eligible: np.ndarray) -> np.ndar
 
 
 def dedupe_windows(windows: Iterable[Window]) -> Iterator[Window]:
-    """--dedupe: in each window, rows with the same text (its hash, the one the text-hash file keeps, so it is
-    computed once) run once; the block's hashes are kept for that file."""
+    """--dedupe: in each window, rows with the same text (a pair job's: the same text and pair; its hash, the one
+    the text-hash file keeps, so it is computed once) run once; the block's hashes are kept for that file."""
     for window in windows:
         window.blocks = [block if block.reuse is not None else dataclasses.replace(
-            block, reuse=ReusedRows(hash_rows(block.ids, block.texts), np.zeros(block.num_rows, bool), None))
+            block, reuse=ReusedRows(hash_rows(block.ids, block.texts, block.pairs), np.zeros(block.num_rows, bool),
+                                    None))
             for block in window.blocks]
         if window.blocks:
             hashes = pa.concat_arrays([block.reuse.hashes.text_hashes for block in window.blocks])
@@ -268,7 +270,7 @@ def submit_window(pool: TokenizerPool, blocks: list[RowBlock]) -> tuple[list[Row
     """Hand a window's texts to the tokenizer pool, with the ids of the blocks --reuse has not hashed
     (the workers hash those rows too): the window and its pending handles."""
     return blocks, [handle for block in blocks
-                    for handle in pool.submit(block.texts, block.ids if block.reuse is None else None)]
+                    for handle in pool.submit(block.texts, block.ids if block.reuse is None else None, block.pairs)]
 
 
 def tokenize_windows(pool: TokenizerPool, windows: Iterable[list[RowBlock]], times: StageTimes,

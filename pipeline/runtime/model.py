@@ -60,8 +60,12 @@ def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoic
     check_max_length(limit, choice.max_length, model.config.model_type)
     keep_freed_host_memory(choice.device)
     with clock.step("compile decision"):
-        model, compile_choice = settle_compile(settings, batch, choice, job, model,
-                                               workload(tokenizer) if workload else None)
+        if tokenizer.pair_types:  # the package is exported with ids and mask only
+            compile_choice = CompileChoice(False, "eager: a pair's token type ids (a compiled forward takes ids "
+                                                  "and mask only)")
+        else:
+            model, compile_choice = settle_compile(settings, batch, choice, job, model,
+                                                   workload(tokenizer) if workload else None)
     log.info(compile_choice.reason + (f" ({compile_choice.compile_s:.1f} s to compile)" if compile_choice.compiled
                                       else ""))
     unpad = "padded: the forward runs compiled" if compile_choice.compiled else settle_unpad(
@@ -74,7 +78,7 @@ def tokenizer_for(settings: ModelSettings, choice: ModelChoice, long_rows: LongR
     """The run's tokenizer: the model's, truncating at the chosen max length, with its prompt;
     where `long_rows` splits this job's long rows, cutting them into segments (`LongRowSettings.split_length`)."""
     spec = load_tokenizer_spec(choice.path, choice.max_length, settings.trust_remote_code, choice.prompt,
-                               choice.lowercase)
+                               choice.lowercase, pair="pair" in choice.job.inputs)
     segment_length = long_rows.split_length(settings.job, choice.max_length)
     if segment_length is not None:
         spec = dataclasses.replace(spec, segment_length=segment_length)
