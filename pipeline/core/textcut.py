@@ -159,3 +159,28 @@ def has_long_word(encoding, limit: WordLimit) -> bool:
     ids = encoding.ids
     return limit.unk_id in ids and any(token == limit.unk_id and end - start > limit.max_chars
                                        for token, (start, end) in zip(ids, encoding.offsets))
+
+
+# anything but whitespace, control characters (NUL, …) and invisible format characters (zero-width
+# spaces and joiners, word joiner, byte-order mark, soft hyphen, direction marks)
+VISIBLE_CHARACTER = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e"
+                               r"\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]")
+
+
+def check_text(value) -> tuple[str | None, str | None]:
+    """(the text to tokenize, None) or (None, why this value cannot be tokenized).
+    Bytes (a binary text column) are decoded as UTF-8."""
+    if value is None:
+        return None, "text is null"
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return None, f"text is not valid UTF-8 (byte {error.start}: {value[error.start:error.start + 4]!r})"
+    if not isinstance(value, str):
+        return None, f"text is a {type(value).__name__}, not a string"
+    if not value.strip():
+        return None, "text is empty or whitespace only"
+    if not VISIBLE_CHARACTER.search(value):
+        return None, "text has no visible characters"
+    return value, None

@@ -17,7 +17,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import re
 import signal
 import tempfile
 import threading
@@ -32,7 +31,7 @@ import pyarrow as pa
 from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenizer
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
-from pipeline.core.textcut import encode_long_text, has_long_word, text_cut_for, word_limit_for
+from pipeline.core.textcut import check_text, encode_long_text, has_long_word, text_cut_for, word_limit_for
 
 # texts per pool task: at least the first, so that handing results over (the pool's one manager thread unpickles
 # each, holding the GIL) costs little a row; at most the second; within that, 4 tasks per worker of each submit
@@ -42,12 +41,6 @@ CHUNK_ROWS = (256, 2048)
 def chunk_rows_for(rows: int, workers: int, bounds: tuple[int, int] = CHUNK_ROWS) -> int:
     """Rows per pool task for a submit of `rows` texts to `workers` processes."""
     return max(bounds[0], min(bounds[1], -(-rows // (4 * max(1, workers)))))
-# anything but whitespace, control characters (NUL, …) and invisible format characters (zero-width
-# spaces and joiners, word joiner, byte-order mark, soft hyphen, direction marks)
-VISIBLE_CHARACTER = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e"
-                               r"\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]")
-
-
 @dataclass(frozen=True)
 class TokenizerSpec:
     """What a worker needs to rebuild the tokenizer and prepare texts as the model expects."""
@@ -142,25 +135,6 @@ def prepare_text(spec: TokenizerSpec, text: str) -> str:
     """The string the tokenizer sees for a row's text."""
     text = spec.prompt + text
     return text.lower() if spec.lowercase else text
-
-
-def check_text(value) -> tuple[str | None, str | None]:
-    """(the text to tokenize, None) or (None, why this value cannot be tokenized).
-    Bytes (a binary text column) are decoded as UTF-8."""
-    if value is None:
-        return None, "text is null"
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as error:
-            return None, f"text is not valid UTF-8 (byte {error.start}: {value[error.start:error.start + 4]!r})"
-    if not isinstance(value, str):
-        return None, f"text is a {type(value).__name__}, not a string"
-    if not value.strip():
-        return None, "text is empty or whitespace only"
-    if not VISIBLE_CHARACTER.search(value):
-        return None, "text has no visible characters"
-    return value, None
 
 
 _worker_tokenizer = None
