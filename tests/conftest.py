@@ -6,7 +6,10 @@ import gc
 import json
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -92,6 +95,18 @@ def tiny_multilabel_path(tmp_path_factory, minilm_path) -> str:
     return _tiny_bert(tmp_path_factory.mktemp("tiny-multilabel"), minilm_path, "BertForSequenceClassification",
                       num_labels=3, problem_type="multi_label_classification",
                       id2label={0: "toxic", 1: "insult", 2: "threat"}, label2id={"toxic": 0, "insult": 1, "threat": 2})
+
+
+def kill_when_written(command: list[str], folder: Path, pattern: str, timeout_s: float) -> list[Path]:
+    """Start `command` and SIGKILL it as soon as `folder` holds a file matching `pattern` (or it ends, or
+    `timeout_s` passes): a kill at a chosen point of a real run. Returns the matches at the kill."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while not list(folder.glob(pattern)) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return sorted(folder.glob(pattern))
 
 
 def write_shards(directory: Path, table: pa.Table, sizes: list[int], prefix: str = "part") -> list[Path]:

@@ -3,10 +3,8 @@ transformers' own tokenizer(text, pair, truncation="longest_first") and model, p
 on BERT (token types) and XLM-R (none); resume after a kill, --reuse and dedupe keyed on both texts."""
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +15,7 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.engines.local import run_job
 from pipeline.offline.config import RunConfig
-from tests.conftest import write_shards
+from tests.conftest import kill_when_written, write_shards
 
 MAX_LENGTH = {"bert": 61, "xlmr": 127}  # odd budgets (58, 123): the longer text keeps the odd token
 
@@ -131,7 +129,7 @@ def test_reuse_keys_on_both_texts_and_a_changed_pair_is_recomputed(tmp_path, pai
     night2 = pa.Table.from_pylist(rows, schema=pairs_table.schema)
     write_shards(tmp_path / "night2", night2, [30, 31])
     reused = run_pairs(tmp_path / "night2", tmp_path / "out2", tiny_cross_encoder_path, reuse=str(tmp_path / "out1"))
-    full = run_pairs(tmp_path / "night2", tmp_path / "full", tiny_cross_encoder_path)
+    run_pairs(tmp_path / "night2", tmp_path / "full", tiny_cross_encoder_path)
     no_hash = 2  # a null comment or pair has no hash: computed again (the blank ones are reused with their error)
     assert (reused["reused_rows"], reused["computed_rows"]) == (60 - 2 - no_hash, 2 + 1 + no_hash)
     assert read_output(tmp_path / "out2").equals(read_output(tmp_path / "full")), "reuse must equal a full run"
@@ -161,13 +159,7 @@ def test_a_killed_pair_run_resumes_to_the_rows_of_an_uninterrupted_one(tmp_path,
                "--max-length", "61", "--dtype", "float32", "--tokenize-workers", "0", "--no-probe", "--no-progress",
                "--max-batch-rows", "1", "--window-rows", "10"]
     markers = tmp_path / "out" / ".lengthwise" / "shards"
-    process = subprocess.Popen([*command, "--output", str(tmp_path / "out")], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not list(markers.glob("*.json")) and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_when_written([*command, "--output", str(tmp_path / "out")], markers, "*.json", 300)
     done = sorted(p.name for p in markers.glob("*.json"))
     assert done and len(done) < 3, f"the run was not killed between shards: {done}"
     rerun = subprocess.run([*command, "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)

@@ -51,13 +51,11 @@ def test_hash_files_a_killed_attempt_left_are_removed_for_this_workers_shards_on
 @pytest.mark.slow
 def test_a_run_killed_while_writing_hashes_leaves_no_hash_temporary_after_the_rerun(tmp_path, sample_table,
                                                                                       tiny_encoder_path):
-    import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
-    from tests.conftest import write_shards
+    from tests.conftest import kill_when_written, write_shards
 
     write_shards(tmp_path / "in", sample_table.select(["id", "text"]), [200, 200])
     command = [str(Path(sys.executable).parent / "lengthwise"), "run", "--input", str(tmp_path / "in"), "--output",
@@ -65,14 +63,7 @@ def test_a_run_killed_while_writing_hashes_leaves_no_hash_temporary_after_the_re
                "--no-progress", "--no-probe", "--tokenize-workers", "0"]
     hashes = tmp_path / "out" / ".lengthwise" / "text-hashes"
     # one row per batch: the first shard's hash file stays open, half written, for many steps
-    process = subprocess.Popen(command + ["--max-batch-rows", "1"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list(hashes.glob("*.tmp")) and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    left = list(hashes.glob("*.tmp"))
+    left = kill_when_written(command + ["--max-batch-rows", "1"], hashes, "*.tmp", 120)
     assert left, "the run was not killed while a hash file was being written"
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
