@@ -63,7 +63,7 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
     engine prepared and record this worker's summary.
     Every usage error comes before the first write, so it leaves the output untouched."""
     started, clock = time.perf_counter(), SetupClock()
-    check_named_inputs(config.model.job, config.source.pair_column, config.long_text)
+    check_named_inputs(config.model.job, config.source.pair_column, config.long_rows.long_text)
     check_locations(config.source.input, config.output, config.source.storage_options, config.reuse)
     with clock.step("shards"):
         shards = list_source_shards(config.source, slot, config.keep_columns)
