@@ -54,6 +54,26 @@ def is_float_vector(kind: pa.DataType) -> bool:
     return pa.types.is_fixed_size_list(kind) and pa.types.is_floating(kind.value_type)
 
 
+class ParquetFile:
+    """One output file as it is encoded, in this process or in the encoder's: a Parquet writer on an
+    open file, and the file's bytes once closed."""
+
+    def __init__(self, file, schema: pa.Schema):
+        self.file = file
+        self.writer = pq.ParquetWriter(file, schema, **parquet_writer_options(schema))
+
+    def write(self, table: pa.Table) -> None:
+        self.writer.write_table(table)
+
+    def close(self) -> int:
+        """Finish the file (an object store uploads here): its bytes."""
+        try:
+            self.writer.close()
+            return self.file.tell()
+        finally:
+            self.file.close()
+
+
 def ipc_stream_bytes(table: pa.Table, sink) -> int:
     """Write `table` to `sink` as an Arrow IPC stream: the bytes written."""
     with pa.ipc.new_stream(sink, table.schema) as writer:
@@ -157,14 +177,13 @@ class OutputEncoder:
 
 def serve(connection: Connection) -> None:
     """The encoder process: write tables into their files until the socket closes."""
-    open_files: dict[str, tuple] = {}  # path → (file, Parquet writer)
+    open_files: dict[str, ParquetFile] = {}
     failed: dict[str, BaseException] = {}  # path → the error its writing met
 
     def drop(path: str) -> None:
-        file, writer = open_files.pop(path, (None, None))
+        file = open_files.pop(path, None)
         try:
-            if writer is not None:
-                writer.close()
+            if file is not None:
                 file.close()
         except Exception:  # the storage that failed the write (a full disk) may fail the close: the file goes
             pass
@@ -184,10 +203,8 @@ def serve(connection: Connection) -> None:
                 try:
                     table = pa.ipc.open_stream(data).read_all()
                     if path not in open_files:
-                        file = open(path, "wb")
-                        open_files[path] = (file, pq.ParquetWriter(file, table.schema,
-                                                                   **parquet_writer_options(table.schema)))
-                    open_files[path][1].write_table(table)
+                        open_files[path] = ParquetFile(open(path, "wb"), table.schema)
+                    open_files[path].write(table)
                 except Exception as error:
                     failed[path] = error
                     connection.send(("broken", path, portable(error)))
@@ -195,13 +212,7 @@ def serve(connection: Connection) -> None:
                 try:
                     if path in failed:
                         raise failed.pop(path)
-                    file, writer = open_files.pop(path)
-                    try:
-                        writer.close()
-                        size = file.tell()
-                    finally:
-                        file.close()
-                    connection.send(("closed", path, size))
+                    connection.send(("closed", path, open_files.pop(path).close()))
                 except Exception as error:  # the parent's abort removes the file
                     connection.send(("failed", path, portable(error)))
             elif kind == "abort":

@@ -24,12 +24,11 @@ from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from pipeline.core.errors import StorageError, UsageError, as_storage_error
 from pipeline.core.forward import StageTimes
 from pipeline.core.retry import retry_transient
-from pipeline.offline.encoder import OutputEncoder, parquet_writer_options
+from pipeline.offline.encoder import OutputEncoder, ParquetFile
 from pipeline.offline.locations import shown_path
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import ReuseCounts, TextHashSink, merge_reused
@@ -73,19 +72,17 @@ class ShardWriter:
         self.rows_written = 0
         self.bytes_written: int | None = None
         self._opened = False
-        self._file = None
-        self._writer = None
+        self._file: ParquetFile | None = None  # encoded here: an object store's output, or memory
 
     def write(self, table: pa.Table) -> None:
         try:
             if not self._opened:
                 self.fs.makedirs(self.temp_path.rpartition("/")[0], exist_ok=True)  # a partition's folder
                 if self.encoder is None:
-                    self._file = self.fs.open(self.temp_path, "wb")
-                    self._writer = pq.ParquetWriter(self._file, table.schema, **parquet_writer_options(table.schema))
+                    self._file = ParquetFile(self.fs.open(self.temp_path, "wb"), table.schema)
                 self._opened = True
             if self.encoder is None:
-                self._writer.write_table(table)
+                self._file.write(table)
             else:
                 self.encoder.write(self.temp_path, table)
         except Exception as error:
@@ -126,11 +123,8 @@ class ShardWriter:
         """Finish the temporary file: its bytes."""
         if self.encoder is not None:
             return self.encoder.close_file(self.temp_path)
-        self._writer.close()
-        size = self._file.tell()
-        self._file.close()  # an object store uploads here
-        self._writer = None
-        return size
+        file, self._file = self._file, None
+        return file.close()
 
     def abort(self) -> None:
         """Drop the temporary file; the final name is never touched. Closing may fail on the
@@ -141,13 +135,12 @@ class ShardWriter:
         try:
             if self.encoder is not None:
                 self.encoder.abort_file(self.temp_path)
-            else:
-                self._writer.close()
+            elif self._file is not None:
                 self._file.close()
         except Exception as error:
             log.debug(f"closing {self.temp_path} before removing it: {type(error).__name__}: {error}")
         finally:
-            self._writer = None
+            self._file = None
             if self.fs.exists(self.temp_path):
                 self.fs.rm(self.temp_path)
 

@@ -46,7 +46,7 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
         return real_writer(where, schema, *args, **kwargs)
 
     monkeypatch.setattr(OutputEncoder, "__init__", recording_init)
-    monkeypatch.setattr(sink_module.pq, "ParquetWriter", recording_writer)
+    monkeypatch.setattr(pq, "ParquetWriter", recording_writer)
     output, summary = run_to_table(tmp_path, "encoder", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
                                    max_length=32)
     assert [e.process.pid != os.getpid() and e.process.returncode for e in encoders] == [0]
