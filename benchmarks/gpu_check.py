@@ -168,7 +168,7 @@ def environment(check: Check, block: dict) -> None:
         block["warning"] = "--device auto found no CUDA device: this is a CPU run, not a GPU check"
         print(f"  WARNING {block['warning']}", flush=True)
     settings = check.config(dtype="auto")
-    check.loaded = load_model(settings.model, settings.batch)
+    check.loaded = load_model(settings.model, settings.batch, cache=settings.cache)
     check.dtype = dtype_name(check.loaded.choice.dtype)
     config = check.loaded.model.config
     check.dims = {name: getattr(config, name, None) for name in ("hidden_size", "intermediate_size",
@@ -343,7 +343,7 @@ def memory_plan(check: Check, block: dict) -> None:
                           use_plan_cache=False, plan_cache=str(check.scratch / "plans"))
     loaded = check.loaded
     started = time.perf_counter()
-    plan = memory_plan_for(config.batch, config.model.job, loaded.choice.max_length, loaded.job, loaded.model,
+    plan = memory_plan_for(config.batch, config.cache, config.model.job, loaded.choice.max_length, loaded.job, loaded.model,
                            loaded.choice.path, check.device)
     block.update(budget_bytes=check.args.plan_memory_budget, probe_s=round(time.perf_counter() - started, 2),
                  plan=json.loads(plan.to_json()) if plan else None)

@@ -194,9 +194,10 @@ def with_options(options):
 MODEL_OPTIONS = run_options("job", "model", "max_length", "prompt", "prompt_name", "device", "dtype", "compile",
                             "unpad", "allow_pickle", "trust_remote_code")
 INPUT_OPTIONS = run_options("id_column", "text_column", "storage_option")
-MEMORY_OPTIONS = run_options("memory_budget", "memory_reserve", "plan_cache")
-BATCH_OPTIONS = [*run_options("max_batch_tokens", "max_batch_rows"), *MEMORY_OPTIONS,
-                 *run_options("safety", "no_plan_cache")]
+MEMORY_OPTIONS = run_options("memory_budget", "memory_reserve")
+CACHE_OPTIONS = run_options("plan_cache", "no_plan_cache")
+BATCH_OPTIONS = [*run_options("max_batch_tokens", "max_batch_rows"), *MEMORY_OPTIONS, run_option("safety"),
+                 *CACHE_OPTIONS]
 TORCH_THREADS_OPTION = run_option("torch_threads")
 WORKER_OPTIONS = [*run_options("tokenize_workers", "prefetch_batches"), TORCH_THREADS_OPTION]
 RUN_COMMAND_OPTIONS = run_options(*RUN_OPTIONS)  # `lengthwise run`: every one, in the table's order

@@ -7,6 +7,7 @@ import sys
 import click
 
 from pipeline.cli.options import (
+    CACHE_OPTIONS,
     CONFIG_OPTION,
     INPUT_OPTIONS,
     LOG_OPTIONS,
@@ -53,6 +54,7 @@ from pipeline.tuning.config import OnlineLoadtestConfig, SweepConfig
 @env_option("--seed", env="SEED", type=Checked(values.Integer()), default=sweep_default("seed"), show_default=True,
             help="Which rows the sample takes.")
 @with_options(MEMORY_OPTIONS)
+@run_option("plan_cache")
 @with_options(WORKER_OPTIONS)
 @env_option("--no-save", env="NO_SAVE", is_flag=True, help="Do not save the recommendation for `run … auto`.")
 @with_options(level_test_options("sweep", "rows/s", "p99 row latency", SweepConfig))
@@ -118,11 +120,9 @@ def sweep(inputs, vary, values, model, storage_option, no_save, compare_with, ma
 @with_options(INPUT_OPTIONS)
 @with_options(MEMORY_OPTIONS)
 @with_options([TORCH_THREADS_OPTION])
-@run_option("safety",
-            help="Headroom factor of the memory formula.")
-@run_option("probe",
-            help="Cap batches by the memory plan (cached, or probed on the device first).")
-@run_option("no_plan_cache", help="Probe again and do not cache the plan.")
+@run_option("safety")
+@run_option("probe", help="Cap batches by the memory plan (cached, or probed on the device first).")
+@with_options(CACHE_OPTIONS)
 @env_option("--sample-rows", env="SAMPLE_ROWS", type=Checked(values.Integer(2)),
             default=loadtest_default("sample_rows"),
             show_default=True, help="Texts sampled from the input; requests cycle through them in random order.")

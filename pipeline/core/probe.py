@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.core.cache import cache_dir, model_memory_fingerprint, plan_cache_key, read_keyed, write_keyed
 from pipeline.core.errors import UsageError
-from pipeline.core.settings import BatchSettings
+from pipeline.core.settings import BatchSettings, CacheSettings
 from pipeline.core.units import format_bytes
 from pipeline.core.memory import (
     FIT_LENGTH_FRACTIONS,
@@ -196,7 +196,7 @@ def load_cached_plan(path: Path, key: dict) -> MemoryPlan | None:
     return plan
 
 
-def memory_plan_for(batch: BatchSettings, job_name: str, max_length: int, job, model, model_path: str,
+def memory_plan_for(batch: BatchSettings, cache: CacheSettings, job_name: str, max_length: int, job, model, model_path: str,
                     device) -> MemoryPlan | None:
     """The memory plan for `batch` (its limits resolved) at `max_length`: from the plan cache (made
     for this budget or scaled to it), else probed on the device and cached. Logs which."""
@@ -215,8 +215,8 @@ def memory_plan_for(batch: BatchSettings, job_name: str, max_length: int, job, m
                                # the unpadded forward holds other temporaries (packed and re-padded states);
                                # a padded forward's plans keep the key they had before --unpad
                                **({"forward": "unpadded"} if getattr(model, "unpadded", None) is not None else {}))
-    path = cache_dir(batch.plan_cache) / f"{name}.json"
-    cached = load_cached_plan(path, key) if batch.use_plan_cache else None
+    path = cache_dir(cache.plan_cache) / f"{name}.json"
+    cached = load_cached_plan(path, key) if cache.use_plan_cache else None
     plan = plan_for_budget(cached, available) if cached else None
     if plan is None:
         try:
@@ -229,7 +229,7 @@ def memory_plan_for(batch: BatchSettings, job_name: str, max_length: int, job, m
                         "--max-batch-rows only")
             return None
         plan.key = key
-        if batch.use_plan_cache:
+        if cache.use_plan_cache:
             plan.source = f"probed in {plan.probe_s:.1f}s, cached at {write_keyed(path, key, asdict(plan))}"
         else:
             plan.source = f"probed in {plan.probe_s:.1f}s (plan cache off)"

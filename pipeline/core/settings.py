@@ -174,8 +174,15 @@ class BatchSettings:
     memory_budget: int | None = None  # bytes batches may use; None = device default
     memory_reserve: float = 0.10  # share of GPU memory kept free when there is no budget
     safety: float = 1.5  # headroom factor of the memory formula, 1.0–4.0
-    plan_cache: str | None = None  # directory of cached plans and verdicts; None = ~/.cache/lengthwise/plans
-    use_plan_cache: bool = True  # reuse a cached plan instead of probing
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """Where what a setup measured is kept (memory plans, dtype and compile verdicts, sweep recommendations,
+    inductor's caches): read by the model half as much as by the batch half, so a group of its own."""
+
+    plan_cache: str | None = None  # the directory; None = ~/.cache/lengthwise/plans
+    use_plan_cache: bool = True  # reuse a cached memory plan instead of probing
 
 
 @dataclass(frozen=True)
@@ -206,7 +213,7 @@ class RuntimeNeeds:
     levels: tuple[BatchSettings, ...] = ()  # a load test's levels: the memory plan is made for the largest
 
 
-SETTINGS_GROUPS = {"model": ModelSettings, "batch": BatchSettings, "source": InputSettings,
+SETTINGS_GROUPS = {"model": ModelSettings, "batch": BatchSettings, "cache": CacheSettings, "source": InputSettings,
                    "long_rows": LongRowSettings}
 
 

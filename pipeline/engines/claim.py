@@ -110,7 +110,7 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
 
 def choose_here(config: RunConfig, dtype_source: str | None, trial_texts) -> ModelChoice:
     """The run's model settled in this process (a local run; the Ray engine settles it for its actors)."""
-    return choose_model(config.model, config.batch.plan_cache, dtype_source, trial_texts)
+    return choose_model(config.model, config.cache.plan_cache, dtype_source, trial_texts)
 
 
 def close_runner(run_shards: ShardsRunner) -> None:

@@ -77,7 +77,7 @@ def report_metrics(config: RunConfig, summary, labels: dict, textfile) -> None:
 def written_paths(config: RunConfig) -> list[tuple[str, str | None]]:
     """Every path a run (or `plan`) writes besides its output shards, by the flag that names it; a
     flag that writes a path is one line here."""
-    return [("--summary-json", config.summary_json), ("--plan-cache", config.batch.plan_cache),
+    return [("--summary-json", config.summary_json), ("--plan-cache", config.cache.plan_cache),
             ("--metrics-textfile", config.metrics_textfile)]
 
 

@@ -180,12 +180,12 @@ def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None
     (on CPUs the bf16 trial runs on `trial_texts()`)."""
     device, dtype, reason = actor_device_and_dtype(config.model.device, config.model.dtype, cluster)
     if device == "cpu":
-        return choose_model(dataclasses.replace(config.model, device="cpu"), config.batch.plan_cache, dtype_source,
+        return choose_model(dataclasses.replace(config.model, device="cpu"), config.cache.plan_cache, dtype_source,
                             trial_texts)
     import torch
 
     # the driver needs no GPU
-    choice = choose_model(dataclasses.replace(config.model, device="cpu", dtype="float32"), config.batch.plan_cache)
+    choice = choose_model(dataclasses.replace(config.model, device="cpu", dtype="float32"), config.cache.plan_cache)
     log.info(f"actors: dtype {reason}")
     return dataclasses.replace(choice, device=torch.device("cuda"), dtype=DTYPES[dtype], dtype_reason=reason)
 

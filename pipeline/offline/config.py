@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import (
     BatchSettings,
+    CacheSettings,
     InputSettings,
     ModelSettings,
     SettingsTree,
@@ -21,6 +22,7 @@ class RunConfig(SettingsTree):
     source: InputSettings = field(default_factory=InputSettings)
     model: ModelSettings = field(default_factory=lambda: ModelSettings(thresholds={}))  # a run checks its thresholds
     batch: BatchSettings = field(default_factory=BatchSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
     long_rows: LongRowSettings = field(default_factory=LongRowSettings)  # --long-text, --segment-length
     keep_columns: tuple[str, ...] = ()  # input columns copied to the output unchanged, after `id`
     window_rows: int | None = None  # rows sorted and packed together; bounds memory in flight; None = auto:

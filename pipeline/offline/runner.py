@@ -126,19 +126,12 @@ class ShardRunner:
         this call (since `started`) counts as setup; `ids` collects the written rows' id hashes;
         `begun`: the shards' first window, started already (`start`)."""
         config, loaded = self.config, self.loaded
-        job, model, device = loaded.job, loaded.model, loaded.choice.device
         times = begun.times if begun else StageTimes()
-        summary.device, summary.dtype, summary.model = str(device), dtype_name(loaded.choice.dtype), loaded.choice.path
-        summary.dtype_reason = loaded.choice.dtype_reason
-        summary.long_text = "split" if loaded.tokenizer.segment_length else "truncate"
-        summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
-        summary.unpad = loaded.unpad
-        summary.batch_setting, summary.batch_plan = self.runtime.batch_setting, describe_plan(self.runtime.plan)
-        summary.settings = diagnosis_settings(self.runtime, self.window_rows, self.tokenize_workers)
-        summary.sweep_reference = self.runtime.sweep_reference
-        count_flagged = functools.partial(job.count_flagged, model) if hasattr(job, "count_flagged") else None
+        self._describe(summary)
+        count_flagged = functools.partial(loaded.job.count_flagged, loaded.model) \
+            if hasattr(loaded.job, "count_flagged") else None
         writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids,
-                              functools.partial(job.fold_segments, model))
+                              functools.partial(loaded.job.fold_segments, loaded.model))
         background = BackgroundWriter(writer)
         progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                         disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
@@ -153,18 +146,11 @@ class ShardRunner:
                 times.setup = time.perf_counter() - started
                 summary.setup_steps = self.clock.breakdown(times.setup)
                 self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
-                if begun is None:
-                    windows = tokenize_windows(pool, self._windows(shards, times), times)
-                else:  # a pool replaced since (a failed run stops its own) gets the first window again
-                    first = begun.first if begun.pool is pool or not begun.first else submit_window(pool, begun.first[0])
-                    windows = tokenize_windows(pool, begun.windows, times, first)
-                if config.dedupe:
-                    windows = dedupe_windows(windows)
-                feeder = DeviceFeeder(device)
-                work = batches_of(windows, self.window_rows, self.runtime, loaded.tokenizer.pad_token_id, feeder,
-                                  times)
-                for item, result in run_on_device(work, job, model, device, feeder, self.runtime.limits,
-                                                  config.prefetch_batches, times):
+                feeder = DeviceFeeder(loaded.choice.device)
+                work = batches_of(self._encoded_windows(pool, shards, times, begun), self.window_rows, self.runtime,
+                                  loaded.tokenizer.pad_token_id, feeder, times)
+                for item, result in run_on_device(work, loaded.job, loaded.model, loaded.choice.device, feeder,
+                                                  self.runtime.limits, config.prefetch_batches, times):
                     if isinstance(item, WindowPart):
                         copied = item.window.copy_duplicates(item.start_row, item.end_row)
                         summary.deduplicated_rows += copied
@@ -174,20 +160,7 @@ class ShardRunner:
                         if config.fail_fast and (background.failures or any(b.failure for b in item.blocks)):
                             break
                         continue
-                    if result.outputs:
-                        item.window.store(item.rows, result.outputs)
-                        broken = ~finite_rows(result.outputs) & ~result.failed
-                        if broken.any():
-                            item.window.fail(item.rows[broken], f"the model gave a non-finite output (nan or inf) "
-                                             f"in {summary.dtype}; rerun with --dtype float32")
-                    if result.failed.any():
-                        item.window.fail(item.rows[result.failed], f"out of memory even alone at padded length "
-                                         f"{item.padded_length}; lower --max-length or use a larger device")
-                    summary.batches += 1
-                    summary.oom_splits += result.splits
-                    summary.real_tokens += item.real_tokens
-                    summary.padded_tokens += item.padded_tokens
-                    progress.update(item.window.rows_done(item.rows))
+                    progress.update(record_batch(item, result, summary))
                     elapsed = progress.format_dict["elapsed"]
                     if elapsed:
                         progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)
@@ -202,20 +175,49 @@ class ShardRunner:
             writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
             if self._started_pool is None:  # not kept, or failed: the encoder goes with the pool, its files closed
                 self._close_encoder()
-            if config.reuse and self._previous is not None:
-                summary.reuse_warning = low_reuse_warning(summary.rows, summary.reused_rows, summary.reuse,
-                                                          self._previous.index.rows, config.reuse)
-                if summary.reuse_warning:
-                    log.warning(summary.reuse_warning)
-        wall_s = time.perf_counter() - started
+            self._warn_of_low_reuse(summary)
+        self._add_rates(summary, times, time.perf_counter() - started)
+
+    def _describe(self, summary: RunSummary) -> None:
+        """What the summary says of the runtime: device, dtype, model, long text, compile, batch plan."""
+        loaded = self.loaded
+        summary.device, summary.dtype = str(loaded.choice.device), dtype_name(loaded.choice.dtype)
+        summary.model, summary.dtype_reason = loaded.choice.path, loaded.choice.dtype_reason
+        summary.long_text = "split" if loaded.tokenizer.segment_length else "truncate"
+        summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
+        summary.unpad = loaded.unpad
+        summary.batch_setting, summary.batch_plan = self.runtime.batch_setting, describe_plan(self.runtime.plan)
+        summary.settings = diagnosis_settings(self.runtime, self.window_rows, self.tokenize_workers)
+        summary.sweep_reference = self.runtime.sweep_reference
+
+    def _encoded_windows(self, pool: TokenizerPool, shards: list[Shard], times: StageTimes,
+                         begun: StartedShards | None) -> Iterator[Window]:
+        """The shards' windows as the pool tokenizes them (`begun`: the first already submitted), deduplicated."""
+        if begun is None:
+            windows = tokenize_windows(pool, self._windows(shards, times), times)
+        else:  # a pool replaced since (a failed run stops its own) gets the first window again
+            first = begun.first if begun.pool is pool or not begun.first else submit_window(pool, begun.first[0])
+            windows = tokenize_windows(pool, begun.windows, times, first)
+        return dedupe_windows(windows) if self.config.dedupe else windows
+
+    def _warn_of_low_reuse(self, summary: RunSummary) -> None:
+        if self.config.reuse and self._previous is not None:
+            summary.reuse_warning = low_reuse_warning(summary.rows, summary.reused_rows, summary.reuse,
+                                                      self._previous.index.rows, self.config.reuse)
+            if summary.reuse_warning:
+                log.warning(summary.reuse_warning)
+
+    def _add_rates(self, summary: RunSummary, times: StageTimes, wall_s: float) -> None:
+        """The run's rates, stage times and peaks, once its shards are written."""
         summary.padding_efficiency = padding_efficiency(summary.real_tokens, summary.padded_tokens)
         summary.rows_per_s = summary.rows / wall_s
         summary.tokens_per_s = summary.real_tokens / wall_s
         summary.stage_s = {name: round(seconds, 3) for name, seconds in dataclasses.asdict(times).items()}
         summary.device_busy_fraction = times.forward / max(wall_s - times.setup, 1e-9)
         summary.lowered_batch_rows = dict(sorted(self.runtime.limits.lowered.items()))
-        summary.compiled_graphs = loaded.compile.graphs()
+        summary.compiled_graphs = self.loaded.compile.graphs()
         summary.peak_rss_bytes = max(summary.peak_rss_bytes, peak_rss_bytes())
+        device = self.loaded.choice.device
         if device.type == "cuda":
             summary.peak_device_bytes = max(summary.peak_device_bytes, torch.cuda.max_memory_allocated(device))
 
@@ -315,3 +317,22 @@ def batches_of(windows: Iterable[Window], window_rows: int, runtime: Runtime, pa
                                        runtime.batch.max_batch_rows, runtime.max_length, runtime.limits, pad_token_id,
                                        feeder, times, window, runs_unpadded(runtime.loaded.model))
             yield part
+
+
+def record_batch(item: ReadyBatch, result, summary: RunSummary) -> int:
+    """A batch's outputs into its window (rows it could not run failed, with the reason), counted in the
+    summary; the rows of the window this finished."""
+    if result.outputs:
+        item.window.store(item.rows, result.outputs)
+        broken = ~finite_rows(result.outputs) & ~result.failed
+        if broken.any():
+            item.window.fail(item.rows[broken], f"the model gave a non-finite output (nan or inf) in {summary.dtype}; "
+                             "rerun with --dtype float32")
+    if result.failed.any():
+        item.window.fail(item.rows[result.failed], f"out of memory even alone at padded length {item.padded_length}; "
+                         "lower --max-length or use a larger device")
+    summary.batches += 1
+    summary.oom_splits += result.splits
+    summary.real_tokens += item.real_tokens
+    summary.padded_tokens += item.padded_tokens
+    return item.window.rows_done(item.rows)

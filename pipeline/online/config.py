@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.core.settings import BatchSettings, ModelSettings, RuntimeNeeds, SettingsTree
+from pipeline.core.settings import BatchSettings, CacheSettings, ModelSettings, RuntimeNeeds, SettingsTree
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class BatcherConfig(SettingsTree):
 
     model: ModelSettings = field(default_factory=ModelSettings)
     batch: BatchSettings = field(default_factory=lambda: BatchSettings(max_batch_rows=32))
+    cache: CacheSettings = field(default_factory=CacheSettings)
     batch_timeout_ms: float = 20.0  # the oldest queued request waits at most this long for company
     request_timeout_ms: float = 1000.0  # a request's deadline unless submit gives one; > batch_timeout_ms
     max_queue: int = 2000  # requests waiting (tokenizing or queued); one more fails at once with QueueFull

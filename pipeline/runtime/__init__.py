@@ -17,7 +17,7 @@ from pipeline.core.clock import SetupClock
 from pipeline.core.forward import BatchLimits
 from pipeline.core.memory import MemoryPlan
 from pipeline.core.probe import memory_plan_for
-from pipeline.core.settings import BATCH_LIMITS, BatchSettings, ModelSettings, RuntimeNeeds
+from pipeline.core.settings import BATCH_LIMITS, BatchSettings, CacheSettings, ModelSettings, RuntimeNeeds
 from pipeline.core.tokenize import TokenizerSpec
 from pipeline.runtime.choice import ModelChoice, choose_model
 from pipeline.runtime.model import LoadedModel, load_model
@@ -55,6 +55,7 @@ class ProductConfig(Protocol):
 
     model: ModelSettings
     batch: BatchSettings
+    cache: CacheSettings
 
     def runtime_needs(self) -> RuntimeNeeds:
         """What this product asks of the setup."""
@@ -79,13 +80,13 @@ def open_runtime(config: ProductConfig, rows: InputRows | None = None, *, choice
     product settles (None = auto: the sweep's saved recommendation for this model, device, dtype, max
     length and long-row setting where one applies, else the device's default for this model's size) and
     make the memory plan for the settled limits, or for the largest of the product's levels."""
-    model, batch, needs = config.model, config.batch, config.runtime_needs()
+    model, batch, cache, needs = config.model, config.batch, config.cache, config.runtime_needs()
     rows = rows if needs.input_rows else None
     clock = clock or SetupClock()
-    choice = choice or choose_model(model, batch.plan_cache, trial_texts=rows.texts if rows else None)
-    loaded = load_model(model, batch, choice, rows.tokens if rows else None, tokenizer, clock, needs.long_rows)
+    choice = choice or choose_model(model, cache.plan_cache, trial_texts=rows.texts if rows else None)
+    loaded = load_model(model, batch, choice, rows.tokens if rows else None, tokenizer, clock, needs.long_rows, cache)
     with clock.step("batch plan"):
-        saved_for = saved_recommendations(batch.plan_cache, model.job, choice.max_length,
+        saved_for = saved_recommendations(cache.plan_cache, model.job, choice.max_length,
                                           loaded.tokenizer.segment_length or None, choice.path, choice.device_key,
                                           loaded.model) if needs.recommended else {}
         device, shape = choice.device.type, loaded.model.config
@@ -93,7 +94,7 @@ def open_runtime(config: ProductConfig, rows: InputRows | None = None, *, choice
         log.info(f"batch setting: {setting}")
         levels = [resolve_batch_setting(level, device, saved_for, needs.limits, model_config=shape)[0]
                   for level in needs.levels]
-        plan = memory_plan_for(largest_of(levels or [settled]), model.job, choice.max_length, loaded.job,
+        plan = memory_plan_for(largest_of(levels or [settled]), cache, model.job, choice.max_length, loaded.job,
                                loaded.model, choice.path, choice.device) if batch.probe else None
     return Runtime(loaded, settled, setting, plan, BatchLimits(plan), saved_for, needs.limits)
 

@@ -12,7 +12,7 @@ from pipeline.core.cache import cache_dir, plan_cache_key, read_keyed, write_key
 from pipeline.core.compile import CompileChoice, CompileVerdict, pick_compile, use_inductor_cache, worth_a_trial
 from pipeline.core.compiled_forward import compile_model, compile_trial, eager_tokens_per_s
 from pipeline.core.device import dtype_name
-from pipeline.core.settings import BatchSettings, ModelSettings
+from pipeline.core.settings import BatchSettings, CacheSettings, ModelSettings
 
 if TYPE_CHECKING:
     from pipeline.runtime.choice import ModelChoice
@@ -46,25 +46,26 @@ def compile_trial_shapes(batch: BatchSettings, device, model_config, max_length:
     return trial_shapes(device.type, tokens, min(rows, MAX_BATCH_ROWS), max_length)
 
 
-def settle_compile(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice, job, model,
+def settle_compile(settings: ModelSettings, batch: BatchSettings, cache: CacheSettings, choice: ModelChoice,
+                   job, model,
                    job_tokens: float | None):
     """(the model that runs, why): eager or compiled, by `settings.compile` and, for `auto`, the
     cached verdict of a compile trial on this model, job, device and dtype (a trial runs when
     there is none and the job is large enough to pay a compile back)."""
     setting = settings.compile
-    cache = cache_dir(batch.plan_cache)
+    folder = cache_dir(cache.plan_cache)
     key, name = compile_verdict_key(settings, choice)
-    path = cache / f"compile-{name}.json"
+    path = folder / f"compile-{name}.json"
     record = read_keyed(path, key) if setting != "off" else None
     verdict = CompileVerdict(**{f: record[f] for f in CompileVerdict.__dataclass_fields__}) if record else None
     if setting == "off":
         return model, CompileChoice(False, "eager: --compile off")
     if settings.unpad == "on":  # --compile on with it is refused in choose_model
         return model, CompileChoice(False, "eager: --unpad on (a compiled forward runs padded)")
-    use_inductor_cache(cache)
-    package = compiled_package_path(cache, settings, choice)
+    use_inductor_cache(folder)
+    package = compiled_package_path(folder, settings, choice)
     if setting == "auto" and verdict is None and job_tokens is not None:
-        compile_s, seconds_path, seconds_key = device_compile_seconds(cache, choice.device_key)
+        compile_s, seconds_path, seconds_key = device_compile_seconds(folder, choice.device_key)
         too_few = f"eager: {job_tokens:,.0f} tokens are too few to try a compile ({compile_s:.0f} s on this device)"
         if not worth_a_trial(job_tokens, FASTEST_EAGER_TOKENS_PER_S, compile_s):
             return model, CompileChoice(False, too_few)  # not even worth timing the eager forward
@@ -95,7 +96,7 @@ def settle_compile(settings: ModelSettings, batch: BatchSettings, choice: ModelC
     if record:
         write_keyed(path, key, {**record, "last_load_s" if loads else "last_compile_s": compile_s})
     if not loads:
-        _, seconds_path, seconds_key = device_compile_seconds(cache, choice.device_key)
+        _, seconds_path, seconds_key = device_compile_seconds(folder, choice.device_key)
         write_keyed(seconds_path, seconds_key, {"compile_s": compile_s})
     return compiled, CompileChoice(True, reason, compile_s)
 

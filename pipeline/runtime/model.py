@@ -15,7 +15,7 @@ from pipeline.core.clock import SetupClock
 from pipeline.core.compile import CompileChoice
 from pipeline.core.device import keep_freed_host_memory
 from pipeline.core.positions import PositionLimit, check_max_length, position_limit
-from pipeline.core.settings import TRUNCATE, BatchSettings, LongRowSettings, ModelSettings
+from pipeline.core.settings import TRUNCATE, BatchSettings, CacheSettings, LongRowSettings, ModelSettings
 from pipeline.core.tokenize import TokenizerSpec, count_prompt_tokens, load_tokenizer_spec
 from pipeline.core.unpadded import settle_unpad
 from pipeline.runtime.choice import ModelChoice, choose_model
@@ -37,15 +37,17 @@ class LoadedModel:
 
 def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice | None = None,
                workload: Callable[[TokenizerSpec], float] | None = None, tokenizer: TokenizerSpec | None = None,
-               clock: SetupClock | None = None, long_rows: LongRowSettings = TRUNCATE) -> LoadedModel:
+               clock: SetupClock | None = None, long_rows: LongRowSettings = TRUNCATE,
+               cache: CacheSettings = CacheSettings()) -> LoadedModel:
     """Tokenizer (unless given: `tokenizer_for`) and model loaded once, the max length checked
     against the model, the host allocator set up for the device (see
     `keep_freed_host_memory`), and the forward compiled where `settings.compile` and a
     measurement say so. `workload(tokenizer)` estimates the job's tokens (None: unknown, a
     sweep or a service, counted as large). `clock` records the steps' seconds. `long_rows`: whether
-    the tokenizer cuts rows longer than the max length into segments (`tokenizer_for`)."""
+    the tokenizer cuts rows longer than the max length into segments (`tokenizer_for`); `cache`: where the
+    dtype and compile verdicts are kept."""
     clock = clock or SetupClock()
-    choice = choice or choose_model(settings, batch.plan_cache)
+    choice = choice or choose_model(settings, cache.plan_cache)
     if choice.device.type == "cuda":
         torch.cuda.set_device(choice.device)  # cuda:N current for the main thread (kernels, caches, streams)
     job = choice.job
@@ -64,7 +66,7 @@ def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoic
             compile_choice = CompileChoice(False, "eager: a pair's token type ids (a compiled forward takes ids "
                                                   "and mask only)")
         else:
-            model, compile_choice = settle_compile(settings, batch, choice, job, model,
+            model, compile_choice = settle_compile(settings, batch, cache, choice, job, model,
                                                    workload(tokenizer) if workload else None)
     log.info(compile_choice.reason + (f" ({compile_choice.compile_s:.1f} s to compile)" if compile_choice.compiled
                                       else ""))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pipeline.core.settings import (
     BatchSettings,
+    CacheSettings,
     InputSettings,
     LongRowSettings,
     ModelSettings,
@@ -29,7 +30,8 @@ class SweepConfig(SettingsTree):
     source: InputSettings = field(default_factory=InputSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     batch: BatchSettings = field(default_factory=lambda: BatchSettings(probe=False))  # no memory plan: each level
-    # is measured; plan_cache: where the recommendation is saved
+    # is measured
+    cache: CacheSettings = field(default_factory=CacheSettings)  # where the recommendation is saved
     long_rows: LongRowSettings = field(default_factory=LongRowSettings)  # as the run's: its rows are measured
     rows: int = 2000  # measured rows per level
     warmup_rows: int = 200  # run before each level, not counted
@@ -71,6 +73,10 @@ class OnlineLoadtestConfig(SettingsTree):
     @property
     def batch(self) -> BatchSettings:
         return self.batcher.batch
+
+    @property
+    def cache(self) -> CacheSettings:
+        return self.batcher.cache
 
     def runtime_needs(self) -> RuntimeNeeds:
         """The batcher's, with one memory plan for the largest batches its levels may form."""

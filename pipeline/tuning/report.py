@@ -42,7 +42,7 @@ def run_sweep_report(config: SweepConfig, comparison: Comparison, plot: str | No
     """The offline sweep: levels on the device, the CSV, the saved recommendation, the comparison."""
     from pipeline.tuning.sweep import run_sweep
 
-    check_level_test_paths(config.out, plot, config.batch.plan_cache, config.source.input, config.model, comparison,
+    check_level_test_paths(config.out, plot, config.cache.plan_cache, config.source.input, config.model, comparison,
                            config.source.storage_options)
     previous = analysis.read_sweep_csv(comparison.path) if comparison.path else None
     if plot:
@@ -67,7 +67,7 @@ def run_loadtest_report(config: OnlineLoadtestConfig, comparison: Comparison, pl
     """The online batcher's load test: levels of Poisson arrivals, the CSV, the comparison."""
     from pipeline.tuning import loadtest as online
 
-    check_level_test_paths(config.out, plot, config.batcher.batch.plan_cache, config.source.input,
+    check_level_test_paths(config.out, plot, config.batcher.cache.plan_cache, config.source.input,
                            config.batcher.model, comparison, config.source.storage_options)
     previous = analysis.read_sweep_csv(comparison.path, online.OnlineLevelResult) if comparison.path else None
     if plot:

@@ -249,7 +249,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         key, name = recommendation_key(model_memory_fingerprint(model_path), config.model.job, device_name(device),
                                        dtype_name(dtype), max_length, spec.segment_length or None, config.vary)
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        saved_to = save_recommendation(config.batch.plan_cache, name, key, recommendation,
+        saved_to = save_recommendation(config.cache.plan_cache, name, key, recommendation,
                                        config.out, created)
     return SweepReport(levels, recommendation, settings, saved_to, not_saved)
 

@@ -108,15 +108,15 @@ def test_compile_auto_judges_a_trial_by_this_devices_own_compile_seconds(tmp_pat
     monkeypatch.setattr(pipeline.runtime.compile_decision, "compile_trial", trial)
     config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32", compile="off",
                           max_length=64, plan_cache=str(tmp_path))
-    loaded = load_model(config.model, config.batch)
+    loaded = load_model(config.model, config.batch, cache=config.cache)
     auto = config.with_settings(compile="auto")
     assert device_compile_seconds(tmp_path, loaded.choice.device_key)[0] == 30.0  # none measured yet: the CPU's figure
-    _, choice = settle_compile(auto.model, auto.batch, loaded.choice, loaded.job, loaded.model, 5_000_000)
+    _, choice = settle_compile(auto.model, auto.batch, auto.cache, loaded.choice, loaded.job, loaded.model, 5_000_000)
     assert choice.reason == "eager: the compile trial failed (RuntimeError: trial stopped here)"
     assert trials == [((64, 32), (16, 128))]
     _, path, key = device_compile_seconds(tmp_path, loaded.choice.device_key)
     write_keyed(path, key, {"compile_s": 1000.0})  # what this device measured for a cold compile
-    _, choice = settle_compile(auto.model, auto.batch, loaded.choice, loaded.job, loaded.model, 5_000_000)
+    _, choice = settle_compile(auto.model, auto.batch, auto.cache, loaded.choice, loaded.job, loaded.model, 5_000_000)
     assert choice.reason == "eager: 5,000,000 tokens are too few to try a compile (1000 s on this device)"
     assert len(trials) == 1
 

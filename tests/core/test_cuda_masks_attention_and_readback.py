@@ -65,7 +65,7 @@ def test_the_output_fingerprint_holds_the_attention_implementation(tiny_encoder_
     from pipeline.offline.claim import output_fingerprint
 
     config = RunConfig.of(input=("x",), output="y", model=tiny_encoder_path, device="cpu", dtype="float32")
-    assert output_fingerprint(config, choose_model(config.model, config.batch.plan_cache))["attention"] == "sdpa"
+    assert output_fingerprint(config, choose_model(config.model, config.cache.plan_cache))["attention"] == "sdpa"
 
 
 def test_cache_keys_hold_the_runtime_that_decides_memory_and_speed():

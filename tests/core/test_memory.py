@@ -270,8 +270,8 @@ def test_free_memory_moving_by_a_gib_reuses_the_cached_plan(tmp_path, tiny_encod
         config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
                               max_length=64, memory_budget=budget, plan_cache=str(tmp_path), max_batch_rows=4096,
                               max_batch_tokens=2**20)
-        loaded = load_model(config.model, config.batch)
-        return memory_plan_for(config.batch, "embed", 64, loaded.job, loaded.model, tiny_encoder_path,
+        loaded = load_model(config.model, config.batch, cache=config.cache)
+        return memory_plan_for(config.batch, config.cache, "embed", 64, loaded.job, loaded.model, tiny_encoder_path,
                                loaded.choice.device)
 
     first = plan_with(64 * MIB)

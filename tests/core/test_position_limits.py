@@ -130,9 +130,9 @@ def test_a_probe_forward_that_fails_other_than_out_of_memory_is_one_usage_error(
     config = RunConfig.of(input=("unused",), output=str(tmp_path / "out"), model=family_paths["roberta"],
                           job="classify", max_length=512, dtype="float32", plan_cache=str(tmp_path / "cache"),
                           memory_budget=2**30, max_batch_tokens=4096)
-    loaded = load_model(config.model, config.batch, choose_model(config.model, config.batch.plan_cache))
+    loaded = load_model(config.model, config.batch, choose_model(config.model, config.cache.plan_cache), cache=config.cache)
     with pytest.raises(UsageError) as stopped:
-        memory_plan_for(config.batch, "classify", 600, loaded.job, loaded.model, loaded.choice.path,
+        memory_plan_for(config.batch, config.cache, "classify", 600, loaded.job, loaded.model, loaded.choice.path,
                         loaded.choice.device)
     assert str(stopped.value) == ("the memory probe's forward of 2 rows × 600 tokens failed with RuntimeError: "
                                   "index 514 is out of bounds for dimension 1 with size 514; every batch this "

@@ -234,10 +234,10 @@ def test_compile_on_and_unpad_on_exclude_each_other(tiny_encoder_path):
 def test_unpad_on_leaves_compile_auto_eager(tiny_encoder_path, tmp_path):
     settings = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", dtype="float32",
                             compile="auto", unpad="on", plan_cache=str(tmp_path))
-    choice = choose_model(settings.model, settings.batch.plan_cache)
+    choice = choose_model(settings.model, settings.cache.plan_cache)
     job = get_job("embed")
     model = job.load(choice.path, CPU, torch.float32)
-    kept, decided = settle_compile(settings.model, settings.batch, choice, job, model, job_tokens=1e12)
+    kept, decided = settle_compile(settings.model, settings.batch, settings.cache, choice, job, model, job_tokens=1e12)
     assert kept is model and not decided.compiled
     assert decided.reason == "eager: --unpad on (a compiled forward runs padded)"
 
@@ -292,11 +292,11 @@ def test_the_flag_the_variable_and_the_toml_key_reach_the_setting(tmp_path, monk
 def test_load_model_records_which_forward_runs(tiny_classifier_path, tmp_path):
     settings = RunConfig.of(input=(), output="", job="classify", model=tiny_classifier_path, device="cpu",
                             dtype="float32", compile="off", unpad="on", plan_cache=str(tmp_path))
-    loaded = load_model(settings.model, settings.batch)
+    loaded = load_model(settings.model, settings.batch, cache=settings.cache)
     assert loaded.unpad.startswith("unpadded: BertForSequenceClassification on packed tokens")
     assert loaded.model.unpadded is not None
     off_settings = settings.with_settings(unpad="off")
-    off = load_model(off_settings.model, off_settings.batch)
+    off = load_model(off_settings.model, off_settings.batch, cache=off_settings.cache)
     assert off.unpad == "padded: --unpad off" and off.model.unpadded is None
 
 
@@ -312,6 +312,6 @@ def test_the_unpadded_forward_gets_a_memory_plan_of_its_own(tiny_encoder_path, t
     model = job.load(tiny_encoder_path, CPU, torch.float32)
     for unpad in ("off", "on"):
         settle_unpad(unpad, job, model, CPU, torch.float32)
-        assert memory_plan_for(config.batch, "embed", 64, job, model, tiny_encoder_path, CPU) is not None
+        assert memory_plan_for(config.batch, config.cache, "embed", 64, job, model, tiny_encoder_path, CPU) is not None
     plans = sorted(path.name for path in tmp_path.glob("*.json"))
     assert len(plans) == 2, plans  # one probed with each forward, neither reused for the other

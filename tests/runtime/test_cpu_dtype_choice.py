@@ -63,14 +63,14 @@ def test_the_trial_decides_once_and_the_decision_is_cached(monkeypatch, tmp_path
 
     monkeypatch.setattr(pipeline.runtime.dtype_trial, "bf16_trial", counted)
     config = RunConfig.of(input=(), output="", model=tiny_encoder_path, device="cpu", plan_cache=str(tmp_path))
-    first = choose_model(config.model, config.batch.plan_cache)
+    first = choose_model(config.model, config.cache.plan_cache)
     assert first.dtype in (torch.float32, torch.bfloat16)
     if first.dtype == torch.bfloat16:
         assert first.dtype_reason.startswith("bfloat16: avx512_bf16, ")
         assert "vs float32 on 64 random-id rows" in first.dtype_reason
     else:  # a 32-wide model gains little from bf16
         assert first.dtype_reason.startswith("float32: bfloat16 ")
-    again = choose_model(config.model, config.batch.plan_cache)
+    again = choose_model(config.model, config.cache.plan_cache)
     assert again.dtype == first.dtype and again.dtype_reason == first.dtype_reason + " (cached)"
     assert len(trials) == 1
 

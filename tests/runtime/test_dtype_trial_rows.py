@@ -47,7 +47,7 @@ def test_the_trial_runs_on_the_texts_it_is_given_tokenized_as_the_run_will(tmp_p
     texts = sample_table["text"].to_pylist()[:300]
     config = RunConfig.of(input=(), output="", model=tiny_classifier_path, job="classify", device="cpu",
                           max_length=96, plan_cache=str(tmp_path))
-    choice = choose_model(config.model, config.batch.plan_cache, trial_texts=lambda: texts)
+    choice = choose_model(config.model, config.cache.plan_cache, trial_texts=lambda: texts)
     (_, _, _, trial, _), = trials
     spec = load_tokenizer_spec(tiny_classifier_path, 96)
     encoded = encode_texts(texts, Tokenizer.from_str(spec.tokenizer_json), spec)

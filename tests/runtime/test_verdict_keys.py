@@ -77,7 +77,7 @@ def verdict_of(run: RunConfig, choice) -> str:
 
 
 def choose_here(run: RunConfig):
-    return choose_model(run.model, run.batch.plan_cache)
+    return choose_model(run.model, run.cache.plan_cache)
 
 
 def test_a_retrained_checkpoint_of_equal_config_and_sizes_gets_its_own_verdict_keys(tmp_path, retrained):
@@ -89,7 +89,7 @@ def test_a_retrained_checkpoint_of_equal_config_and_sizes_gets_its_own_verdict_k
     assert model_memory_fingerprint(str(first)) == model_memory_fingerprint(str(second))
     runs = [settings(tmp_path, str(model), dtype="float32") for model in (first, second)]
     assert verdict_name(runs[0]) != verdict_name(runs[1])
-    choices = [choose_model(run.model, run.batch.plan_cache) for run in runs]
+    choices = [choose_model(run.model, run.cache.plan_cache) for run in runs]
     assert verdict_of(runs[0], choices[0]) != verdict_of(runs[1], choices[1])
     assert output_fingerprint(runs[0], choices[0])["model"] != output_fingerprint(runs[1], choices[1])["model"]
 
@@ -99,7 +99,7 @@ def test_a_cls_and_a_mean_pooling_embedder_of_the_same_weights_get_their_own_ver
     assert Path(cls, "model.safetensors").read_bytes() == Path(mean, "model.safetensors").read_bytes()
     runs = [settings(tmp_path, model, job="embed", dtype="float32") for model in poolings]
     assert verdict_name(runs[0]) != verdict_name(runs[1])
-    choices = [choose_model(run.model, run.batch.plan_cache) for run in runs]
+    choices = [choose_model(run.model, run.cache.plan_cache) for run in runs]
     assert verdict_of(runs[0], choices[0]) != verdict_of(runs[1], choices[1])
 
 
@@ -108,14 +108,14 @@ def test_a_compile_verdict_is_read_for_its_own_model_only(tmp_path, retrained):
     from pipeline.core.cache import write_keyed
 
     runs = [settings(tmp_path, model, dtype="float32", compile="auto") for model in retrained]
-    choices = [choose_model(run.model, run.batch.plan_cache) for run in runs]
+    choices = [choose_model(run.model, run.cache.plan_cache) for run in runs]
     key, name = compile_verdict_key(runs[0].model, choices[0])
     write_keyed(tmp_path / "cache" / f"compile-{name}.json", key,
                 {**CompileVerdict(1.05, True, "min cosine 1.00000", 1e4, 20.0).__dict__})
     job = object()  # settle_compile reaches neither the job nor the model on these two eager paths
-    assert settle_compile(runs[0].model, runs[0].batch, choices[0], job, None, None)[1].reason == \
+    assert settle_compile(runs[0].model, runs[0].batch, runs[0].cache, choices[0], job, None, None)[1].reason == \
         "eager: compiled only 1.05x as fast (needs 1.1x)"
-    assert settle_compile(runs[1].model, runs[1].batch, choices[1], job, None, None)[1].reason == \
+    assert settle_compile(runs[1].model, runs[1].batch, runs[1].cache, choices[1], job, None, None)[1].reason == \
         "eager: no compile trial for this model, device and dtype"
 
 
