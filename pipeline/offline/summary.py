@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,6 +19,7 @@ import pyarrow.parquet as pq
 from pipeline.core.findings import diagnosis_lines
 from pipeline.core.row_hashes import id_hash
 from pipeline.core.segments import MAX_SEGMENTS_PER_ROW
+from pipeline.offline.lock import process_alive
 
 
 @dataclass
@@ -264,6 +267,21 @@ class RowStats:
         return top_counts(self.reasons, TOP_ERROR_REASONS)
 
 
+SPILL_PREFIX = "lengthwise-ids-"  # then the pid of the run that spilled
+
+
+def remove_orphaned_spills(folder: str) -> list[str]:
+    """Remove the id spill folders of runs that are gone: a SIGKILL skips their cleanup. Those of live
+    processes stay (another run on this host); what was removed."""
+    removed = []
+    for path in Path(folder).glob(f"{SPILL_PREFIX}*"):
+        pid = path.name[len(SPILL_PREFIX):].split("-")[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
 class IdTracker:
     """Finds ids written more than once, in memory bounded whatever the rows: 8 bytes of hash a row,
     held up to BUFFERED_HASHES, beyond that spilled to a temporary folder split by the hash's top
@@ -292,7 +310,8 @@ class IdTracker:
     def _spill_buffer(self) -> None:
         """Append the buffered hashes, sorted, to the part files of their top byte; empty the buffer."""
         if self._spill is None:
-            self._spill = tempfile.TemporaryDirectory(prefix="lengthwise-ids-")
+            remove_orphaned_spills(tempfile.gettempdir())
+            self._spill = tempfile.TemporaryDirectory(prefix=f"{SPILL_PREFIX}{os.getpid()}-")
         if not self._buffer:
             return
         hashes = np.sort(np.concatenate(self._buffer))

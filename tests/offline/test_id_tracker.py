@@ -2,6 +2,9 @@
 not kept (10M rows would hold 80 MB and sort a copy), and the count is the same."""
 
 import glob
+import os
+import subprocess
+import sys
 import tempfile
 import tracemalloc
 
@@ -10,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.core.row_hashes import id_hash
-from pipeline.offline.summary import IdTracker
+from pipeline.offline.summary import SPILL_PREFIX, IdTracker, remove_orphaned_spills
 
 
 def add_in_shards(tracker: IdTracker, hashes: np.ndarray, shard_rows: int = 10_000) -> None:
@@ -60,3 +63,15 @@ def test_hashes_returns_every_hash_added_and_removes_the_spill(monkeypatch):
     folder = tracker._spill.name
     assert sorted(tracker.hashes().tolist()) == sorted(hashes.tolist())
     assert not glob.glob(folder)
+
+
+def test_a_spill_of_a_killed_run_is_removed_by_the_next_spill_and_a_live_ones_stays(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"{SPILL_PREFIX}{gone.stdout.strip()}-abc"
+    live = tmp_path / f"{SPILL_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "lengthwise-other"
+    for folder in (orphan, live, other):
+        folder.mkdir()
+        (folder / "part-00").write_bytes(b"x")
+    assert remove_orphaned_spills(str(tmp_path)) == [str(orphan)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
