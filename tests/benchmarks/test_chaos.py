@@ -23,13 +23,14 @@ def load_chaos():
 
 
 @pytest.mark.slow
-def test_six_random_kills_lose_nothing_and_leave_nothing(tmp_path, tiny_encoder_path):
+def test_four_random_kills_lose_nothing_and_leave_nothing(tmp_path, tiny_encoder_path):
     chaos = load_chaos()
-    report = chaos.soak(kills=6, rows=600, shards=8, model=tiny_encoder_path, engine="local", seed=3,
+    report = chaos.soak(kills=4, rows=600, shards=8, model=tiny_encoder_path, engine="local", seed=3,
                         workdir=tmp_path, extra=["--tokenize-workers", "1", "--max-batch-rows", "8"])
-    assert report["kills_total"] == 6 and report["restarts"] >= 6
+    assert report["kills_total"] == 4 and report["restarts"] >= 4
     assert (report["lost_rows"], report["duplicated_rows"], report["rows_out_of_order"]) == (0, 0, 0)
     assert report["over_tolerance"] == 0 and report["max_abs_difference"] <= chaos.TOLERANCE
     assert report["verify_failures"] == 0
     assert report["left_behind"] == {"temporaries": 0, "locks": 0, "processes": 0}
-    assert sum(report["kills"].values()) == 6 and all(n["exit_codes"][-1] == 0 for n in report["per_night"])
+    assert sum(report["kills"].values()) == 4 and all(n["exit_codes"][-1] == 0 for n in report["per_night"])
+    assert len([kind for kind, count in report["kills"].items() if count]) >= 2, report["kills"]  # not one kind only

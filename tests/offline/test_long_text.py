@@ -348,11 +348,10 @@ def test_duplicate_long_rows_each_fold_their_own_segments_and_short_duplicates_a
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("character", ["a", "\U0001f642"])
-def test_a_20_mb_run_without_spaces_splits_for_under_256_mib(tmp_path, tiny_encoder_path, character):
+def test_a_20_mb_run_without_spaces_splits_for_under_256_mib(tmp_path, tiny_encoder_path):
     """20 MB of one character and no space with `--long-text split`: it peaked at 1.9-2.0 GB and took
     60-190 s, and reported `segments 1, truncated false` for one [UNK]."""
-    text = character * (20_000_000 // len(character.encode()))
+    text = "a" * 20_000_000  # tests/core/test_textcut.py runs a multi-byte one, truncated
     finished, peak_rss_kib = run_one_huge_row(tmp_path, tiny_encoder_path, text, "--long-text", "split")
     assert peak_rss_kib < 256 << 10, f"the row cost {peak_rss_kib / 2 ** 10:.0f} MiB of peak resident set"
     output = pq.read_table(tmp_path / "out" / "part-00000.parquet")
