@@ -138,3 +138,28 @@ def test_output_arrays_come_back_zeroed_and_no_more_are_kept_than_asked():
     assert again is first and not again.any()  # the kept one, zeroed
     assert arrays.take((4, 3), np.float32) is not second  # only one was kept
     assert arrays.take((5, 3), np.float32).shape == (5, 3)
+
+
+def test_window_output_arrays_come_from_memory_the_encoder_process_faulted_in():
+    """The encoder process allocates the pages (its minor faults grow by about one per page); the
+    array here is zeroed, writable, and shares no memory with the next one."""
+    encoder = OutputEncoder()
+    try:
+        encoder.shared_zeros((1, 1), np.float32)  # the process is up and serving
+        before = _minor_faults(encoder.process.pid)
+        values = encoder.shared_zeros((1024, 384), np.float32)
+        assert _minor_faults(encoder.process.pid) - before >= 1024 * 384 * 4 // 4096
+        assert values.shape == (1024, 384) and values.dtype == np.float32 and not values.any()
+        values[[5, 1000]] = 3.5
+        other = encoder.shared_zeros((1024, 384), np.float32)
+        assert not other.any() and values.sum() == 2 * 384 * 3.5
+    finally:
+        encoder.close()
+    assert encoder.process.returncode == 0
+    values[0] = 1.0  # the memory outlives the process that faulted it in
+    assert values[0, 0] == 1.0
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[7])
