@@ -40,8 +40,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.offline.window_memory import SharedRegions, fault_in, is_float_vector, restore_columns
+
 CLOSE_TIMEOUT_S = 30.0  # an encoder told to stop that has not exited by then is killed
-PAGE_BYTES = mmap.PAGESIZE
 
 
 def parquet_writer_options(schema: pa.Schema) -> dict:
@@ -56,10 +57,6 @@ def parquet_writer_options(schema: pa.Schema) -> dict:
             or (pa.types.is_list(field.type) and pa.types.is_string(field.type.value_type))]
     return {"compression": {field.name: "none" if is_float_vector(field.type) else "zstd" for field in schema},
             "use_dictionary": text}
-
-
-def is_float_vector(kind: pa.DataType) -> bool:
-    return pa.types.is_fixed_size_list(kind) and pa.types.is_floating(kind.value_type)
 
 
 class ParquetFile:
@@ -110,6 +107,7 @@ class OutputEncoder:
         self._broken: dict[str, BaseException] = {}  # path → the error its write met, told ahead of its close
         self._lock = threading.Lock()
         self._buffer: pa.Buffer | None = None  # the last table's IPC stream (`_serialized`)
+        self._shared = SharedRegions()  # window output memory the process maps too (`shared_zeros`)
 
     def write(self, path: str, table: pa.Table) -> None:
         """Append `table` to the Parquet file at `path` (opened at its first table); raises the
@@ -119,7 +117,8 @@ class OutputEncoder:
                 self._receive()
             if path in self._broken:
                 raise self._broken.pop(path)
-            self._send(("write", path), self._serialized(table))
+            table, references = self._shared.by_reference(table)
+            self._send(("write", path, references), self._serialized(table))
 
     def _serialized(self, table: pa.Table) -> memoryview:
         """`table` as an Arrow IPC stream in a buffer kept from one table to the next: one copy of its
@@ -131,14 +130,16 @@ class OutputEncoder:
         return memoryview(self._buffer)[:size]
 
     def shared_zeros(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        """A zeroed array in shared memory whose pages the encoder process has faulted in: this
-        process maps them all at once and never takes a page fault storing into it."""
+        """A zeroed array in shared memory whose pages the encoder process has faulted in and keeps
+        mapped: this process maps them all at once and never takes a page fault storing into it,
+        and its float-vector columns there reach the encoder as references (window_memory.py)."""
         size = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
         memory = os.memfd_create("lengthwise-window-outputs", os.MFD_CLOEXEC)
         try:
             os.ftruncate(memory, size)
+            key = self._shared.new_key()
             with self._lock:
-                self._send(("fault", str(size)))
+                self._send(("fault", (key, size)))
                 try:
                     socket.send_fds(self._socket, [b"f"], [memory])
                 except OSError as error:
@@ -148,7 +149,14 @@ class OutputEncoder:
             mapped = mmap.mmap(memory, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(memory)  # the mapping keeps the memory; it is freed with the array
-        return np.frombuffer(mapped, dtype, count=int(np.prod(shape))).reshape(shape)
+        whole = np.frombuffer(mapped, np.uint8)
+        self._shared.add(key, whole)
+        return whole[:int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+
+    def settle(self) -> None:
+        """Return once the encoder process has read every table sent so far: the window memory they
+        refer to may then be reused."""
+        self._request("settle", None)
 
     def close_file(self, path: str) -> int:
         """Finish the file at `path`: the bytes it holds; raises the error its writing met."""
@@ -163,7 +171,7 @@ class OutputEncoder:
             self._send((kind, path))
             while True:
                 reply, replied_path, value = self._receive()
-                if replied_path == path and reply in ("closed", "aborted", "failed"):
+                if replied_path == path and reply in ("closed", "aborted", "failed", "settled"):
                     self._broken.pop(path, None)
                     if reply == "failed":
                         raise value
@@ -171,6 +179,8 @@ class OutputEncoder:
 
     def _send(self, message: tuple, data: memoryview | None = None) -> None:
         try:
+            while self._shared.forgotten:  # window memory this process freed: the encoder unmaps it too
+                self._connection.send(("forget", self._shared.forgotten.pop()))
             self._connection.send(message)
             if data is not None:
                 self._connection.send_bytes(data)
@@ -205,21 +215,12 @@ class OutputEncoder:
             self.process.wait()
 
 
-def fault_in(memory: int, size: int) -> None:
-    """Touch every page of the shared memory `memory` (a file descriptor, closed here), so that the
-    kernel allocates and zeroes them on this process's time."""
-    try:
-        with mmap.mmap(memory, size, flags=mmap.MAP_SHARED) as mapped:
-            np.frombuffer(mapped, np.uint8)[::PAGE_BYTES] = 0
-    finally:
-        os.close(memory)
-
-
 def serve(connection: Connection, channel: socket.socket) -> None:
     """The encoder process: write tables into their files until the socket closes; fault in the
     shared memory it is handed (on `channel`, the same socket)."""
     open_files: dict[str, ParquetFile] = {}
     failed: dict[str, BaseException] = {}  # path → the error its writing met
+    mapped: dict = {}  # key → window memory of the parent's, faulted in here (window_memory.py)
 
     def drop(path: str) -> None:
         file = open_files.pop(path, None)
@@ -234,7 +235,7 @@ def serve(connection: Connection, channel: socket.socket) -> None:
     try:
         while True:
             try:
-                kind, path = connection.recv()
+                kind, path, *references = connection.recv()
             except (EOFError, OSError):
                 return
             if kind == "write":
@@ -242,7 +243,7 @@ def serve(connection: Connection, channel: socket.socket) -> None:
                 if path in failed:
                     continue
                 try:
-                    table = pa.ipc.open_stream(data).read_all()
+                    table = restore_columns(pa.ipc.open_stream(data).read_all(), references[0], mapped)
                     if path not in open_files:
                         open_files[path] = ParquetFile(open(path, "wb"), table.schema)
                     open_files[path].write(table)
@@ -262,8 +263,13 @@ def serve(connection: Connection, channel: socket.socket) -> None:
                 connection.send(("aborted", path, None))
             elif kind == "fault":
                 _, (memory,), _, _ = socket.recv_fds(channel, 1, 1)
-                fault_in(memory, int(path))
+                key, size = path
+                mapped[key] = fault_in(memory, size)
                 connection.send(("faulted", None, None))
+            elif kind == "forget":
+                mapped.pop(path, None)  # unmapped once no table still holds it
+            elif kind == "settle":
+                connection.send(("settled", None, None))
     finally:  # the parent is gone or done: nothing it did not close is kept
         for path in list(open_files):
             drop(path)
