@@ -94,6 +94,8 @@ class EncoderDied(RuntimeError):
 class OutputEncoder:
     """The run's handle on its encoder process; safe to share between threads."""
 
+    shares_memory = hasattr(os, "memfd_create")  # `shared_zeros` (Linux); elsewhere windows keep their own memory
+
     def __init__(self):
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])  # where `pipeline` is imported from

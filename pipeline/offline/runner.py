@@ -243,7 +243,8 @@ class ShardRunner:
         None for an object store or memory, encoded in this process."""
         if sink.uses_encoder and self._encoder is None:
             self._encoder = OutputEncoder()
-            OUTPUT_ARRAYS.allocate = self._encoder.shared_zeros  # its process faults in the windows' outputs
+            if OutputEncoder.shares_memory:  # its process faults in the windows' outputs
+                OUTPUT_ARRAYS.allocate = self._encoder.shared_zeros
         return self._encoder if sink.uses_encoder else None
 
     def _close_encoder(self) -> None:
