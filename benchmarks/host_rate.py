@@ -101,7 +101,7 @@ class CpuSampler:
         for task in glob.glob("/proc/self/task/*/stat"):
             tid = int(task.split("/")[-2])
             seconds = cpu_seconds(task)
-            if seconds is not None and names.get(tid) != self._thread.name:
+            if seconds is not None and tid != self._thread.native_id:  # by id: the last sample runs after it ended
                 self.threads[(tid, names.get(tid, f"thread {tid}"))] = seconds
         for pid in glob.glob("/proc/self/task/*/children"):  # this process's children, by any of its threads
             with contextlib.suppress(OSError):
@@ -154,6 +154,9 @@ def output_shapes(loaded) -> dict:
     return {name: (tuple(values.shape[1:]), values.dtype) for name, values in outputs.items()}
 
 
+ZERO_ROWS = 4096  # the benchmark's --max-batch-rows
+
+
 class ZeroForwardJob:
     """The job with its device step replaced: `forward` returns zeros of the real outputs' shapes,
     so that every other stage runs as it does and the device costs nothing."""
@@ -168,8 +171,8 @@ class ZeroForwardJob:
 
         rows = input_ids.shape[0]
         for name, (shape, dtype) in self._shapes.items():
-            if name not in self._zeros or len(self._zeros[name]) < rows:
-                self._zeros[name] = torch.zeros((rows, *shape), dtype=dtype)
+            if name not in self._zeros or len(self._zeros[name]) < rows:  # made once: batches grow as rows shorten
+                self._zeros[name] = torch.zeros((max(rows, ZERO_ROWS), *shape), dtype=dtype)
         return {name: self._zeros[name][:rows] for name in self._shapes}
 
     def __getattr__(self, name):

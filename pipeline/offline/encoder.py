@@ -11,14 +11,20 @@ stop) and exits when its parent does, even by SIGKILL: it sees its socket close 
 temporary files it still held open) or its parent change (and leaves them to the rerun, which
 removes a killed attempt's temporary files).
 
+It also faults in the shared memory of the run's window output arrays (`shared_zeros`): the
+kernel's zeroing and mapping of fresh pages, touched row by row as batches are stored, cost the
+device loop 2.4-3 µs a row of system time; in memory another process has faulted in, the run's
+process maps every page at once (MAP_POPULATE, 0.2 µs a row) and stores at memory speed.
+
 Messages on one socket: (kind, path) pickled, each "write" followed by its table as an Arrow IPC
-stream; replies (kind, path, value). A write is not answered (the socket's buffer and the
-process's pace bound what is in flight); a failed write is told at once ("broken") and then
-answers the file's close.
+stream, each "fault" by the memory's file descriptor; replies (kind, path, value). A write is not
+answered (the socket's buffer and the process's pace bound what is in flight); a failed write is
+told at once ("broken") and then answers the file's close.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import signal
@@ -30,8 +36,11 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from pipeline.offline.window_memory import SharedRegions, fault_in, is_float_vector, restore_columns
 
 CLOSE_TIMEOUT_S = 30.0  # an encoder told to stop that has not exited by then is killed
 
@@ -48,10 +57,6 @@ def parquet_writer_options(schema: pa.Schema) -> dict:
             or (pa.types.is_list(field.type) and pa.types.is_string(field.type.value_type))]
     return {"compression": {field.name: "none" if is_float_vector(field.type) else "zstd" for field in schema},
             "use_dictionary": text}
-
-
-def is_float_vector(kind: pa.DataType) -> bool:
-    return pa.types.is_fixed_size_list(kind) and pa.types.is_floating(kind.value_type)
 
 
 class ParquetFile:
@@ -89,6 +94,8 @@ class EncoderDied(RuntimeError):
 class OutputEncoder:
     """The run's handle on its encoder process; safe to share between threads."""
 
+    shares_memory = hasattr(os, "memfd_create")  # `shared_zeros` (Linux); elsewhere windows keep their own memory
+
     def __init__(self):
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])  # where `pipeline` is imported from
@@ -97,10 +104,12 @@ class OutputEncoder:
                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                         env={**os.environ, "PYTHONPATH": path})
         theirs.close()
-        self._connection = Connection(ours.detach())
+        self._socket = ours  # file descriptors travel on it beside the connection's messages (`shared_zeros`)
+        self._connection = Connection(os.dup(ours.fileno()))
         self._broken: dict[str, BaseException] = {}  # path → the error its write met, told ahead of its close
         self._lock = threading.Lock()
         self._buffer: pa.Buffer | None = None  # the last table's IPC stream (`_serialized`)
+        self._shared = SharedRegions()  # window output memory the process maps too (`shared_zeros`)
 
     def write(self, path: str, table: pa.Table) -> None:
         """Append `table` to the Parquet file at `path` (opened at its first table); raises the
@@ -110,7 +119,8 @@ class OutputEncoder:
                 self._receive()
             if path in self._broken:
                 raise self._broken.pop(path)
-            self._send(("write", path), self._serialized(table))
+            table, references = self._shared.by_reference(table)
+            self._send(("write", path, references), self._serialized(table))
 
     def _serialized(self, table: pa.Table) -> memoryview:
         """`table` as an Arrow IPC stream in a buffer kept from one table to the next: one copy of its
@@ -120,6 +130,35 @@ class OutputEncoder:
             self._buffer = pa.allocate_buffer(size + size // 4, resizable=False)
         ipc_stream_bytes(table, pa.FixedSizeBufferWriter(self._buffer))
         return memoryview(self._buffer)[:size]
+
+    def shared_zeros(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """A zeroed array in shared memory whose pages the encoder process has faulted in and keeps
+        mapped: this process maps them all at once and never takes a page fault storing into it,
+        and its float-vector columns there reach the encoder as references (window_memory.py)."""
+        size = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
+        memory = os.memfd_create("lengthwise-window-outputs", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(memory, size)
+            key = self._shared.new_key()
+            with self._lock:
+                self._send(("fault", (key, size)))
+                try:
+                    socket.send_fds(self._socket, [b"f"], [memory])
+                except OSError as error:
+                    raise self._died() from error
+                while self._receive()[0] != "faulted":
+                    pass
+            mapped = mmap.mmap(memory, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(memory)  # the mapping keeps the memory; it is freed with the array
+        whole = np.frombuffer(mapped, np.uint8)
+        self._shared.add(key, whole)
+        return whole[:int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+
+    def settle(self) -> None:
+        """Return once the encoder process has read every table sent so far: the window memory they
+        refer to may then be reused."""
+        self._request("settle", None)
 
     def close_file(self, path: str) -> int:
         """Finish the file at `path`: the bytes it holds; raises the error its writing met."""
@@ -134,7 +173,7 @@ class OutputEncoder:
             self._send((kind, path))
             while True:
                 reply, replied_path, value = self._receive()
-                if replied_path == path and reply in ("closed", "aborted", "failed"):
+                if replied_path == path and reply in ("closed", "aborted", "failed", "settled"):
                     self._broken.pop(path, None)
                     if reply == "failed":
                         raise value
@@ -142,6 +181,8 @@ class OutputEncoder:
 
     def _send(self, message: tuple, data: memoryview | None = None) -> None:
         try:
+            while self._shared.forgotten:  # window memory this process freed: the encoder unmaps it too
+                self._connection.send(("forget", self._shared.forgotten.pop()))
             self._connection.send(message)
             if data is not None:
                 self._connection.send_bytes(data)
@@ -168,6 +209,7 @@ class OutputEncoder:
     def close(self) -> None:
         """Stop the process (its files are closed or removed by now); idempotent."""
         self._connection.close()
+        self._socket.close()
         try:
             self.process.wait(timeout=CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -175,10 +217,12 @@ class OutputEncoder:
             self.process.wait()
 
 
-def serve(connection: Connection) -> None:
-    """The encoder process: write tables into their files until the socket closes."""
+def serve(connection: Connection, channel: socket.socket) -> None:
+    """The encoder process: write tables into their files until the socket closes; fault in the
+    shared memory it is handed (on `channel`, the same socket)."""
     open_files: dict[str, ParquetFile] = {}
     failed: dict[str, BaseException] = {}  # path → the error its writing met
+    mapped: dict = {}  # key → window memory of the parent's, faulted in here (window_memory.py)
 
     def drop(path: str) -> None:
         file = open_files.pop(path, None)
@@ -193,7 +237,7 @@ def serve(connection: Connection) -> None:
     try:
         while True:
             try:
-                kind, path = connection.recv()
+                kind, path, *references = connection.recv()
             except (EOFError, OSError):
                 return
             if kind == "write":
@@ -201,7 +245,7 @@ def serve(connection: Connection) -> None:
                 if path in failed:
                     continue
                 try:
-                    table = pa.ipc.open_stream(data).read_all()
+                    table = restore_columns(pa.ipc.open_stream(data).read_all(), references[0], mapped)
                     if path not in open_files:
                         open_files[path] = ParquetFile(open(path, "wb"), table.schema)
                     open_files[path].write(table)
@@ -219,6 +263,15 @@ def serve(connection: Connection) -> None:
                 failed.pop(path, None)
                 drop(path)
                 connection.send(("aborted", path, None))
+            elif kind == "fault":
+                _, (memory,), _, _ = socket.recv_fds(channel, 1, 1)
+                key, size = path
+                mapped[key] = fault_in(memory, size)
+                connection.send(("faulted", None, None))
+            elif kind == "forget":
+                mapped.pop(path, None)  # unmapped once no table still holds it
+            elif kind == "settle":
+                connection.send(("settled", None, None))
     finally:  # the parent is gone or done: nothing it did not close is kept
         for path in list(open_files):
             drop(path)
@@ -245,7 +298,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), name="lengthwise-parent-watch",
                      daemon=True).start()
-    serve(Connection(int(sys.argv[1])))
+    channel = socket.socket(fileno=int(sys.argv[1]))
+    serve(Connection(os.dup(channel.fileno())), channel)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
 from pipeline.offline.source import RowBlock, Shard, read_blocks
 from pipeline.offline.summary import IdTracker, RunSummary, low_reuse_warning
 from pipeline.offline.windows import (
+    OUTPUT_ARRAYS,
     Window,
     WindowPart,
     dedupe_windows,
@@ -63,6 +64,7 @@ from pipeline.offline.windows import (
     submit_window,
     tokenize_windows,
     window_parts,
+    zeroed_array,
 )
 
 log = logging.getLogger(__name__)
@@ -243,10 +245,14 @@ class ShardRunner:
         None for an object store or memory, encoded in this process."""
         if sink.uses_encoder and self._encoder is None:
             self._encoder = OutputEncoder()
+            if OutputEncoder.shares_memory:  # its process faults in the windows' outputs
+                OUTPUT_ARRAYS.allocate = self._encoder.shared_zeros
         return self._encoder if sink.uses_encoder else None
 
     def _close_encoder(self) -> None:
         if self._encoder is not None:
+            if OUTPUT_ARRAYS.allocate == self._encoder.shared_zeros:
+                OUTPUT_ARRAYS.allocate = zeroed_array
             self._encoder.close()
             self._encoder = None
 

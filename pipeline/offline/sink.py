@@ -223,6 +223,12 @@ class ShardSink:
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
 
+    def settle(self) -> None:
+        """Wait until the encoder process (if any) has read every table written so far: the window
+        memory its columns point into may be reused after that."""
+        if self.encoder is not None:
+            self.encoder.settle()
+
     def abort_all(self) -> None:
         for writer in self._writers.values():
             writer.abort()
@@ -360,7 +366,8 @@ class WindowWriter:
                 self.ids.add(block.ids.to_pylist())
             valid = window.valid[positions]
             self.row_stats.add(window.encoded.full_lengths[positions][valid], window.encoded.errors[positions])
-        if part.end_row == window.num_rows:  # its tables are encoded (or sent off as copies): nothing reads them
+        if part.end_row == window.num_rows:  # once its tables are encoded nothing reads its outputs
+            self.sink.settle()
             window.release_outputs()
         self.times.write += time.perf_counter() - started
 

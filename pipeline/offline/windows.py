@@ -10,8 +10,9 @@ scattered back by row position as batches finish.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -176,15 +177,36 @@ class Window:
         OUTPUT_ARRAYS.give_back(outputs.values())
 
 
+HUGE_PAGE_BYTES = 2 * 2**20  # an x86-64 transparent huge page
+
+
+def zeroed_array(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """A zeroed array in a mapping of its own that the kernel may back with transparent huge pages
+    (asked for with madvise: the common `madvise` setting gives them to no one else). Its first
+    touch, row by row as batches are stored, then faults in 2 MiB at a time instead of 4 KiB:
+    storing a 65,536 x 384 float32 window cost the device loop 3.5 µs a row in an array from
+    np.zeros and 0.3 µs in this one (2-core Zen 4 VM). Small arrays, and systems without
+    anonymous mappings, get np.zeros."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size < HUGE_PAGE_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return np.zeros(shape, dtype)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, dtype).reshape(shape)  # the array keeps the mapping; unmapped with it
+
+
 class OutputArrays:
     """Zeroed arrays for windows' outputs, kept from one window to the next. A window's outputs
-    are ~1.5 KB a row (a 384-float embedding): a new array each window was page-faulted in
-    row by row as batches were stored, which cost the device loop about as much as the copy
-    itself; zeroing one already mapped costs a fraction of it. At most `keep` arrays of each
-    shape wait, so what is kept stays within the windows in flight."""
+    are ~1.5 KB a row (a 384-float embedding): a new array is faulted in as batches are stored,
+    which cost the device loop ten times the copy itself; `allocate` makes new ones (a run with an
+    encoder process sets its `shared_zeros`, faulted in by that process). Zeroing one already
+    mapped costs a fraction of the copy. At most `keep` arrays of each shape wait, so what is
+    kept stays within the windows in flight."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
+        self.allocate: Callable[[tuple, np.dtype], np.ndarray] = zeroed_array
         self._free: dict[tuple, list[np.ndarray]] = {}
         self._lock = threading.Lock()  # windows are stored by the device loop and released by the writer
 
@@ -193,7 +215,7 @@ class OutputArrays:
             free = self._free.get((shape, np.dtype(dtype)))
             array = free.pop() if free else None
         if array is None:
-            return np.zeros(shape, dtype)
+            return self.allocate(shape, dtype)
         array.fill(0)
         return array
 

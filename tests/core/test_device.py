@@ -22,6 +22,26 @@ def test_collate_pads_each_row_to_the_batch_length():
     assert ids.dtype == np.int64
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_collate_equals_padding_each_row_by_hand(seed):
+    """Differential: random rows (empty ones too), picked in any order, padded row by row in Python."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 12, 40)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    token_ids = rng.integers(1, 1000, offsets[-1]).astype(np.int32)
+    type_ids = rng.integers(0, 2, offsets[-1]).astype(np.int8)
+    rows = rng.permutation(40)[:25]
+    padded = int(lengths[rows].max()) + int(rng.integers(0, 3))
+    ids, mask, types = collate(token_ids, offsets, rows, padded, 7, type_ids)
+    for index, row in enumerate(rows):
+        real = slice(offsets[row], offsets[row + 1])
+        pad = padded - lengths[row]
+        assert ids[index].tolist() == token_ids[real].tolist() + [7] * pad
+        assert mask[index].tolist() == [1] * lengths[row] + [0] * pad
+        assert types[index].tolist() == type_ids[real].tolist() + [0] * pad
+    assert ids.dtype == mask.dtype == types.dtype == np.int64
+
+
 def test_prefetch_keeps_order_and_stays_at_most_depth_ahead():
     produced = []
 

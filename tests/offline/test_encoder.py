@@ -17,6 +17,7 @@ import pytest
 import pipeline.offline.sink as sink_module
 from pipeline.core.errors import StorageError, as_storage_error
 from pipeline.offline.encoder import EncoderDied, OutputEncoder
+from pipeline.offline.window_memory import SharedRegions
 from pipeline.offline.windows import OutputArrays
 from tests.conftest import run_to_table
 
@@ -32,7 +33,8 @@ def embeddings(rows: int, start: int = 0) -> pa.Table:
 def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_path, rows_with_bad_ones,
                                                                           tiny_encoder_path, monkeypatch):
     """No output file is opened by the run's process; the encoder is a process of its own that has
-    exited by the run's end; the outputs equal those the run's process encodes itself, cell for cell."""
+    exited by the run's end and read the embeddings from the window memory it shares; the outputs
+    equal those the run's process encodes itself, cell for cell."""
     encoders, opened_here = [], []
     real_init, real_writer = OutputEncoder.__init__, pq.ParquetWriter
 
@@ -45,19 +47,36 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
             opened_here.append(where)
         return real_writer(where, schema, *args, **kwargs)
 
+    referenced = []  # the embedding columns that travelled as references to shared window memory
+    real_by_reference = SharedRegions.by_reference
+
+    def recording_by_reference(regions, table):
+        sent, references = real_by_reference(regions, table)
+        referenced.extend(reference.field.name for reference in references)
+        return sent, references
+
     monkeypatch.setattr(OutputEncoder, "__init__", recording_init)
     monkeypatch.setattr(pq, "ParquetWriter", recording_writer)
+    monkeypatch.setattr(SharedRegions, "by_reference", recording_by_reference)
     output, summary = run_to_table(tmp_path, "encoder", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
                                    max_length=32)
     assert [e.process.pid != os.getpid() and e.process.returncode for e in encoders] == [0]
     assert opened_here == []  # the outputs' Parquet writers were all in the encoder process
     assert output["id"].to_pylist() == rows_with_bad_ones["id"].to_pylist() and summary["rows"] == 200
     assert summary["error_rows"] == 4
+    assert referenced == ["embedding", "embedding"]  # one block a shard, its values never copied to the encoder
+
+    windows, _ = run_to_table(tmp_path, "windows", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
+                              max_length=32, window_rows=48)  # window memory reused, each after the encoder read it
+    assert len(referenced) > 4
 
     monkeypatch.setattr(sink_module.ShardSink, "uses_encoder", property(lambda sink: False))
     here, _ = run_to_table(tmp_path, "here", rows_with_bad_ones, [120, 80], model=tiny_encoder_path, max_length=32)
-    assert len(encoders) == 1 and len(opened_here) == 2  # one writer a shard, in this process
+    assert len(encoders) == 2 and len(opened_here) == 2  # one writer a shard, in this process
     assert output.equals(here)
+    windows_here, _ = run_to_table(tmp_path, "windows-here", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
+                                   max_length=32, window_rows=48)
+    assert windows.equals(windows_here)
     for name in ("part-00000.parquet", "part-00001.parquet"):
         assert (tmp_path / "encoder-out" / name).read_bytes() == (tmp_path / "here-out" / name).read_bytes()
 
@@ -138,3 +157,48 @@ def test_output_arrays_come_back_zeroed_and_no_more_are_kept_than_asked():
     assert again is first and not again.any()  # the kept one, zeroed
     assert arrays.take((4, 3), np.float32) is not second  # only one was kept
     assert arrays.take((5, 3), np.float32).shape == (5, 3)
+
+
+def test_window_output_arrays_come_from_memory_the_encoder_process_faulted_in():
+    """The encoder process allocates the pages (its minor faults grow by about one per page); the
+    array here is zeroed, writable, and shares no memory with the next one."""
+    encoder = OutputEncoder()
+    try:
+        encoder.shared_zeros((1, 1), np.float32)  # the process is up and serving
+        before = _minor_faults(encoder.process.pid)
+        values = encoder.shared_zeros((1024, 384), np.float32)
+        assert _minor_faults(encoder.process.pid) - before >= 1024 * 384 * 4 // 4096
+        assert values.shape == (1024, 384) and values.dtype == np.float32 and not values.any()
+        values[[5, 1000]] = 3.5
+        other = encoder.shared_zeros((1024, 384), np.float32)
+        assert not other.any() and values.sum() == 2 * 384 * 3.5
+    finally:
+        encoder.close()
+    assert encoder.process.returncode == 0
+    values[0] = 1.0  # the memory outlives the process that faulted it in
+    assert values[0, 0] == 1.0
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[7])
+
+
+def test_window_memory_may_be_reused_once_the_encoder_has_settled(tmp_path):
+    """A column in shared window memory is read by the encoder process when it encodes the table,
+    later than `write` returns (overwriting it at once changed some files' values): after `settle`
+    the memory may be overwritten (the next window's outputs) and each file holds what was sent."""
+    encoder = OutputEncoder()
+    try:
+        values = encoder.shared_zeros((3000, 16), np.float32)
+        for window in range(12):
+            values[:] = window
+            table = pa.table({"embedding": pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), 16)})
+            encoder.write(str(tmp_path / f"{window}.parquet"), table)
+            encoder.settle()
+            values[:] = -1
+            encoder.close_file(str(tmp_path / f"{window}.parquet"))
+    finally:
+        encoder.close()
+    assert [np.unique(pq.read_table(tmp_path / f"{window}.parquet")["embedding"].combine_chunks().values).tolist()
+            for window in range(12)] == [[window] for window in range(12)]
