@@ -185,8 +185,29 @@ def test_verify_and_a_rerun_accept_an_output_of_several_models(separate_and_toge
     from pipeline.offline.verify import verify_output
 
     folder, _, _ = separate_and_together
+    from pipeline.offline.manifest import run_status
+
     report = verify_output(None, str(folder / "together"))
     assert report.complete, report.to_text()
+    assert report.models == {"toxicity": {"columns": ["toxicity.flag_spans", "toxicity.flagged",
+                                                      "toxicity.flagged_labels", "toxicity.scores"], "shards": 2},
+                             "topic": {"columns": ["topic.label", "topic.score", "topic.scores"], "shards": 2},
+                             "embed": {"columns": ["embed.embedding"], "shards": 2}}
+    status = run_status(str(folder / "together"), {})
+    assert status["models"]["topic"] == {"job": "classify", "model": tiny_classifier_path, "shards_done": 2,
+                                         "rows_done": 240}
+    assert list(status["models"]) == ["toxicity", "topic", "embed"]
+    # a shard without a model's columns (rewritten by hand) is a problem verify names
+    shard = folder / "together" / "part-00001.parquet"
+    original = shard.read_bytes()
+    try:
+        pq.write_table(pq.read_table(shard).drop_columns(["embed.embedding"]), shard)
+        broken = verify_output(None, str(folder / "together"))
+        assert not broken.complete
+        assert any("has no column embed.embedding of model embed" in problem
+                   for check in broken.shards for problem in check.problems), broken.to_text()
+    finally:
+        shard.write_bytes(original)
     again = run(str(folder / "in"), str(folder / "together"), keep_columns=["lang"],
                 models=three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path), **SHARED)
     assert again["nothing_to_do"]
