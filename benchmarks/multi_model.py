@@ -5,11 +5,14 @@ Three small models that share all-MiniLM-L6-v2's tokenizer, built here from a co
 (2 layers, 32 wide: their forward is nearly free, so the host is what costs, as on a GPU host): a multi-label
 moderation head, a 3-label classifier and an embedder. The rows: the first --rows tweets of
 ../shared/data/tweets, in 4 shards. Each run (the one pass, and each of the three separate runs) is a fresh
-`python -c` process calling `pipeline.api.run`, float32 and --compile off (no dtype or compile trial), with one plan cache that a
+`python -c` process calling `pipeline.api.run`, float32, --compile off (no dtype or compile trial) and one torch thread (the forward's threads
+do not fight the tokenizer pool for the cores), with one plan cache that a
 warm-up round (not counted) fills, as a nightly job finds its memory plans cached. Figures per configuration, summed over the
 separate runs: wall seconds of the process (import, setup and run), host CPU-seconds (the process and its
-children: tokenizer workers, output encoder) and tokenize CPU-seconds (the summary's `tokenize` stage, worker
-time spent encoding). Repeats interleave the configurations; the median is reported.
+children) and tokenize CPU-seconds (the tokenizer pool's worker processes, their start included: the output
+goes to fsspec's memory://, encoded in the main process, so the workers are the run's only child processes;
+`tokenize_s` beside it is the summary's `tokenize` stage, the workers' wall time spent encoding, which
+contention with the main process inflates). Repeats interleave the configurations; the median is reported.
 
     .venv/bin/python benchmarks/multi_model.py --rows 6000 --repeats 3 --json benchmarks/results/multi_model.json
 """
@@ -41,9 +44,10 @@ from pipeline.api import run
 if __name__ == "__main__":
     arguments = json.loads(sys.argv[1])
     summary = run(**arguments)
-    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    cpu = sum(u.ru_utime + u.ru_stime for u in usage)
-    print(json.dumps({"cpu_s": cpu, "tokenize_s": summary["stage_s"]["tokenize"], "run_wall_s": summary["wall_s"],
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    pool_cpu = children.ru_utime + children.ru_stime  # the tokenizer workers: the only child processes (memory://)
+    print(json.dumps({"cpu_s": own.ru_utime + own.ru_stime + pool_cpu, "tokenize_cpu_s": pool_cpu,
+                      "tokenize_s": summary["stage_s"]["tokenize"], "run_wall_s": summary["wall_s"],
                       "rows": summary["rows"], "stage_s": summary["stage_s"], "setup_steps": summary["setup_steps"]}))
 """
 
@@ -106,12 +110,12 @@ def main() -> None:
         models = tiny_models(root / "models")
         write_rows(options.rows, root / "in")
         common = {"input": str(root / "in"), "dtype": "float32", "compile": "off", "long_text": "truncate",
-                  "max_length": 128, "progress": False, "quiet": True}
+                  "max_length": 128, "torch_threads": 1, "progress": False, "quiet": True}
         results: dict[str, list] = {"one_pass": [], **{name: [] for name in models}}
         cache = root / "plan-cache"
         for repeat in range(-1, options.repeats):  # -1: the warm-up round, which fills the plan cache
             for name in ["one_pass", *models]:  # interleaved: the load moves under every configuration alike
-                out = root / f"out-{repeat}-{name}"
+                out = f"memory://multi-model/out-{repeat}-{name}"
                 if name == "one_pass":
                     arguments = {**common, "output": str(out), "plan_cache": str(cache), "models": models}
                 else:
@@ -124,7 +128,7 @@ def main() -> None:
                 if repeat >= 0:
                     results[name].append(result)
     figures = {}
-    for key in ("wall_s", "cpu_s", "tokenize_s", "run_wall_s"):
+    for key in ("wall_s", "cpu_s", "tokenize_cpu_s", "tokenize_s", "run_wall_s"):
         one = statistics.median(r[key] for r in results["one_pass"])
         separate = statistics.median(sum(results[name][i][key] for name in models) for i in range(options.repeats))
         single = statistics.median(results["embed"][i][key] for i in range(options.repeats))
@@ -133,7 +137,7 @@ def main() -> None:
     report = {"rows": options.rows, "repeats": options.repeats, "models": list(models),
               "cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
               "load_average_at_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d"), "figures": figures,
-              "goals": {"tokenize_one_pass_over_one_model_max": 1.1, "wall_one_pass_over_separate_max": 0.8},
+              "goals": {"tokenize_cpu_s one_pass_over_one_model": 1.1, "wall_s one_pass_over_separate": 0.8},
               "runs": results}
     print(json.dumps({"figures": figures}, indent=2))
     if options.json:

@@ -36,6 +36,10 @@ class ModelSet(torch.nn.Module):
         self.names = tuple(models)
         self.members = dict(models)  # not a ModuleDict: each model already sits on its device in its dtype
         self.config = next(iter(models.values())).config
+        # any model's unpadded forward (core/unpadded.py): the host then packs each batch's layout once, which
+        # that model reads, and the others, padded, ignore
+        self.unpadded = next((getattr(each, "unpadded") for each in models.values()
+                              if getattr(each, "unpadded", None) is not None), None)
 
 
 class ModelSetJob:

@@ -265,3 +265,25 @@ def test_a_run_of_several_models_killed_after_a_shard_resumes_to_an_uninterrupte
     ours = read_output(tmp_path / "out")
     assert ours.num_rows == 240 and len(set(ours["id"].to_pylist())) == 240
     assert ours.equals(read_output(tmp_path / "whole"))
+
+
+@pytest.mark.slow
+def test_a_model_with_an_unpadded_forward_beside_a_padded_one_equals_its_separate_run(tmp_path, long_rows,
+                                                                                    tiny_classifier_path, minilm_path):
+    """One model's unpadded forward makes the host pack every batch's layout (`ModelSet.unpadded`); the padded
+    model beside it ignores it."""
+    from pipeline.api import run
+
+    write_shards(tmp_path / "in", long_rows, [240])
+    settings = {**SHARED, "long_text": "truncate"}
+    models = {"embed": {"job": "embed", "model": minilm_path, "unpad": "on"},
+              "topic": {"job": "classify", "model": tiny_classifier_path, "unpad": "off"}}
+    together = run(str(tmp_path / "in"), str(tmp_path / "together"), models=models, **settings)
+    assert together["models"]["embed"]["computed_rows"] == 240
+    ours = read_output(tmp_path / "together")
+    for name, table in models.items():
+        run(str(tmp_path / "in"), str(tmp_path / name), **table, **settings)
+        theirs = read_output(tmp_path / name)
+        for column in [c for c in theirs.column_names if c not in ("id", "truncated", "error")]:
+            assert ours[f"{name}.{column}"].to_pylist() == theirs[column].to_pylist(), (name, column)
+    assert "unpadded" in together["unpad"] and "padded" in together["unpad"]
