@@ -5,16 +5,17 @@ Three small models that share all-MiniLM-L6-v2's tokenizer, built here from a co
 (2 layers, 32 wide: their forward is nearly free, so the host is what costs, as on a GPU host): a multi-label
 moderation head, a 3-label classifier and an embedder. The rows: the first --rows tweets of
 ../shared/data/tweets, in 4 shards. Each run (the one pass, and each of the three separate runs) is a fresh
-`python -c` process calling `pipeline.api.run`, float32, --compile off (no dtype or compile trial) and one torch thread (the forward's threads
-do not fight the tokenizer pool for the cores), with one plan cache that a
-warm-up round (not counted) fills, as a nightly job finds its memory plans cached. Figures per configuration, summed over the
-separate runs: wall seconds of the process (import, setup and run), host CPU-seconds (the process and its
-children) and tokenize CPU-seconds (the tokenizer pool's worker processes, their start included: the output
-goes to fsspec's memory://, encoded in the main process, so the workers are the run's only child processes;
-`tokenize_s` beside it is the summary's `tokenize` stage, the workers' wall time spent encoding, which
-contention with the main process inflates). Repeats interleave the configurations; the median is reported.
+`python -c` process calling `pipeline.api.run`, float32, --compile off (no dtype or compile trial) and one
+torch thread (the forward's threads do not fight the tokenizer pool for the cores), with one plan cache that a
+warm-up round (not counted) fills, as a nightly job finds its memory plans cached. Figures per configuration,
+summed over the separate runs: wall seconds of the process (import, setup and run), host CPU-seconds (the
+process and its children) and tokenize CPU-seconds (the tokenizer pool's worker processes, their start
+included: the output goes to fsspec's memory://, encoded in the main process, so the workers are the run's
+only child processes; `tokenize_s` beside it is the summary's `tokenize` stage, the workers' wall time spent
+encoding, which contention with the main process inflates). Repeats interleave the configurations; the
+median is reported.
 
-    .venv/bin/python benchmarks/multi_model.py --rows 6000 --repeats 3 --json benchmarks/results/multi_model.json
+    .venv/bin/python benchmarks/multi_model.py --rows 27070 --repeats 4 --json benchmarks/results/multi_model.json
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def tiny_models(folder: Path) -> dict[str, dict]:
              {"num_labels": 3, "problem_type": "multi_label_classification",
               "id2label": {0: "toxic", 1: "insult", 2: "threat"}, "label2id": {"toxic": 0, "insult": 1, "threat": 2}}),
             ("topic", "BertForSequenceClassification",
-             {"num_labels": 3, "id2label": {0: "ok", 1: "spam", 2: "abuse"}, "label2id": {"ok": 0, "spam": 1, "abuse": 2}}),
+             {"num_labels": 3, "id2label": {0: "ok", 1: "spam", 2: "abuse"},
+              "label2id": {"ok": 0, "spam": 1, "abuse": 2}}),
             ("embed", "BertModel", {})):
         config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                          intermediate_size=64, max_position_embeddings=512, **overrides)
@@ -133,7 +135,8 @@ def main() -> None:
         separate = statistics.median(sum(results[name][i][key] for name in models) for i in range(options.repeats))
         single = statistics.median(results["embed"][i][key] for i in range(options.repeats))
         figures[key] = {"one_pass": round(one, 3), "separate_sum": round(separate, 3), "one_model": round(single, 3),
-                        "one_pass_over_separate": round(one / separate, 3), "one_pass_over_one_model": round(one / single, 3)}
+                        "one_pass_over_separate": round(one / separate, 3),
+                        "one_pass_over_one_model": round(one / single, 3)}
     report = {"rows": options.rows, "repeats": options.repeats, "models": list(models),
               "cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
               "load_average_at_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d"), "figures": figures,

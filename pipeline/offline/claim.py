@@ -66,7 +66,7 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
             previous = ShardSink(config.reuse, config.source.storage_options)
             recorded = RunManifest(previous.fs, previous.output_dir).read_run()
         return keep_recorded_model_choices(config, recorded and recorded["fingerprint"],
-                                           recorded and recorded.get("config"), config.output), None
+                                           recorded and recorded.get("config")), None
     if recorded:
         dtype = recorded["fingerprint"].get("dtype")
         if config.model.dtype == "auto" and dtype in DTYPES:

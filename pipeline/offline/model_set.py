@@ -15,8 +15,8 @@ from pipeline.core.errors import UsageError
 from pipeline.core.settings import long_text_mode
 from pipeline.offline.config import RunConfig
 
-MODEL_KEYS = ("job", "model", "max_length", "prompt", "prompt_name", "thresholds", "default_threshold",
-              "flag_labels", "dtype", "compile", "unpad", "allow_pickle", "trust_remote_code")  # a [models.NAME] table's
+MODEL_KEYS = ("job", "model", "max_length", "prompt", "prompt_name", "thresholds", "default_threshold",  # a table's
+              "flag_labels", "dtype", "compile", "unpad", "allow_pickle", "trust_remote_code")
 NOT_YET = ("pair",)  # jobs a run of several models does not take yet: a pair reads a second input column
 
 
@@ -89,10 +89,9 @@ def recorded_models(fingerprint: dict | None) -> dict[str, dict]:
     return (fingerprint or {}).get("models", {})
 
 
-def keep_recorded_model_choices(config: RunConfig, fingerprint: dict | None, recorded_config: dict | None,
-                                where: str) -> RunConfig:
+def keep_recorded_model_choices(config: RunConfig, fingerprint: dict | None, recorded_config: dict | None) -> RunConfig:
     """`keep_recorded_choices` for several models: a model whose --dtype or --compile is auto keeps what
-    the output (`where`) was made with, and --long-text auto the run's."""
+    the output (or the --reuse output) was made with, and --long-text auto the run's."""
     from pipeline.core.device import DTYPES
 
     models = {name: dict(settings) for name, settings in config.models.items()}

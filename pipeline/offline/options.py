@@ -39,7 +39,8 @@ class RunOption:
     @property
     def shows_default(self) -> bool:
         """Whether `--help` shows the default: one that is a value, not none, off or empty."""
-        return not self.multiple and self.default is not None and self.default is not False and self.default not in ((), {})
+        return (not self.multiple and self.default is not None and self.default is not False
+                and self.default not in ((), {}))
 
     def parse(self, value):
         """The option's value from one source; ValueError says what is wrong."""

@@ -245,9 +245,13 @@ def test_a_run_of_several_models_killed_after_a_shard_resumes_to_an_uninterrupte
         tmp_path, long_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
     write_shards(tmp_path / "in", long_rows, [80, 80, 80])
     models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
-    inline = ", ".join(f"{name} = {{{', '.join(f'{k} = {json.dumps(v)}' for k, v in table.items() if k != 'thresholds')}"
-                       + (", thresholds = {toxic = 0.5, insult = 0.45}" if "thresholds" in table else "") + "}"
-                       for name, table in models.items())
+    def inline_table(table: dict) -> str:
+        keys = [f"{key} = {json.dumps(value)}" for key, value in table.items() if key != "thresholds"]
+        if "thresholds" in table:
+            keys.append("thresholds = {toxic = 0.5, insult = 0.45}")
+        return "{" + ", ".join(keys) + "}"
+
+    inline = ", ".join(f"{name} = {inline_table(table)}" for name, table in models.items())
     command = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(tmp_path / "in"), "--models", inline,
                "--max-length", "32", "--long-text", "split", "--dtype", "float32", "--compile", "off",
                "--tokenize-workers", "0", "--no-probe", "--no-progress", "--max-batch-rows", "2",
@@ -287,3 +291,32 @@ def test_a_model_with_an_unpadded_forward_beside_a_padded_one_equals_its_separat
         for column in [c for c in theirs.column_names if c not in ("id", "truncated", "error")]:
             assert ours[f"{name}.{column}"].to_pylist() == theirs[column].to_pylist(), (name, column)
     assert "unpadded" in together["unpad"] and "padded" in together["unpad"]
+
+
+def test_models_come_from_the_environment_as_from_the_flag():
+    from pipeline.offline.options import run_config_from
+
+    config, _, _ = run_config_from({"input": "in", "output": "out", "dtype": "float32"},
+                                   {"LENGTHWISE_MODELS": 'tox = {job = "moderate", thresholds = {toxic = 0.7}}, '
+                                                         'e = {job = "embed", dtype = "bfloat16"}'})
+    assert config.models == {"tox": {"job": "moderate", "thresholds": {"toxic": 0.7}},
+                             "e": {"job": "embed", "dtype": "bfloat16"}}
+    from pipeline.offline.model_set import model_configs
+
+    configs = model_configs(config.with_settings(long_text="split"))
+    assert [configs[name].model.job for name in ("tox", "e")] == ["moderate", "embed"]
+    assert configs["tox"].model.dtype == "float32" and configs["e"].model.dtype == "bfloat16"  # the run's, or its own
+    assert configs["tox"].model.thresholds == {"toxic": 0.7} and configs["e"].models == {}
+
+
+def test_a_resume_keeps_each_models_recorded_dtype_and_compile_where_they_are_auto():
+    from pipeline.offline.config import RunConfig
+    from pipeline.offline.model_set import keep_recorded_model_choices
+
+    config = RunConfig.of(output="out", long_text="auto",
+                          models={"a": {"job": "moderate"}, "b": {"job": "moderate", "dtype": "float32"}})
+    fingerprint = {"models": {"a": {"dtype": "bfloat16", "long_text": "split"}, "b": {"dtype": "bfloat16"}}}
+    kept = keep_recorded_model_choices(config, fingerprint, {"models": {"a": {"compile": "on"}}})
+    assert kept.models == {"a": {"job": "moderate", "dtype": "bfloat16", "compile": "on"},
+                           "b": {"job": "moderate", "dtype": "float32"}}  # b's dtype was given: a change is refused
+    assert kept.long_rows.long_text == "split"
