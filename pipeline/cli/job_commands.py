@@ -174,6 +174,9 @@ def print_status(report: dict) -> None:
                f"{report['pending']} pending; {report['rows_done']:,} of {report['rows']:,} rows done")
     for line in totals_lines(report["totals"]):
         click.echo(line)
+    for name, model in report.get("models", {}).items():
+        click.echo(f"model {name:<10}{model['job']} ({model['model']}): {model['shards_done']} of {report['shards']} "
+                   f"shards, {model['rows_done']:,} rows done")
     for failed in report["failed_shards"]:
         click.echo(f"failed  {failed['shard']}: {failed['error']}")
     for untrusted in report["untrusted_shards"]:

@@ -236,3 +236,33 @@ class IntegerList(CommaSeparated):
         if not numbers or min(numbers) < 1:
             raise ValueError(f"{value!r} needs at least one positive integer")
         return numbers
+
+
+class ModelTables(Kind):
+    """Several models by name, each a table of its settings: a TOML [models.NAME] table, a dict in the API,
+    or on the command line the inside of a TOML inline table:
+    'toxicity = {job = "moderate", model = "models/tox"}, embed = {job = "embed"}'. Only the shape and the
+    names are checked here; each table's keys are the run options' (offline/model_set.py)."""
+
+    metavar, toml_types, expected = "NAME={KEY=VALUE,…},…", (dict, str), "a table of [models.NAME] tables"
+
+    def parse(self, value):
+        if isinstance(value, str):
+            import tomllib
+
+            try:
+                value = tomllib.loads(f"models = {{{value}}}")["models"]
+            except tomllib.TOMLDecodeError as error:
+                raise ValueError(f"{value!r} is not NAME = {{KEY = VALUE, …}}, … in TOML's inline-table form, e.g. "
+                                 "'toxicity = {job = \"moderate\", model = \"models/tox\"}' ("
+                                 f"{error})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"is {toml_type_name(value)}, but it takes {self.expected}")
+        for name, table in value.items():
+            if not isinstance(name, str) or not name or any(mark in name for mark in ".:") or name != name.strip():
+                raise ValueError(f"model name {name!r}: a name may not be empty or hold '.' or ':' (they separate it "
+                                 "from its column names and labels); rename it")
+            if not isinstance(table, dict):
+                raise ValueError(f"models.{name} is {toml_type_name(table)}, but it takes a table of its settings "
+                                 "(job, model, thresholds, …)")
+        return {name: dict(table) for name, table in value.items()}

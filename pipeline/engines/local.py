@@ -32,6 +32,10 @@ def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSu
     """
     refuse_while_a_worker_starts()
     slot = resolve_worker_slot(config.num_shards, config.shard_index, environ)
+    if config.models:
+        from pipeline.engines.model_set import run_model_set
+
+        return run_model_set(config, slot)
     return run_claimed(config, slot, prepare_here)
 
 

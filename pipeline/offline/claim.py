@@ -20,7 +20,9 @@ from pipeline.offline.reuse import recorded_dtype, recorded_long_text, remove_st
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot
 from pipeline.offline.summary import RunSummary, output_totals
+from pipeline.offline.model_set import keep_recorded_model_choices, model_configs
 from pipeline.runtime.choice import ModelChoice
+from pipeline.runtime.model_set import ModelSetChoice
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,12 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
     from (None: from the user's settings)."""
     changes, dtype_source = {}, None
     recorded = manifest.read_run() if not config.overwrite else None
+    if config.models:  # several models: each keeps its own (offline/model_set.py)
+        if recorded is None and config.reuse:
+            previous = ShardSink(config.reuse, config.source.storage_options)
+            recorded = RunManifest(previous.fs, previous.output_dir).read_run()
+        return keep_recorded_model_choices(config, recorded and recorded["fingerprint"],
+                                           recorded and recorded.get("config")), None
     if recorded:
         dtype = recorded["fingerprint"].get("dtype")
         if config.model.dtype == "auto" and dtype in DTYPES:
@@ -134,9 +142,14 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
     return todo
 
 
-def output_fingerprint(config: RunConfig, choice: ModelChoice) -> dict:
+def output_fingerprint(config: RunConfig, choice: ModelChoice | ModelSetChoice) -> dict:
     """Everything that changes the output values. Batch sizes, workers and memory settings
-    are left out on purpose: they must not change results."""
+    are left out on purpose: they must not change results. Several models: each one's, by name in
+    the run's order (which orders the output's columns)."""
+    if config.models:
+        configs = model_configs(config)
+        return {"models": {name: output_fingerprint(configs[name], each) for name, each in choice.choices.items()},
+                "model_order": list(choice.choices)}
     return {"job": config.model.job, "model": choice.content_hash,
             "max_length": choice.max_length,
             "dtype": dtype_name(choice.dtype), "attention": choice.attention, "prompt": choice.prompt,

@@ -25,6 +25,8 @@ class RunConfig(SettingsTree):
     cache: CacheSettings = field(default_factory=CacheSettings)
     long_rows: LongRowSettings = field(default_factory=LongRowSettings)  # --long-text, --segment-length
     keep_columns: tuple[str, ...] = ()  # input columns copied to the output unchanged, after `id`
+    models: dict = field(default_factory=dict)  # several models in one pass: name → its model settings that differ
+    # from `model`'s (a TOML [models.NAME] table; offline/model_set.py); {} = the one model of `model`
     window_rows: int | None = None  # rows sorted and packed together; bounds memory in flight; None = auto:
     # 16 batches of the row limit, 8,192–65,536 (`auto_window_rows`)
     tokenize_workers: int | None = None  # tokenizer processes, 0 = in-process; None = auto: the usable cores,

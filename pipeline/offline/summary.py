@@ -78,6 +78,8 @@ class RunSummary:
     diagnosis: list = field(default_factory=list)  # [{code, evidence, action}] (pipeline/diagnosis.py)
     nothing_to_do: bool = False  # every shard was done before this run: it ran nothing
     output_totals: dict = field(default_factory=dict)  # the whole output, summed over its done markers
+    models: dict = field(default_factory=dict)  # several models: per model its job, computed_rows, reused_rows,
+    # flagged_rows and flagged_by_label (moderate), dtype, compile ({} for a one-model run)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -133,7 +135,7 @@ class RunSummary:
             lines.insert(2, f"WARNING         {self.reuse_warning}")
         if self.shards_done_before:
             lines.append(f"resumed         {self.shards_done_before} of {self.shards} shards were already done")
-        lines += [*totals_lines(self.output_totals), f"output          {self.output}"]
+        lines += [*model_lines(self.models), *totals_lines(self.output_totals), f"output          {self.output}"]
         if self.duplicate_ids:
             lines.append(f"duplicate ids   e.g. {', '.join(map(repr, self.duplicate_id_examples))}")
         for worker in self.workers:
@@ -145,6 +147,14 @@ class RunSummary:
             lines.append(f"FAILED          {failed['shard']}: {failed['error']}")
         lines.extend(diagnosis_lines(self.diagnosis))
         return "\n".join(lines)
+
+
+def model_lines(models: dict) -> list[str]:
+    """Per model of a run of several: its job, rows computed and reused, and flags."""
+    return [f"model {name:<10}{entry['job']}: {entry['computed_rows']:,} rows computed, {entry['reused_rows']:,} "
+            f"reused" + (f", {entry['flagged_rows']:,} flagged ({label_counts(entry['flagged_by_label'])})"
+                         if "flagged_rows" in entry else "") + (f"; {entry['dtype']}" if "dtype" in entry else "")
+            for name, entry in models.items()]
 
 
 def reuse_line(reused: int, computed: int, counts: dict) -> str:

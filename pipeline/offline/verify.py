@@ -122,6 +122,7 @@ class VerifyReport:
     rows: int = 0  # output rows read
     error_rows: int = 0
     error_reasons: dict = field(default_factory=dict)
+    models: dict = field(default_factory=dict)  # several models: name → its columns and the shards that hold them all
     seconds: float = 0.0
 
     @property
@@ -137,6 +138,8 @@ class VerifyReport:
                  f"{len(self.shards) - len(bad)} of {len(self.shards)} shards agree with the input; "
                  f"{self.rows:,} rows, {self.error_rows:,} with errors (checked in {self.seconds:.2f}s)"]
         lines += [f"errors    {rows:,} × {reason}" for reason, rows in self.error_reasons.items()]
+        lines += [f"model     {name}: {len(entry['columns'])} column(s) ({', '.join(entry['columns'])}) in "
+                  f"{entry['shards']} of {len(self.shards)} shards" for name, entry in self.models.items()]
         for check in bad:
             lines += [f"shard     {check.shard}: {problem}" for problem in check.problems]
         lines += [f"partial   {path}: a temporary file of an unfinished attempt; rerun the job (it removes it)"
@@ -166,6 +169,7 @@ def verify_output(inputs: list[str] | None, output: str, storage_options: dict |
     digest = fingerprint_digest(recorded["fingerprint"])
     report = VerifyReport(input=list(inputs or config["input"]), output=output)
     errors: Counter = Counter()
+    columns: dict[str, list[str]] = {}  # several models: each output shard's column names
     for shard in shards:
         final_path = output_paths(output_dir, shard.stem)[0]
         check = ShardCheck(shard.stem, shard.url, fs.unstrip_protocol(final_path), shard.num_rows)
@@ -179,10 +183,36 @@ def verify_output(inputs: list[str] | None, output: str, storage_options: dict |
         check_marker(check, markers.get(shard.stem), digest)
         check_ids(check, fs, final_path, config["id_column"], {**recorded_options, **storage_options}, errors)
         report.rows += check.output_rows or 0
+        if "models" in recorded["fingerprint"]:
+            columns[shard.stem] = output_columns(fs, final_path)
+    if "models" in recorded["fingerprint"]:
+        report.models = check_model_columns(report.shards, columns, list(recorded["fingerprint"]["models"]))
     report.partial_files, report.unexpected_outputs = stray_files(fs, output_dir, {s.stem for s in shards})
     report.error_rows = sum(errors.values())
     report.error_reasons = dict(errors.most_common())
     report.seconds = time.perf_counter() - started
+    return report
+
+
+def output_columns(fs, path: str) -> list[str]:
+    with fs.open(path, "rb") as file:
+        return pq.read_schema(file).names
+
+
+def check_model_columns(checks: list[ShardCheck], columns: dict[str, list[str]], models: list[str]) -> dict:
+    """Per model of an output of several: its columns (`NAME.…`, as any shard has them) and how many shards
+    hold them all; a shard without one of them, or a model with no column at all, is a problem."""
+    found = {name: sorted({column for names in columns.values() for column in names
+                           if column.startswith(f"{name}.")}) for name in models}
+    by_stem = {check.shard: check for check in checks}
+    report = {}
+    for name, wanted in found.items():
+        holding = [stem for stem, names in columns.items() if wanted and set(wanted) <= set(names)]
+        for stem in sorted(set(columns) - set(holding)):
+            missing = [column for column in wanted if column not in columns[stem]] or [f"{name}.*"]
+            by_stem[stem].problems.append(f"has no column {', '.join(missing)} of model {name}; rerun the job "
+                                          "with --overwrite to redo it")
+        report[name] = {"columns": wanted, "shards": len(holding)}
     return report
 
 

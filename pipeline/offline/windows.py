@@ -127,15 +127,16 @@ class Window:
         rows, starts = segment_groups(segments.row[first:last])
         folded = fold({name: values[self.num_rows + first:self.num_rows + last]
                        for name, values in self.outputs.items()}, starts, segments.lengths[first:last])
-        best = folded.pop("best_segment", None)
+        # `best_segment`, or a model's `NAME.best_segment` in a run of several (jobs/model_set.py)
+        bests = {name: folded.pop(name) for name in list(folded) if name.rpartition(".")[2] == "best_segment"}
         outputs = {name: values.copy() for name, values in outputs.items()}
         for name, values in folded.items():
             outputs[name][rows - start] = values
-        if best is not None:
+        for name, best in bests.items():
             spans = np.zeros((end - start, best.shape[1], 2), np.int32)
             spans[:, :, 1] = segments.row_chars[start:end, None]
             spans[rows - start] = segments.spans[first + best]
-            outputs["spans"] = spans
+            outputs[name.removesuffix("best_segment") + "spans"] = spans
         return outputs
 
     @property
