@@ -35,7 +35,7 @@ def run_model_set(config: RunConfig, slot: WorkerSlot) -> RunSummary:
 
 def choose_models_here(config: RunConfig, dtype_source: str | None, trial_texts) -> ModelSetChoice:
     configs = model_configs(config)
-    return choose_model_set({name: each.model for name, each in configs.items()}, config.batch.plan_cache,
+    return choose_model_set({name: each.model for name, each in configs.items()}, config.cache.plan_cache,
                             config.runtime_needs().long_rows, dtype_source, trial_texts)
 
 
