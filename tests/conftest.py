@@ -109,6 +109,20 @@ def kill_when_written(command: list[str], folder: Path, pattern: str, timeout_s:
     return sorted(folder.glob(pattern))
 
 
+def resume_after_a_kill_between_shards(command: list[str], out: Path, whole: Path, shards: int) -> None:
+    """Run `command` into `out`, SIGKILLed once a shard of `shards` is committed and before the last; rerun it
+    (it must resume); run it uninterrupted into `whole`: the caller compares the two outputs."""
+    markers = out / ".lengthwise" / "shards"
+    kill_when_written([*command, "--output", str(out)], markers, "*.json", 300)
+    done = sorted(p.name for p in markers.glob("*.json"))
+    assert done and len(done) < shards, f"the run was not killed between shards: {done}"
+    rerun = subprocess.run([*command, "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "already done, resuming" in rerun.stderr
+    uninterrupted = subprocess.run([*command, "--output", str(whole)], capture_output=True, text=True, timeout=300)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+
+
 def write_shards(directory: Path, table: pa.Table, sizes: list[int], prefix: str = "part") -> list[Path]:
     """Split `table` into consecutive shards of the given sizes; returns their paths."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,6 @@ transformers' own tokenizer(text, pair, truncation="longest_first") and model, p
 on BERT (token types) and XLM-R (none); resume after a kill, --reuse and dedupe keyed on both texts."""
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -15,7 +14,7 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.engines.local import run_job
 from pipeline.offline.config import RunConfig
-from tests.conftest import kill_when_written, write_shards
+from tests.conftest import resume_after_a_kill_between_shards, write_shards
 
 MAX_LENGTH = {"bert": 61, "xlmr": 127}  # odd budgets (58, 123): the longer text keeps the odd token
 
@@ -158,14 +157,5 @@ def test_a_killed_pair_run_resumes_to_the_rows_of_an_uninterrupted_one(tmp_path,
                "--model", tiny_cross_encoder_path, "--text-column", "comment", "--pair-column", "rule",
                "--max-length", "61", "--dtype", "float32", "--tokenize-workers", "0", "--no-probe", "--no-progress",
                "--max-batch-rows", "1", "--window-rows", "10"]
-    markers = tmp_path / "out" / ".lengthwise" / "shards"
-    kill_when_written([*command, "--output", str(tmp_path / "out")], markers, "*.json", 300)
-    done = sorted(p.name for p in markers.glob("*.json"))
-    assert done and len(done) < 3, f"the run was not killed between shards: {done}"
-    rerun = subprocess.run([*command, "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "already done, resuming" in rerun.stderr
-    whole = subprocess.run([*command, "--output", str(tmp_path / "whole")], capture_output=True, text=True,
-                           timeout=300)
-    assert whole.returncode == 0, whole.stderr
+    resume_after_a_kill_between_shards(command, tmp_path / "out", tmp_path / "whole", 3)
     assert read_output(tmp_path / "out").equals(read_output(tmp_path / "whole"))

@@ -5,7 +5,6 @@ configurations are refused before anything is written."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -19,7 +18,7 @@ from pipeline.core import values
 from pipeline.core.errors import UsageError
 from pipeline.offline.model_set import model_tables
 from pipeline.offline.options import RUN_OPTIONS
-from tests.conftest import kill_when_written, write_shards
+from tests.conftest import resume_after_a_kill_between_shards, write_shards
 
 SHARED = {"max_length": 32, "long_text": "split", "dtype": "float32", "compile": "off", "tokenize_workers": 0,
           "no_plan_cache": True, "progress": False}
@@ -256,16 +255,7 @@ def test_a_run_of_several_models_killed_after_a_shard_resumes_to_an_uninterrupte
                "--max-length", "32", "--long-text", "split", "--dtype", "float32", "--compile", "off",
                "--tokenize-workers", "0", "--no-probe", "--no-progress", "--max-batch-rows", "2",
                "--window-rows", "40"]
-    markers = tmp_path / "out" / ".lengthwise" / "shards"
-    kill_when_written([*command, "--output", str(tmp_path / "out")], markers, "*.json", 300)
-    done = sorted(p.name for p in markers.glob("*.json"))
-    assert done and len(done) < 3, f"the run was not killed between shards: {done}"
-    rerun = subprocess.run([*command, "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "already done, resuming" in rerun.stderr
-    whole = subprocess.run([*command, "--output", str(tmp_path / "whole")], capture_output=True, text=True,
-                           timeout=300)
-    assert whole.returncode == 0, whole.stderr
+    resume_after_a_kill_between_shards(command, tmp_path / "out", tmp_path / "whole", 3)
     ours = read_output(tmp_path / "out")
     assert ours.num_rows == 240 and len(set(ours["id"].to_pylist())) == 240
     assert ours.equals(read_output(tmp_path / "whole"))
