@@ -107,6 +107,7 @@ class ShardCheck:
     output: str
     input_rows: int
     output_rows: int | None = None  # None: no output file
+    output_columns: list | None = None  # the output file's column names; None: not read
     ids: IdComparison = field(default_factory=IdComparison)
     out_of_order_at: int | None = None  # same ids, but the order differs from this row on
     problems: list = field(default_factory=list)
@@ -169,7 +170,6 @@ def verify_output(inputs: list[str] | None, output: str, storage_options: dict |
     digest = fingerprint_digest(recorded["fingerprint"])
     report = VerifyReport(input=list(inputs or config["input"]), output=output)
     errors: Counter = Counter()
-    columns: dict[str, list[str]] = {}  # several models: each output shard's column names
     for shard in shards:
         final_path = output_paths(output_dir, shard.stem)[0]
         check = ShardCheck(shard.stem, shard.url, fs.unstrip_protocol(final_path), shard.num_rows)
@@ -183,20 +183,14 @@ def verify_output(inputs: list[str] | None, output: str, storage_options: dict |
         check_marker(check, markers.get(shard.stem), digest)
         check_ids(check, fs, final_path, config["id_column"], {**recorded_options, **storage_options}, errors)
         report.rows += check.output_rows or 0
-        if "models" in recorded["fingerprint"]:
-            columns[shard.stem] = output_columns(fs, final_path)
     if "models" in recorded["fingerprint"]:
+        columns = {check.shard: check.output_columns for check in report.shards if check.output_columns is not None}
         report.models = check_model_columns(report.shards, columns, list(recorded["fingerprint"]["models"]))
     report.partial_files, report.unexpected_outputs = stray_files(fs, output_dir, {s.stem for s in shards})
     report.error_rows = sum(errors.values())
     report.error_reasons = dict(errors.most_common())
     report.seconds = time.perf_counter() - started
     return report
-
-
-def output_columns(fs, path: str) -> list[str]:
-    with fs.open(path, "rb") as file:
-        return pq.read_schema(file).names
 
 
 def check_model_columns(checks: list[ShardCheck], columns: dict[str, list[str]], models: list[str]) -> dict:
@@ -239,7 +233,9 @@ def check_ids(check: ShardCheck, fs, final_path: str, id_column: str, storage_op
     def output_ids(count_errors: bool) -> Iterator[pa.Array]:
         rows = 0
         with fs.open(final_path, "rb") as f:
-            for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=["id", "error"]):
+            parquet = pq.ParquetFile(f)
+            check.output_columns = parquet.schema_arrow.names
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=["id", "error"]):
                 rows += batch.num_rows
                 if count_errors:
                     for item in pc.value_counts(batch.column("error").drop_null()).to_pylist():
