@@ -158,8 +158,11 @@ class RunManifest:
     def read_run(self, advice: str = RUN_ADVICE) -> dict | None:
         return self._read_record(f"{self.root}/run.json", RUN_FIELDS, advice)
 
-    def write_run(self, fingerprint: dict, config: dict) -> None:
+    def write_run(self, fingerprint: dict, config: dict, carried_from: dict | None = None) -> None:
+        """`carried_from`: a change of models (offline/model_set.py's ModelChange) records the fingerprint its
+        kept models' columns are carried from, so that a rerun after a kill carries them still."""
         self._write_json(f"{self.root}/run.json", {"fingerprint": fingerprint, "config": config,
+                                                   **({"carried_from": carried_from} if carried_from else {}),
                                                    "updated_at": _now()})
 
     def write_worker_summary(self, slot: WorkerSlot, summary: dict) -> None:
