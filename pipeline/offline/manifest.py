@@ -408,12 +408,15 @@ def run_status(output: str, storage_options: dict) -> dict:
     by_stem = {shard.stem: shard for shard in shards}
     listed = listed_outputs(sink_fs, output_dir.rstrip("/"))
     untrusted = untrusted_done_markers(sink_fs, shards, markers, listed)
-    status_of = {stem: "pending" if stem in untrusted else markers.get(stem, {}).get("status", "pending")
-                 for stem in by_stem}
+    models = recorded["fingerprint"].get("models")  # several models: each one's status is the run's
+    made_with = fingerprint_digest(recorded["fingerprint"]) if models else None  # a shard made before a change
+    # of models is still to do (offline/carry.py)
+    status_of = {stem: "pending" if stem in untrusted or (made_with and markers.get(stem, {}).get("fingerprint")
+                                                          not in (None, made_with))
+                 else markers.get(stem, {}).get("status", "pending") for stem in by_stem}
     locks = manifest.read_locks()
     complete = all(state == "done" for state in status_of.values())
     counts = _shard_counts(list(by_stem), status_of, by_stem)
-    models = recorded["fingerprint"].get("models")  # several models: completion is the run's for each, for now
     return {
         **({"models": {name: {"job": fingerprint.get("job"), "model": (config.get("models") or {}).get(name, {}).get(
             "model") or "default", "shards_done": counts["done"], "rows_done": counts["rows_done"]}

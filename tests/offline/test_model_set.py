@@ -474,6 +474,10 @@ def test_a_change_of_models_killed_mid_way_resumes_to_a_fresh_runs_output(
     after = {path.name: path.read_bytes() for path in (tmp_path / "out").glob("*.parquet")}
     assert sorted(after) == sorted(before) and after["part-00002.parquet"] == before["part-00002.parquet"]
     assert after["part-00000.parquet"] != before["part-00000.parquet"]  # rewritten whole, committed by rename
+    from pipeline.offline.manifest import run_status
+
+    status = run_status(str(tmp_path / "out"), {})
+    assert (status["done"], status["pending"]) == (1, 2) and status["models"]["embed"]["shards_done"] == 1
     resumed = subprocess.run([*command(list(models), "out"), "--summary-json", str(tmp_path / "summary.json")],
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
