@@ -278,13 +278,13 @@ class ShardRunner:
 
     def _columns_of(self, outputs: dict, valid: np.ndarray, rows: int) -> dict:
         job, model = self.loaded.job, self.loaded.model
+        columns = job.to_columns(model, outputs, valid) if outputs else {}
+        if outputs and self.carry is None:
+            return columns
+        # no row of this window could run, or (a change of models) a model ran none: its columns are carried
         expected = [f for f in [*job.output_schema(model), *self._split_fields()] if f.name != "segments"]
-        if not outputs:  # no row of this window could run
-            return {f.name: pa.nulls(rows, f.type) for f in expected}  # output_table adds `segments`
-        columns = job.to_columns(model, outputs, valid)
-        if self.carry is not None and len(columns) < len(expected):  # a change of models: a model that ran no row here, its columns carried
-            columns = {f.name: columns[f.name] if f.name in columns else pa.nulls(rows, f.type) for f in expected}
-        return columns
+        return {f.name: columns[f.name] if f.name in columns else pa.nulls(rows, f.type)
+                for f in expected}  # output_table adds `segments`
 
     def _split_fields(self) -> list[pa.Field]:
         """The columns --long-text split adds: segments, and the job's own (moderate's flag_spans)."""

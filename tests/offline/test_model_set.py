@@ -482,6 +482,9 @@ def test_a_change_of_models_killed_mid_way_resumes_to_a_fresh_runs_output(
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
+    printed = resumed.stdout + resumed.stderr
+    assert "carried         160 rows' columns of the kept models from the output's earlier shards" in printed
+    assert "model embed     embed: 160 rows computed, 0 reused" in printed
     assert summary["shards_done_before"] == 1 and summary["models"]["embed"]["computed_rows"] == 160
     assert summary["models"]["topic"]["reused_rows"] >= 158
     whole = subprocess.run(command(list(models), "whole"), capture_output=True, text=True, timeout=300)
