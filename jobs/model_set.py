@@ -56,10 +56,14 @@ class ModelSetJob:
             self.count_flagged = self.count_flags
 
     def forward(self, model: ModelSet, input_ids, attention_mask, padded: bool = True, packing=None,
-                token_type_ids=None) -> dict[str, torch.Tensor]:
+                token_type_ids=None, models: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """Every model's outputs, or those of `models` only (a change of models: rows whose other models'
+        columns are carried, offline/carry.py)."""
         types = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
         outputs = {}
         for name, job in self.jobs.items():
+            if models is not None and name not in models:
+                continue
             outputs.update(prefixed(name, job.forward(model.members[name], input_ids, attention_mask, padded,
                                                       packing, **types)))
         return outputs
@@ -84,15 +88,19 @@ class ModelSetJob:
     def fold_segments(self, model: ModelSet, outputs: dict, starts: np.ndarray, lengths: np.ndarray) -> dict:
         folded = {}
         for name, job in self.jobs.items():
-            folded.update(prefixed(name, job.fold_segments(model.members[name], own(name, outputs), starts, lengths)))
+            if own(name, outputs):  # a model that ran no row of the window (its columns carried) has none
+                folded.update(prefixed(name, job.fold_segments(model.members[name], own(name, outputs), starts,
+                                                               lengths)))
         return folded
 
     def to_columns(self, model: ModelSet, outputs: dict, valid: np.ndarray) -> dict[str, pa.Array]:
         """Each model's columns, then `flagged_by`, then the split columns: always in the order
-        `output_schema` and `split_schema` give, as a window with no row to run writes them."""
+        `output_schema` and `split_schema` give, as a window with no row to run writes them. A model that ran
+        no row of the window (its columns carried) has none here: the runner fills them with nulls."""
         columns = {}
         for name, job in self.jobs.items():
-            columns.update(prefixed(name, job.to_columns(model.members[name], own(name, outputs), valid)))
+            if own(name, outputs):
+                columns.update(prefixed(name, job.to_columns(model.members[name], own(name, outputs), valid)))
         columns[FLAGGED_BY] = flagged_by(
             {name: columns[f"{name}{SEPARATOR}flagged_labels"] for name in self.jobs
              if f"{name}{SEPARATOR}flagged_labels" in columns}, valid)

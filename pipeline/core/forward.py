@@ -272,6 +272,7 @@ class ReadyBatch:
     entered: float = 0.0  # when the packer handed these rows on (the sweep's row latency starts here)
     padded: bool = True  # some row is shorter than padded_length (else the encoder runs without a mask)
     typed: bool = False  # token type ids follow the mask (a pair job whose model types its texts)
+    models: tuple[str, ...] | None = None  # several models: the ones that run these rows (None: every one)
 
 
 class BatchLimits:
@@ -335,14 +336,15 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
     yielded at once."""
     keep_in_flight = device.type == "cuda"
 
-    def forward(input_ids, attention_mask, token_type_ids=None, padded=True, packing=()):
+    def forward(input_ids, attention_mask, token_type_ids=None, padded=True, packing=(), models=None):
         # inputs still on the host (their copy ran out of memory) move here, under the back-off; the
         # host's packed layout is the whole batch's, so a part split off after running out of memory has none
         whole = bool(packing) and input_ids.shape[0] == packing[1].shape[0] - 1
         layout = tuple(t.to(device, non_blocking=True) for t in packing) if whole else None
         types = {} if token_type_ids is None else {"token_type_ids": token_type_ids.to(device, non_blocking=True)}
+        subset = {} if models is None else {"models": models}
         return job.forward(model, input_ids.to(device, non_blocking=True),
-                           attention_mask.to(device, non_blocking=True), padded, layout, **types)
+                           attention_mask.to(device, non_blocking=True), padded, layout, **types, **subset)
 
     def read_back(item: ReadyBatch, copy: HostCopy) -> tuple[ReadyBatch, SplitForward]:
         result = copy.read()
@@ -364,7 +366,8 @@ def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.de
             started_event = device_timer_start(device)
             input_ids, attention_mask, *packing = feeder.receive(item.tensors, item.copied)
             token_type_ids = packing.pop(0) if item.typed else None
-            result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded, packing=packing), input_ids,
+            result = forward_splitting_on_oom(functools.partial(forward, padded=item.padded, packing=packing,
+                                                                models=item.models), input_ids,
                                               attention_mask, device, limits.rows_for(item.padded_length),
                                               token_type_ids=token_type_ids)
             if result.splits:

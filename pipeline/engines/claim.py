@@ -14,6 +14,7 @@ from typing import Protocol
 from pipeline.core.clock import SetupClock
 from pipeline.offline.claim import (
     claim_output,
+    done_with,
     keep_recorded_choices,
     nothing_to_clean_or_wait_for,
     nothing_to_do,
@@ -80,7 +81,8 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         refuse_other_settings(config, manifest.read_run(), fingerprint)
         if config.reuse:
             check_reusable(config.reuse, config.output, config.source.storage_options, fingerprint)
-        todo = shards if config.overwrite else pending_shards(shards, manifest, sink)
+        todo = shards if config.overwrite else pending_shards(shards, manifest, sink,
+                                                              done_with(config, fingerprint))
     if not todo and nothing_to_clean_or_wait_for(shards, sink, manifest):
         return nothing_to_do(shards, config, manifest, started)
     with contextlib.ExitStack() as cleanup:

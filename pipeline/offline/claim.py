@@ -13,6 +13,7 @@ from pipeline.offline.done_markers import listed_outputs, untrusted_done_markers
 from pipeline.offline.manifest import (
     RunManifest,
     fingerprint_differences,
+    fingerprint_digest,
     pending,
     recorded_config,
 )
@@ -20,7 +21,7 @@ from pipeline.offline.reuse import recorded_dtype, recorded_long_text, remove_st
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import Shard, WorkerSlot
 from pipeline.offline.summary import RunSummary, output_totals
-from pipeline.offline.model_set import keep_recorded_model_choices, model_configs
+from pipeline.offline.model_set import keep_recorded_model_choices, model_change, model_configs
 from pipeline.runtime.choice import ModelChoice
 from pipeline.runtime.model_set import ModelSetChoice
 
@@ -87,24 +88,42 @@ def keep_recorded_choices(config: RunConfig, manifest: RunManifest) -> tuple[Run
 
 
 def refuse_other_settings(config: RunConfig, recorded: dict | None, fingerprint: dict) -> None:
-    """An output holding results of other settings is resumed only with --overwrite."""
-    if recorded and recorded["fingerprint"] != fingerprint and not config.overwrite:
+    """An output holding results of other settings is resumed only with --overwrite; but for a change of
+    models (`model_change`: the run-wide settings as recorded, a model kept), which computes only the added
+    and changed models' columns."""
+    if not recorded or recorded["fingerprint"] == fingerprint or config.overwrite:
+        return
+    change = model_change(recorded, fingerprint)
+    if change is not None and config.reuse:
+        raise UsageError(f"--reuse with a change of models ({change.describe()}): make the change without --reuse "
+                         "first, or drop --reuse")
+    if change is None:
         raise UsageError(f"{config.output} holds results made with other settings "
                          f"({'; '.join(fingerprint_differences(recorded['fingerprint'], fingerprint))}); "
                          "rerun with the same settings, choose another --output, or add --overwrite to redo it")
 
 
-def pending_shards(shards: list[Shard], manifest: RunManifest, sink: ShardSink) -> list[Shard]:
+def pending_shards(shards: list[Shard], manifest: RunManifest, sink: ShardSink,
+                   made_with: str | None = None) -> list[Shard]:
     """The shards not yet done, in input order: failed ones are retried, and so is a shard whose
-    done marker its output does not back (untrusted_done_markers)."""
+    done marker its output does not back (untrusted_done_markers); `made_with`: see pending_of."""
     markers = manifest.shard_markers()
     return pending_of(shards, markers, untrusted_done_markers(sink.fs, shards, markers,
-                                                              listed_outputs(sink.fs, sink.output_dir)))
+                                                              listed_outputs(sink.fs, sink.output_dir)), made_with)
 
 
-def pending_of(shards: list[Shard], markers: dict[str, dict], untrusted: dict[str, str]) -> list[Shard]:
-    """`shards` less those whose done marker is trusted, in input order."""
-    done = {stem for stem, marker in markers.items() if marker["status"] == "done" and stem not in untrusted}
+def done_with(config: RunConfig, fingerprint: dict) -> str | None:
+    """Several models: the digest a done marker must hold for its shard to be done (one committed before a
+    change of models is still to do); None for one model, whose done markers are done whatever they hold."""
+    return fingerprint_digest(fingerprint) if config.models else None
+
+
+def pending_of(shards: list[Shard], markers: dict[str, dict], untrusted: dict[str, str],
+               made_with: str | None = None) -> list[Shard]:
+    """`shards` less those whose done marker is trusted (and, given `made_with`, holds that fingerprint digest
+    or none), in input order."""
+    done = {stem for stem, marker in markers.items() if marker["status"] == "done" and stem not in untrusted
+            and (made_with is None or marker.get("fingerprint") in (None, made_with))}
     todo_stems = set(pending([s.stem for s in shards], done))
     return [shard for shard in shards if shard.stem in todo_stems]
 
@@ -132,9 +151,13 @@ def claim_output(config: RunConfig, fingerprint: dict, shards: list[Shard], sink
             log.warning(f"{shard.url} is marked done but {untrusted[shard.stem]}; redoing it")
     manifest.clear_markers(list(untrusted))
     sink.remove_outputs([stem for stem in untrusted if stem in listed])  # a folder in its place would take the commit
+    change = None if config.overwrite else model_change(recorded, fingerprint)
+    if change is not None and recorded["fingerprint"] != fingerprint:
+        log.info(f"models changed since {config.output} was made: {change.describe()}")
     if recorded is None or recorded["fingerprint"] != fingerprint or slot.count == 1:
-        manifest.write_run(fingerprint, recorded_config(config))  # once for N workers: they all check it
-    todo = pending_of(shards, markers, untrusted)  # one listing of the markers and the output, not two
+        manifest.write_run(fingerprint, recorded_config(config),  # once for N workers: they all check it
+                           change and change.source)
+    todo = pending_of(shards, markers, untrusted, done_with(config, fingerprint))  # one listing, not two
     if not todo:
         log.info(f"nothing to do: {len(shards)} of {len(shards)} shards done")
     elif len(todo) < len(shards):

@@ -158,8 +158,11 @@ class RunManifest:
     def read_run(self, advice: str = RUN_ADVICE) -> dict | None:
         return self._read_record(f"{self.root}/run.json", RUN_FIELDS, advice)
 
-    def write_run(self, fingerprint: dict, config: dict) -> None:
+    def write_run(self, fingerprint: dict, config: dict, carried_from: dict | None = None) -> None:
+        """`carried_from`: a change of models (offline/model_set.py's ModelChange) records the fingerprint its
+        kept models' columns are carried from, so that a rerun after a kill carries them still."""
         self._write_json(f"{self.root}/run.json", {"fingerprint": fingerprint, "config": config,
+                                                   **({"carried_from": carried_from} if carried_from else {}),
                                                    "updated_at": _now()})
 
     def write_worker_summary(self, slot: WorkerSlot, summary: dict) -> None:
@@ -405,12 +408,15 @@ def run_status(output: str, storage_options: dict) -> dict:
     by_stem = {shard.stem: shard for shard in shards}
     listed = listed_outputs(sink_fs, output_dir.rstrip("/"))
     untrusted = untrusted_done_markers(sink_fs, shards, markers, listed)
-    status_of = {stem: "pending" if stem in untrusted else markers.get(stem, {}).get("status", "pending")
-                 for stem in by_stem}
+    models = recorded["fingerprint"].get("models")  # several models: each one's status is the run's
+    made_with = fingerprint_digest(recorded["fingerprint"]) if models else None  # a shard made before a change
+    # of models is still to do (offline/carry.py)
+    status_of = {stem: "pending" if stem in untrusted or (made_with and markers.get(stem, {}).get("fingerprint")
+                                                          not in (None, made_with))
+                 else markers.get(stem, {}).get("status", "pending") for stem in by_stem}
     locks = manifest.read_locks()
     complete = all(state == "done" for state in status_of.values())
     counts = _shard_counts(list(by_stem), status_of, by_stem)
-    models = recorded["fingerprint"].get("models")  # several models: completion is the run's for each, for now
     return {
         **({"models": {name: {"job": fingerprint.get("job"), "model": (config.get("models") or {}).get(name, {}).get(
             "model") or "default", "shards_done": counts["done"], "rows_done": counts["rows_done"]}

@@ -10,6 +10,7 @@ reused and tokenized once: the models must tokenize alike (one tokenizer, max le
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import long_text_mode
@@ -110,14 +111,67 @@ def keep_recorded_model_choices(config: RunConfig, fingerprint: dict | None, rec
     return config.with_settings(**changes)
 
 
+RUN_WIDE = ("id_column", "text_column", "pair_column", "keep_columns", "max_length", "long_text", "segment_length")
+# the keys of a model's fingerprint that are the run's: every model holds the same, and a change of one is a change
+# of the rows or their tokens, which no model's columns survive
+
+
+@dataclass(frozen=True)
+class ModelChange:
+    """How this run's models differ from those an output's done shards were made with (`source`, a run
+    fingerprint): `kept` models (same settings) have their columns carried from those shards, `computed`
+    ones (added, or settings changed) run on every row, `dropped` ones lose their columns."""
+
+    source: dict
+    kept: tuple[str, ...]
+    computed: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+    def describe(self) -> str:
+        """`models changed since OUTPUT was made: embed added; toxicity changed (computed); spam kept (carried); …`"""
+        parts = [f"{', '.join(names)} {said}" for names, said in (
+            (self.computed, "computed for every row (added or changed)"),
+            (self.kept, "kept (columns carried)"), (self.dropped, "removed (columns dropped)")) if names]
+        return "; ".join(parts)
+
+
+def run_wide(fingerprint: dict) -> list[dict]:
+    """The run-wide part of each model's fingerprint."""
+    return [{key: each.get(key) for key in RUN_WIDE} for each in recorded_models(fingerprint).values()]
+
+
+def model_change(recorded_run: dict | None, fingerprint: dict) -> ModelChange | None:
+    """The change of models a rerun into the same output makes, or None where it is none (the output is new or
+    of one model, every model is as recorded, no model is kept, or a run-wide setting differs: then what was
+    recorded and what is asked differ as any settings do). `recorded_run`: run.json; a rerun resuming a change
+    finds its source under `carried_from`."""
+    if recorded_run is None or "models" not in fingerprint:
+        return None
+    source = recorded_run["fingerprint"]
+    if source == fingerprint:
+        source = recorded_run.get("carried_from")
+    if not source or "models" not in source or set(map(repr, run_wide(source))) != set(map(repr, run_wide(fingerprint))):
+        return None
+    before, now = recorded_models(source), recorded_models(fingerprint)
+    kept = tuple(name for name in now if before.get(name) == now[name])
+    if not kept:
+        return None
+    return ModelChange(source, kept, tuple(name for name in now if name not in kept),
+                       tuple(name for name in before if name not in now))
+
+
 def models_summary(config: RunConfig, computed_rows: int, reused_rows: int, by_label: dict,
-                   opened: Mapping[str, dict]) -> dict:
+                   opened: Mapping[str, dict], carried_rows: int = 0, computed: tuple[str, ...] = ()) -> dict:
     """The summary's `models` object: per model its job, rows computed and reused by this run, and (a
-    moderating model) rows flagged and per label; `opened`: what each model's runtime settled (dtype, compile)."""
+    moderating model) rows flagged and per label; `opened`: what each model's runtime settled (dtype, compile).
+    A change of models (`ModelChange`): a kept model's `carried_rows` count as reused, a `computed` model's as
+    computed."""
     summary = {}
     for name, settings in config.models.items():
         job = settings.get("job", config.model.job)
-        entry = {"job": job, "computed_rows": computed_rows, "reused_rows": reused_rows, **opened.get(name, {})}
+        carried = 0 if name in computed else carried_rows
+        entry = {"job": job, "computed_rows": computed_rows - carried, "reused_rows": reused_rows + carried,
+                 **opened.get(name, {})}
         if job == "moderate":
             prefix = f"{name}:"
             entry["flagged_rows"] = by_label.get(name, 0)

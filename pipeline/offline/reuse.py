@@ -93,6 +93,8 @@ class ReusedRows:
     mask: np.ndarray  # bool per block row
     results: pa.Table | None  # the previous output's columns but id and kept ones, one row per reused row
     matches: RowMatches | None = None  # how each row was found in the previous output
+    carried: bool = False  # a change of models (offline/carry.py): `mask` rows take only the kept models' columns
+    # from `results` and still run the models computed
 
 
 def hashes_path(root: str, stem: str) -> str:
@@ -230,14 +232,17 @@ class PreviousOutput:
     KEPT_ROW_GROUPS = 16
 
     def __init__(self, previous: str, storage_options: dict, keep_columns: Iterable[str],
-                 bucket_rows: int = BUCKET_ROWS):
+                 bucket_rows: int = BUCKET_ROWS, made_with: str | None = None):
+        """`made_with`: only the done shards whose marker holds this fingerprint digest (a change of models
+        carries columns from the shards made with the models it keeps)."""
         self.fs, directory = fsspec.core.url_to_fs(previous, **storage_options)
         self.directory = directory.rstrip("/")
         self.manifest = RunManifest(self.fs, self.directory)
         self.fixed_columns = {"id", *keep_columns}  # taken from today's input, never from yesterday
         self._files: dict[int, tuple[pq.ParquetFile, np.ndarray, list[str]]] = {}
         self._groups: dict[tuple[int, int], pa.Table] = {}
-        markers = {stem: m for stem, m in self.manifest.shard_markers().items() if m["status"] == "done"}
+        markers = {stem: m for stem, m in self.manifest.shard_markers().items() if m["status"] == "done"
+                   and (made_with is None or m.get("fingerprint") == made_with)}
         self.stems: list[str] = sorted(stem for stem in markers if self.fs.exists(self._hashes_path(stem)))
         self.skipped: dict[int, str] = {}  # a previous shard's number → why its results are not reused
         hashed_rows = [self._check_shard(number, markers[stem]) for number, stem in enumerate(self.stems)]
@@ -406,11 +411,15 @@ class ReuseCounts:
     retried: int = 0
     fixed: int = 0
     skipped: int = 0
+    carried: int | None = None  # a change of models: rows whose kept models' columns were carried (not `reused`)
     sources: dict = field(default_factory=dict)
 
     def add(self, reused: ReusedRows, errors: pa.Array) -> None:
         matches = reused.matches
-        self.reused += int(reused.mask.sum())
+        if reused.carried:
+            self.carried = (self.carried or 0) + int(reused.mask.sum())
+        else:
+            self.reused += int(reused.mask.sum())
         self.by_text += int(matches.by_text.sum())
         computed = ~reused.mask & reused.hashes.text_hashes.is_valid().to_numpy(zero_copy_only=False)
         self.new += int((computed & (matches.kind == NEW)).sum())

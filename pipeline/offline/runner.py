@@ -51,6 +51,7 @@ from pipeline.runtime import Runtime
 from pipeline.offline.config import RunConfig
 from pipeline.offline.encoder import OutputEncoder
 from pipeline.offline.manifest import RunManifest
+from pipeline.offline.carry import Carry, kept_columns, mark_carried
 from pipeline.offline.reuse import PreviousOutput, mark_reused
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
 from pipeline.offline.source import RowBlock, Shard, read_blocks
@@ -86,12 +87,13 @@ class ShardRunner:
     `run` may be called for several lists of shards (a Ray actor gets them one by one)."""
 
     def __init__(self, config: RunConfig, runtime: Runtime, pool: TokenizerPool | None = None,
-                 clock: SetupClock | None = None, keep_pool: bool = False):
+                 clock: SetupClock | None = None, keep_pool: bool = False, carry: Carry | None = None):
         """`runtime`: the model and batch limits (`open_runtime`); `pool`: a tokenizer pool already
         started for the first `run` (it closes it); `clock`: the setup steps so far, for the first
         run's summary. `keep_pool`: one pool for every `run` until `close` (a Ray actor's, which
-        runs shard after shard), started now."""
-        self.config, self.runtime, self.loaded = config, runtime, runtime.loaded
+        runs shard after shard), started now. `carry`: a change of models (offline/carry.py): the kept
+        models' columns carried from the output's earlier shards, the carried rows run by the others only."""
+        self.config, self.runtime, self.loaded, self.carry = config, runtime, runtime.loaded, carry
         self._started_pool, self.clock, self.keep_pool = pool, clock or SetupClock(), keep_pool
         self.window_rows = config.window_rows or auto_window_rows(runtime.batch.max_batch_rows)
         self.tokenize_workers = tokenize_workers_for(config.tokenize_workers, self.loaded.choice.device.type)
@@ -120,6 +122,10 @@ class ShardRunner:
                                    config.source.storage_options, config.keep_columns, config.source.pair_column),
                        times, "read")
         grouped = group_into_windows(blocks, self.window_rows)
+        if self.carry is not None:
+            columns = kept_columns([*self.loaded.job.output_schema(self.loaded.model).names,
+                                    *(f.name for f in self._split_fields())], self.carry.kept)
+            return mark_carried(grouped, self._previous_output(), self.carry, columns)
         return mark_reused(grouped, self._previous_output()) if config.reuse else grouped
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
@@ -150,7 +156,8 @@ class ShardRunner:
                 self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
                 feeder = DeviceFeeder(loaded.choice.device)
                 work = batches_of(self._encoded_windows(pool, shards, times, begun), self.window_rows, self.runtime,
-                                  loaded.tokenizer.pad_token_id, feeder, times)
+                                  loaded.tokenizer.pad_token_id, feeder, times,
+                                  self.carry and self.carry.computed)
                 for item, result in run_on_device(work, loaded.job, loaded.model, loaded.choice.device, feeder,
                                                   self.runtime.limits, config.prefetch_batches, times):
                     if isinstance(item, WindowPart):
@@ -233,11 +240,13 @@ class ShardRunner:
 
     def _index_previous_output(self) -> PreviousOutput:
         started = time.perf_counter()
-        config = self.config
-        self._previous = PreviousOutput(config.reuse, config.source.storage_options, config.keep_columns)
+        config, carry = self.config, self.carry
+        source = config.output if carry is not None else config.reuse  # a change of models: the output's own
+        self._previous = PreviousOutput(source, config.source.storage_options, config.keep_columns,
+                                        made_with=carry and carry.made_with)
         weakref.finalize(self, self._previous.close)
-        log.info(f"--reuse: indexed {self._previous.index.rows:,} rows of {len(self._previous.stems)} shard(s) "
-                 f"of {self.config.reuse} in {time.perf_counter() - started:.2f}s")
+        log.info(f"{'carrying kept models from' if carry else '--reuse:'} indexed {self._previous.index.rows:,} rows "
+                 f"of {len(self._previous.stems)} shard(s) of {source} in {time.perf_counter() - started:.2f}s")
         return self._previous
 
     def _encoder_for(self, sink: ShardSink) -> OutputEncoder | None:
@@ -269,11 +278,13 @@ class ShardRunner:
 
     def _columns_of(self, outputs: dict, valid: np.ndarray, rows: int) -> dict:
         job, model = self.loaded.job, self.loaded.model
-        if outputs:
-            return job.to_columns(model, outputs, valid)
-        # no row of this window could run
-        return {f.name: pa.nulls(rows, f.type) for f in [*job.output_schema(model), *self._split_fields()]
-                if f.name != "segments"}  # output_table adds that
+        columns = job.to_columns(model, outputs, valid) if outputs else {}
+        if outputs and self.carry is None:
+            return columns
+        # no row of this window could run, or (a change of models) a model ran none: its columns are carried
+        expected = [f for f in [*job.output_schema(model), *self._split_fields()] if f.name != "segments"]
+        return {f.name: columns[f.name] if f.name in columns else pa.nulls(rows, f.type)
+                for f in expected}  # output_table adds `segments`
 
     def _split_fields(self) -> list[pa.Field]:
         """The columns --long-text split adds: segments, and the job's own (moderate's flag_spans)."""
@@ -313,15 +324,21 @@ PART_OF_WINDOW = 8  # a window spanning shards is cut at shard ends into parts o
 
 
 def batches_of(windows: Iterable[Window], window_rows: int, runtime: Runtime, pad_token_id: int,
-               feeder: DeviceFeeder, times: StageTimes) -> Iterator[ReadyBatch | WindowPart]:
+               feeder: DeviceFeeder, times: StageTimes,
+               computed: tuple[str, ...] | None = None) -> Iterator[ReadyBatch | WindowPart]:
     """Each window part's valid rows as collated batches, then the part itself: its rows are
-    done, so it can be written and the shard it ends committed."""
+    done, so it can be written and the shard it ends committed. `computed`: a change of models, whose
+    carried rows run in batches of their own, by these models only (none: they do not run)."""
     for window in windows:
         for part in window_parts(window, max(1, window_rows // PART_OF_WINDOW)):
-            rows = window.rows_to_score(part.start_row, part.end_row)
-            yield from collate_batches(window.scored, rows, runtime.batch.max_batch_tokens,
-                                       runtime.batch.max_batch_rows, runtime.max_length, runtime.limits, pad_token_id,
-                                       feeder, times, window, runs_unpadded(runtime.loaded.model))
+            for rows, models in window.rows_by_models(part.start_row, part.end_row, computed):
+                if models == ():
+                    continue
+                for batch in collate_batches(window.scored, rows, runtime.batch.max_batch_tokens,
+                                             runtime.batch.max_batch_rows, runtime.max_length, runtime.limits,
+                                             pad_token_id, feeder, times, window, runs_unpadded(runtime.loaded.model)):
+                    batch.models = models
+                    yield batch
             yield part
 
 

@@ -31,6 +31,7 @@ from pipeline.core.retry import retry_transient
 from pipeline.offline.encoder import OutputEncoder, ParquetFile
 from pipeline.offline.locations import shown_path
 from pipeline.offline.manifest import RunManifest
+from pipeline.offline.carry import carried_table
 from pipeline.offline.reuse import ReuseCounts, TextHashSink, merge_reused
 from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RowStats, RunSummary, add_counts, top_counts
@@ -336,6 +337,8 @@ class WindowWriter:
             shard = self.shards[block.shard_index]
             table = merge_reused(output_table(block, window, positions.start, self.columns_of, self.fold_segments),
                                  block.reuse)
+            if block.reuse is not None and block.reuse.carried:
+                table = carried_table(table)
             self.sink.write(block.shard_index, shard, table)
             self.text_hashes.write(block.shard_index, shard, block, table["error"])
             counts = self.counts.setdefault(block.shard_index, ShardCounts())
@@ -392,7 +395,10 @@ class WindowWriter:
         summary.reuse = {"reused_by_text": sum(c.by_text for c in reuse), "moved": sum(c.moved for c in reuse),
                          "new": sum(c.new for c in reuse), "edited": sum(c.edited for c in reuse),
                          "retried": sum(c.retried for c in reuse), "fixed": sum(c.fixed for c in reuse),
-                         "skipped": sum(c.skipped for c in reuse)} if reuse else {}
+                         "skipped": sum(c.skipped for c in reuse),
+                         **({"carried": sum(c.carried or 0 for c in reuse)}
+                            if any(c.carried is not None for c in reuse) else {})} \
+            if reuse else {}
         if self.count_flagged is not None:
             summary.flagged_rows = sum(c.flagged_rows or 0 for c in committed)
             summary.truncated_unflagged_rows = sum(c.truncated_unflagged_rows for c in committed)

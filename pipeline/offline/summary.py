@@ -127,7 +127,8 @@ class RunSummary:
                                 f"; {self.truncated_unflagged_rows:,} truncated rows not flagged: only their first "
                                 "--max-length tokens were judged" if self.truncated_unflagged_rows else ""))
         if self.reuse:
-            lines.insert(1, reuse_line(self.reused_rows, self.computed_rows, self.reuse))
+            lines.insert(1, carry_line(self.rows, self.reuse) if "carried" in self.reuse
+                         else reuse_line(self.reused_rows, self.computed_rows, self.reuse))
         if self.deduplicated_rows:
             lines.insert(1, f"deduplicated    {self.deduplicated_rows:,} rows copied the result of the same text "
                             "earlier in their window (--no-dedupe computes each)")
@@ -167,6 +168,15 @@ def reuse_line(reused: int, computed: int, counts: dict) -> str:
             f"({counts['fixed']:,} fixed), "
             + (f"{skipped:,} from a skipped previous shard (see its warning), " if skipped else "")
             + f"{without_text:,} without a text")
+
+
+def carry_line(rows: int, counts: dict) -> str:
+    """A change of models (offline/carry.py): `carried 240 rows' columns of the kept models; 3 rows ran every
+    model: 1 new, 1 edited, 1 retried after an error`."""
+    return (f"carried         {counts['carried']:,} rows' columns of the kept models from the output's earlier "
+            f"shards; {rows - counts['carried']:,} rows ran every model: {counts['new']:,} new, "
+            f"{counts['edited']:,} edited, {counts['retried']:,} retried after an error, {counts['skipped']:,} from "
+            "a skipped shard, the others without a text")
 
 
 LOW_REUSE_SHARE = 0.10

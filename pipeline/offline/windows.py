@@ -21,6 +21,7 @@ import pyarrow as pa
 from pipeline.core.forward import StageTimes
 from pipeline.core.segments import segment_groups
 from pipeline.core.tokenize import EncodedRows, TokenizerPool
+from pipeline.offline.carry import carried_mask, split_by_carry
 from pipeline.offline.reuse import ReusedRows, hash_rows, row_hashes
 from pipeline.offline.source import RowBlock
 
@@ -69,10 +70,14 @@ class Window:
     scored: EncodedRows = field(init=False)  # what runs: the rows, then their segments
     segment_counts: np.ndarray | None = field(init=False)  # --long-text split: segments per row (0: it fit)
     duplicate_of: np.ndarray | None = None  # --dedupe: per row, the row whose result it copies (itself: none)
+    carried: np.ndarray | None = field(init=False)  # a change of models: rows whose kept models' columns are
+    # carried (offline/carry.py); they still run, on the models computed
 
     def __post_init__(self) -> None:
-        reused = np.concatenate([b.reuse.mask if b.reuse is not None else np.zeros(b.num_rows, bool)
-                                 for b in self.blocks]) if self.blocks else np.zeros(0, bool)
+        self.carried = carried_mask(self.blocks)
+        reused = np.concatenate([b.reuse.mask if b.reuse is not None and not b.reuse.carried
+                                 else np.zeros(b.num_rows, bool) for b in self.blocks]) if self.blocks \
+            else np.zeros(0, bool)
         for row in np.flatnonzero(reused):  # --reuse: their text was dropped; they take yesterday's result
             self.encoded.errors[row] = None
         self.valid = np.array([error is None for error in self.encoded.errors], dtype=bool) & ~reused
@@ -93,6 +98,13 @@ class Window:
         first, last = np.searchsorted(owner, [start, end])
         segments = first + np.flatnonzero(self.valid[owner[first:last]])
         return np.concatenate([rows[self.segment_counts[rows] == 0], self.num_rows + segments])
+
+    def rows_by_models(self, start: int, end: int, computed: tuple[str, ...] | None) -> list[tuple]:
+        """`rows_to_score(start, end)` as (positions, the models that run them; None: every model): with a
+        change of models, the carried rows run only the `computed` models (offline/carry.py)."""
+        segments = self.encoded.segments
+        return split_by_carry(self.rows_to_score(start, end), self.carried,
+                              None if segments is None else segments.row, self.num_rows, computed)
 
     def rows_done(self, scored_rows: np.ndarray) -> int:
         """Rows whose last piece these positions of `scored` are (for the progress bar)."""
@@ -147,7 +159,11 @@ class Window:
         """Rows whose text an earlier row of the window has are not run: they copy its result. Rows
         split into segments run each (their result is folded from their own segments at the write)."""
         whole = self.valid if self.segment_counts is None else self.valid & (self.segment_counts == 0)
-        self.duplicate_of = first_of_each_text(text_hashes, whole)
+        if self.carried is None:
+            self.duplicate_of = first_of_each_text(text_hashes, whole)
+        else:  # a carried row runs fewer models: it copies only a carried row, and is copied only by one
+            self.duplicate_of = np.where(self.carried, first_of_each_text(text_hashes, whole & self.carried),
+                                         first_of_each_text(text_hashes, whole & ~self.carried))
         self.valid[self.duplicate_of != np.arange(self.num_rows)] = False
 
     def copy_duplicates(self, start: int, end: int) -> int:

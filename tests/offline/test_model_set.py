@@ -210,10 +210,10 @@ def test_verify_and_a_rerun_accept_an_output_of_several_models(separate_and_toge
     again = run(str(folder / "in"), str(folder / "together"), keep_columns=["lang"],
                 models=three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path), **SHARED)
     assert again["nothing_to_do"]
-    changed = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
-    changed["toxicity"]["thresholds"] = {"toxic": 0.9}
-    with pytest.raises(UsageError, match="other settings"):
-        run(str(folder / "in"), str(folder / "together"), keep_columns=["lang"], models=changed, **SHARED)
+    with pytest.raises(UsageError, match="other settings"):  # a run-wide setting (a model's: test_adding_changing…)
+        run(str(folder / "in"), str(folder / "together"), models=three_models(tiny_multilabel_path,
+                                                                              tiny_classifier_path, minilm_path),
+            **SHARED)
 
 
 @pytest.mark.slow
@@ -310,3 +310,175 @@ def test_a_resume_keeps_each_models_recorded_dtype_and_compile_where_they_are_au
     assert kept.models == {"a": {"job": "moderate", "dtype": "bfloat16", "compile": "on"},
                            "b": {"job": "moderate", "dtype": "float32"}}  # b's dtype was given: a change is refused
     assert kept.long_rows.long_text == "split"
+
+
+# --- a change of models: only the added and changed models run ----------------------------------------------
+
+def test_a_change_of_models_keeps_the_models_as_recorded_and_the_run_wide_settings():
+    from pipeline.offline.model_set import model_change
+
+    def model(job, **more):
+        return {"job": job, "model": job, "max_length": 32, "id_column": "id", "text_column": "text", **more}
+
+    before = {"models": {"a": model("moderate"), "b": model("embed")}, "model_order": ["a", "b"]}
+    recorded = {"fingerprint": before}
+    added = {"models": {**before["models"], "c": model("classify")}, "model_order": ["a", "b", "c"]}
+    change = model_change(recorded, added)
+    assert (change.kept, change.computed, change.dropped) == (("a", "b"), ("c",), ())
+    assert change.source == before
+    changed = {"models": {"a": model("moderate", thresholds={"toxic": 0.9}), "b": model("embed")}}
+    assert (model_change(recorded, changed).kept, model_change(recorded, changed).computed) == (("b",), ("a",))
+    removed = {"models": {"b": model("embed")}}
+    assert (model_change(recorded, removed).computed, model_change(recorded, removed).dropped) == ((), ("a",))
+    # resumed after a kill: run.json holds the new fingerprint and where its kept columns come from
+    assert model_change({"fingerprint": added, "carried_from": before}, added) == change
+    assert model_change(recorded, before) is None  # no change
+    assert model_change(recorded, {"models": {"c": model("classify")}}) is None  # no model kept
+    longer = {"models": {name: {**each, "max_length": 64} for name, each in added["models"].items()}}
+    assert model_change(recorded, longer) is None  # a run-wide setting: refused as any change of settings
+    assert model_change({"fingerprint": {"job": "embed"}}, added) is None  # a one-model output
+
+
+class ForwardRows:
+    """The rows each model of a run of several is run on (segments count as rows), read off the real
+    forward as it runs."""
+
+    def __init__(self, monkeypatch):
+        from jobs.model_set import ModelSetJob
+
+        self.rows: dict[str, int] = {}
+        forward = ModelSetJob.forward
+
+        def counted(job, model, input_ids, *args, models=None, **kwargs):
+            for name in (models if models is not None else job.jobs):
+                self.rows[name] = self.rows.get(name, 0) + int(input_ids.shape[0])
+            return forward(job, model, input_ids, *args, models=models, **kwargs)
+
+        monkeypatch.setattr(ModelSetJob, "forward", counted)
+
+    def take(self) -> dict[str, int]:
+        rows, self.rows = self.rows, {}
+        return rows
+
+
+@pytest.fixture
+def forward_rows(monkeypatch) -> ForwardRows:
+    return ForwardRows(monkeypatch)
+
+
+def assert_same_output(ours, theirs) -> None:
+    a, b = read_output(ours), read_output(theirs)
+    assert a.column_names == b.column_names
+    for column in a.column_names:
+        assert a[column].to_pylist() == b[column].to_pylist(), column
+    assert a.schema == b.schema
+
+
+@pytest.mark.slow
+def test_adding_changing_and_removing_a_model_computes_only_what_changed(
+        tmp_path, long_rows, forward_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+    from pipeline.api import run
+    from pipeline.offline.verify import verify_output
+
+    write_shards(tmp_path / "in", long_rows, [100, 140])
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    two = {name: models[name] for name in ("toxicity", "topic")}
+
+    def into(output: str, chosen: dict) -> dict:
+        return run(str(tmp_path / "in"), str(tmp_path / output), keep_columns=["lang"], models=chosen, **SHARED)
+
+    into("out", two)
+    assert set(forward_rows.take()) == {"toxicity", "topic"}
+    fresh = into("fresh", models)
+    full = forward_rows.take()  # what each model runs on over these rows
+    assert full["embed"] == full["toxicity"] > 240  # the rows that run, and their segments
+
+    added = into("out", models)  # the rerun into the same output: only embed runs
+    assert forward_rows.take() == {"embed": full["embed"]}
+    assert_same_output(tmp_path / "out", tmp_path / "fresh")
+    assert added["models"]["embed"]["computed_rows"] == 240 and added["models"]["embed"]["reused_rows"] == 0
+    for name in ("toxicity", "topic"):
+        entry = added["models"][name]
+        assert entry["reused_rows"] == added["reuse"]["carried"] >= 238 and entry["computed_rows"] + \
+            entry["reused_rows"] == 240  # the rows without a text are not carried: they have an error all the same
+    assert added["models"]["toxicity"]["flagged_rows"] == fresh["models"]["toxicity"]["flagged_rows"]
+    assert added["reuse"]["new"] == 0 and verify_output(None, str(tmp_path / "out")).complete
+    assert into("out", models)["nothing_to_do"]
+
+    changed = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    changed["toxicity"]["thresholds"] = {"toxic": 0.3}
+    recomputed = into("out", changed)  # toxicity alone runs again
+    assert forward_rows.take() == {"toxicity": full["toxicity"]}
+    into("fresh-changed", changed)
+    forward_rows.take()
+    assert_same_output(tmp_path / "out", tmp_path / "fresh-changed")
+    assert recomputed["models"]["toxicity"]["computed_rows"] == 240
+    assert recomputed["models"]["embed"]["computed_rows"] < 3
+
+    fewer = {name: changed[name] for name in ("toxicity", "embed")}
+    removed = into("out", fewer)  # topic's columns dropped, no model runs
+    assert forward_rows.take() == {}
+    into("fresh-fewer", fewer)
+    assert_same_output(tmp_path / "out", tmp_path / "fresh-fewer")
+    assert not any(name.startswith("topic.") for name in read_output(tmp_path / "out").column_names)
+    assert removed["models"]["embed"]["reused_rows"] >= 238 and set(removed["models"]) == {"toxicity", "embed"}
+
+
+@pytest.mark.slow
+def test_a_change_of_models_is_refused_with_other_run_wide_settings_or_with_reuse(
+        tmp_path, long_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+    from pipeline.api import run
+
+    write_shards(tmp_path / "in", long_rows.slice(0, 40), [40])
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    two = {name: models[name] for name in ("toxicity", "topic")}
+    run(str(tmp_path / "in"), str(tmp_path / "out"), models=two, **SHARED)
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    with pytest.raises(UsageError, match="other settings"):  # a run-wide setting changed too
+        run(str(tmp_path / "in"), str(tmp_path / "out"), models=models, keep_columns=["lang"], **SHARED)
+    run(str(tmp_path / "in"), str(tmp_path / "prev"), models=models, **SHARED)
+    with pytest.raises(UsageError, match="--reuse with a change of models"):
+        run(str(tmp_path / "in"), str(tmp_path / "out"), models=models, reuse=str(tmp_path / "prev"), **SHARED)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+
+
+@pytest.mark.slow
+def test_a_change_of_models_killed_mid_way_resumes_to_a_fresh_runs_output(
+        tmp_path, long_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+    write_shards(tmp_path / "in", long_rows, [80, 80, 80])
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    base = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(tmp_path / "in"), "--max-length", "32",
+            "--long-text", "split", "--dtype", "float32", "--compile", "off", "--tokenize-workers", "0",
+            "--no-probe", "--no-progress", "--max-batch-rows", "2", "--window-rows", "40"]
+
+    def command(names, output):
+        inline = ", ".join(f"{name} = {{job = {json.dumps(models[name]['job'])}, model = "
+                           f"{json.dumps(models[name]['model'])}}}" for name in names)
+        return [*base, "--models", inline, "--output", str(tmp_path / output)]
+
+    done = subprocess.run(command(["toxicity", "topic"], "out"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before = {path.name: path.read_bytes() for path in (tmp_path / "out").glob("*.parquet")}
+    # killed as the second shard's new file is written: the first is committed with every model, the others not
+    kill_when_written(command(list(models), "out"), tmp_path / "out", ".part-00001.parquet.*.tmp", 300)
+    after = {path.name: path.read_bytes() for path in (tmp_path / "out").glob("*.parquet")}
+    assert sorted(after) == sorted(before) and after["part-00002.parquet"] == before["part-00002.parquet"]
+    assert after["part-00000.parquet"] != before["part-00000.parquet"]  # rewritten whole, committed by rename
+    from pipeline.offline.manifest import run_status
+
+    status = run_status(str(tmp_path / "out"), {})
+    assert (status["done"], status["pending"]) == (1, 2) and status["models"]["embed"]["shards_done"] == 1
+    resumed = subprocess.run([*command(list(models), "out"), "--summary-json", str(tmp_path / "summary.json")],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    printed = resumed.stdout + resumed.stderr
+    assert "carried         160 rows' columns of the kept models from the output's earlier shards" in printed
+    assert "model embed     embed: 160 rows computed, 0 reused" in printed
+    assert summary["shards_done_before"] == 1 and summary["models"]["embed"]["computed_rows"] == 160
+    assert summary["models"]["topic"]["reused_rows"] >= 158
+    whole = subprocess.run(command(list(models), "whole"), capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    ours = read_output(tmp_path / "out")
+    assert ours.num_rows == 240 and len(set(ours["id"].to_pylist())) == 240
+    assert_same_output(tmp_path / "out", tmp_path / "whole")
