@@ -34,25 +34,30 @@ PROBE_ROUNDS = 3  # rounds a size must pass on the CPU when its peak comes near 
 # caching allocator is deterministic for one shape: one round)
 CLEAR_SHARE = 0.85  # a first round peaking at or below this share of the budget passes at once: the
 # rounds guard against run-to-run noise near the limit, which is a few % here, not 15%
-FIT_ROWS = (2, 8)  # batch sizes of the fitting grid (on CUDA larger: `fit_rows`)
+FIT_ROWS = (2, 8)  # the fewest rows of the fitting grid's two batch sizes (more where `fit_rows` floors apply)
 FIT_LENGTH_FRACTIONS = (0.25, 0.5, 1.0)  # lengths of the fitting grid, as fractions of max_length
-CUDA_FIT_FLOOR_BYTES = 32 * 2**20  # on CUDA the smallest fitting batch's hidden state holds at least this: 16 of
-# the caching allocator's 2 MiB pages (its small requests share 2 MiB blocks, 1-10 MiB ones 20 MiB blocks), so the
-# fit measures activations rather than page rounding
+CPU_FIT_FLOOR_BYTES = 192 * 2**10  # on the CPU the smallest fitting batch's hidden state holds at least this: a
+# resident set moves by a MiB or so between forwards (kernel and thread caches), which hid a 32-wide model's growth
+# at 2 and 8 rows; MiniLM's grid at 256 tokens stays 2 and 8 rows
+CUDA_FIT_FLOOR_BYTES = 32 * 2**20  # on CUDA at least this: 16 of the caching allocator's 2 MiB pages (its small
+# requests share 2 MiB blocks, 1-10 MiB ones 20 MiB blocks), so the fit measures activations rather than page rounding
 CUDA_FIT_MAX_TOKENS = 262144  # and the largest fitting batch holds no more tokens than this (nor the token budget)
 
 
 def fit_rows(device_type: str, shortest_length: int, longest_length: int, hidden_size: int, element_bytes: int,
              max_batch_tokens: int | None) -> tuple[int, int]:
-    """The fitting grid's two batch sizes, the second four times the first as in FIT_ROWS. On
-    the CPU FIT_ROWS; on CUDA, whose allocator hands out memory in pages of 2 MiB and more, as
-    many rows as put CUDA_FIT_FLOOR_BYTES in the shortest fitting batch's hidden state, within
-    CUDA_FIT_MAX_TOKENS and the token budget at the longest length."""
-    if device_type != "cuda" or hidden_size < 1:
+    """The fitting grid's two batch sizes, the second four times the first: as many rows as put
+    the device's floor (CPU_FIT_FLOOR_BYTES, CUDA_FIT_FLOOR_BYTES) in the shortest fitting batch's
+    hidden state, and never fewer than FIT_ROWS. On CUDA, within CUDA_FIT_MAX_TOKENS and the token
+    budget at the longest length (on the CPU the floor is small enough to need no cap)."""
+    if hidden_size < 1:
         return FIT_ROWS
-    small = math.ceil(CUDA_FIT_FLOOR_BYTES / (shortest_length * hidden_size * element_bytes))
-    tokens = min(CUDA_FIT_MAX_TOKENS, max_batch_tokens or CUDA_FIT_MAX_TOKENS)
-    small = max(FIT_ROWS[0], min(small, tokens // (4 * longest_length)))
+    floor = CUDA_FIT_FLOOR_BYTES if device_type == "cuda" else CPU_FIT_FLOOR_BYTES
+    small = math.ceil(floor / (shortest_length * hidden_size * element_bytes))
+    if device_type == "cuda":
+        tokens = min(CUDA_FIT_MAX_TOKENS, max_batch_tokens or CUDA_FIT_MAX_TOKENS)
+        small = min(small, tokens // (4 * longest_length))
+    small = max(FIT_ROWS[0], small)
     return small, 4 * small
 
 

@@ -223,16 +223,28 @@ class OutputArrays:
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self.allocate: Callable[[tuple, np.dtype], np.ndarray] = zeroed_array
+        self._allocate: Callable[[tuple, np.dtype], np.ndarray] = zeroed_array
         self._free: dict[tuple, list[np.ndarray]] = {}
         self._lock = threading.Lock()  # windows are stored by the device loop and released by the writer
+
+    @property
+    def allocate(self) -> Callable[[tuple, np.dtype], np.ndarray]:
+        return self._allocate
+
+    @allocate.setter
+    def allocate(self, allocate: Callable[[tuple, np.dtype], np.ndarray]) -> None:
+        """A new allocator drops the arrays the old one made: a run with an encoder would otherwise
+        store into a run's before it (kept by `keep_pool` or a Ray actor) that the encoder cannot map."""
+        with self._lock:
+            self._allocate = allocate
+            self._free.clear()
 
     def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         with self._lock:
             free = self._free.get((shape, np.dtype(dtype)))
             array = free.pop() if free else None
         if array is None:
-            return self.allocate(shape, dtype)
+            return self._allocate(shape, dtype)
         array.fill(0)
         return array
 

@@ -69,10 +69,11 @@ def test_the_exported_forward_bounds_rows_at_the_grid_limit(tiny_encoder_path):
 def test_cuda_fits_memory_on_batches_many_allocator_pages_large():
     """2 and 8 rows of ≤ 2,048 tokens sat below the CUDA allocator's 2 MiB pages: the fit measured
     page rounding. On CUDA the smaller fitting batch's hidden state now holds ≥ 32 MiB where the
-    token caps allow; on the CPU the grid stays 2 and 8 rows."""
+    token caps allow; on the CPU ≥ 192 KiB, which for MiniLM is still 2 and 8 rows."""
     from pipeline.core.memory import fit_rows
 
-    assert fit_rows("cpu", 64, 256, 384, 4, None) == (2, 8)
+    assert fit_rows("cpu", 64, 256, 384, 4, None) == (2, 8)  # MiniLM, float32: the CPU's floor at 2 rows
+    assert fit_rows("cpu", 8, 32, 32, 4, 2048) == (192, 768)  # a 32-wide model: 192 KiB, past the token budget
     # MiniLM in bf16 at 256 tokens: 683 rows would put 32 MiB in the 64-token batch; 262,144 tokens cap it at 256
     assert fit_rows("cuda", 64, 256, 384, 2, None) == (256, 1024)
     assert 256 * 64 * 384 * 2 >= 6 * 2**21

@@ -159,6 +159,16 @@ def test_output_arrays_come_back_zeroed_and_no_more_are_kept_than_asked():
     assert arrays.take((5, 3), np.float32).shape == (5, 3)
 
 
+def test_output_arrays_kept_from_another_allocator_are_not_handed_out():
+    """A run with an encoder after one without (one process: `keep_pool`, a Ray actor) stores into
+    memory the encoder maps, not into arrays the run before kept."""
+    arrays, made = OutputArrays(keep=2), []
+    kept = arrays.take((4, 3), np.float32)
+    arrays.give_back([kept])
+    arrays.allocate = lambda shape, dtype: made.append(shape) or np.zeros(shape, dtype)
+    assert arrays.take((4, 3), np.float32) is not kept and made == [(4, 3)]
+
+
 def test_window_output_arrays_come_from_memory_the_encoder_process_faulted_in():
     """The encoder process allocates the pages (its minor faults grow by about one per page); the
     array here is zeroed, writable, and shares no memory with the next one."""
