@@ -127,20 +127,23 @@ def test_a_row_that_cannot_run_alone_gets_an_error_and_the_run_goes_on(tmp_path,
 
 @pytest.mark.slow
 def test_the_probe_shrinks_batches_that_run_out_of_memory_on_the_device(oom_job, tiny_encoder_path):
-    """A device that fails above 8 rows: the probe's search lands on 8 for every bucket it runs,
-    and the buckets between them get no more rows than the shorter verified one."""
+    """A device that fails above the fitting grid's larger batch: the probe's search lands on it
+    for every bucket it runs, and the buckets between them get no more rows than the shorter
+    verified one."""
+    from pipeline.core.memory import fit_rows
     from pipeline.core.probe import probe_memory_plan
 
+    _, grid_rows = fit_rows("cpu", 32, 128, 32, 4, None)  # the 32-wide model's grid at 32–128 tokens
     job = oom_job(max_rows=5)
     model = job.load(tiny_encoder_path, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="even the fitting batches"):
         probe_memory_plan(job, model, torch.device("cpu"), 2**30, 1.5, 128, 512, None)
-    job.max_rows = 8  # the fitting grid (2 and 8 rows) fits; bigger batches do not
+    job.max_rows = grid_rows  # the fitting grid fits; bigger batches do not
     plan = probe_memory_plan(job, model, torch.device("cpu"), 2**30, 1.5, 128, 512, None)
     measured = [b for b in plan.buckets if b.check == "measured"]
-    assert [b.length for b in measured] == [16, 32, 64, 128] and [b.probed_rows for b in measured] == [8] * 4
-    assert [b.probed_rows for b in plan.buckets] == [8] * len(plan.buckets)
-    assert plan.buckets[0].planned_rows > 8  # the formula asked for more
+    assert [b.length for b in measured] == [16, 32, 64, 128] and [b.probed_rows for b in measured] == [grid_rows] * 4
+    assert [b.probed_rows for b in plan.buckets] == [grid_rows] * len(plan.buckets)
+    assert plan.buckets[0].planned_rows > grid_rows  # the formula asked for more
 
 
 class NonFiniteForSomeRows(EmbedJob):

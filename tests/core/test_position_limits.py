@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import cli
 from pipeline.core.errors import UsageError
+from pipeline.core.memory import fit_rows
 from pipeline.runtime.choice import choose_model
 from pipeline.runtime.model import load_model
 from pipeline.core.positions import (
@@ -134,6 +135,7 @@ def test_a_probe_forward_that_fails_other_than_out_of_memory_is_one_usage_error(
     with pytest.raises(UsageError) as stopped:
         memory_plan_for(config.batch, config.cache, "classify", 600, loaded.job, loaded.model, loaded.choice.path,
                         loaded.choice.device)
-    assert str(stopped.value) == ("the memory probe's forward of 2 rows × 600 tokens failed with RuntimeError: "
+    rows, _ = fit_rows("cpu", 150, 600, loaded.model.config.hidden_size, 4, 4096)  # the grid's first 600-token batch
+    assert str(stopped.value) == (f"the memory probe's forward of {rows} rows × 600 tokens failed with RuntimeError: "
                                   "index 514 is out of bounds for dimension 1 with size 514; every batch this "
                                   "long would fail the same way: check --max-length, --dtype and --model")
