@@ -145,6 +145,30 @@ def rows_with_bad_ones(sample_table) -> pa.Table:
     return pa.table({"id": sample_table["id"].to_pylist()[:200], "text": pa.array(texts, pa.string())})
 
 
+# a run of several models (docs/jobs.md "Several models, one pass"): the run-wide settings that give the three models
+# one tokenization, and the three (a moderator and a classifier sharing MiniLM's tokenizer, and MiniLM embedding)
+MODEL_SET_SETTINGS = {"max_length": 32, "long_text": "split", "dtype": "float32", "compile": "off",
+                      "tokenize_workers": 0, "no_plan_cache": True, "progress": False}
+
+
+def three_models(moderator: str, classifier: str, embedder: str) -> dict:
+    return {"toxicity": {"job": "moderate", "model": moderator, "thresholds": {"toxic": 0.5, "insult": 0.45}},
+            "topic": {"job": "classify", "model": classifier},
+            "embed": {"job": "embed", "model": embedder}}
+
+
+@pytest.fixture(scope="session")
+def model_set_rows(sample_table) -> pa.Table:
+    """The sample, with one repeated text (dedupe), long rows (split into segments) and bad rows (errors)."""
+    texts = sample_table["text"].to_pylist()[:240]
+    texts[5] = texts[9]
+    texts[30] = None
+    texts[31] = " "
+    texts[40] = " ".join(texts[41:48])  # longer than 32 tokens: segments
+    return pa.table({"id": sample_table["id"].to_pylist()[:240], "text": pa.array(texts, pa.string()),
+                     "lang": pa.array(["en"] * 240)})
+
+
 def run_to_table(tmp_path, name, table, sizes, **settings) -> tuple[pa.Table, dict]:
     """Run the pipeline over `table` split into shards of `sizes`; the concatenated outputs and
     the summary. Checks one output per shard, row counts and that no temporary file is left."""

@@ -110,9 +110,11 @@ def run_claimed(config: RunConfig, slot: WorkerSlot, prepare_engine: PrepareEngi
         return summary
 
 
-def choose_here(config: RunConfig, dtype_source: str | None, trial_texts) -> ModelChoice:
-    """The run's model settled in this process (a local run; the Ray engine settles it for its actors)."""
-    return choose_model(config.model, config.cache.plan_cache, dtype_source, trial_texts)
+def choose_here(config: RunConfig, dtype_source: str | None, trial_texts,
+                choose_one: Callable[..., ModelChoice] = choose_model) -> ModelChoice:
+    """The run's model settled by `choose_one` (`choose_model`'s arguments): in this process, or for the Ray
+    actors by the cluster's resources."""
+    return choose_one(config.model, config.cache.plan_cache, dtype_source, trial_texts)
 
 
 def close_runner(run_shards: ShardsRunner) -> None:

@@ -34,9 +34,6 @@ def execute_run(config: RunConfig):
         if config.engine == "ray":
             if config.num_shards > 1:
                 raise UsageError("--engine ray hands out the shards itself; drop --num-shards")
-            if config.models:
-                raise UsageError("--engine ray does not yet run several models; use --engine local (with "
-                                 "--num-shards to spread the shards over workers)")
             from pipeline.engines.ray import run_on_ray
 
             summary = run_on_ray(config)

@@ -9,17 +9,15 @@ from collections.abc import Mapping
 
 from pipeline.core import exit_codes
 from pipeline.core.clock import SetupClock
-from pipeline.runtime import open_runtime
-from pipeline.runtime.choice import ModelChoice
-from pipeline.runtime.model import tokenizer_for
-from pipeline.core.settings import tokenize_workers_for
-from pipeline.offline.config import RunConfig
 from pipeline.engines.claim import ShardsRunner, run_claimed
-from pipeline.offline.runner import ShardRunner
-from pipeline.core.tokenize import TokenizerPool
+from pipeline.engines.runner_setup import open_shard_runner
+from pipeline.offline.carry import Carry
+from pipeline.offline.config import RunConfig
 from pipeline.offline.source import Shard, resolve_worker_slot
 from pipeline.offline.summary import RunSummary
 from pipeline.offline.workload import InputSample
+from pipeline.runtime.choice import ModelChoice
+from pipeline.runtime.model_set import ModelSetChoice
 
 
 def run_job(config: RunConfig, environ: Mapping[str, str] = os.environ) -> RunSummary:
@@ -51,19 +49,12 @@ def refuse_while_a_worker_starts() -> None:
         os._exit(exit_codes.USAGE)
 
 
-def prepare_here(config: RunConfig, choice: ModelChoice, todo: list[Shard],
-                 clock: SetupClock) -> tuple[ShardsRunner, RunConfig]:
-    """The local engine: the tokenizer pool started first, so that its processes come up while
-    the model loads; the model loaded once in this process (compiled if that pays back over
-    `todo`); one shard runner for all shards; the config with --compile settled."""
-    with clock.step("tokenizer"):
-        tokenizer = tokenizer_for(config.model, choice, config.runtime_needs().long_rows)
-        pool = TokenizerPool(tokenizer, tokenize_workers_for(config.tokenize_workers, choice.device.type), wait=False)
-    try:
-        runtime = open_runtime(config, InputSample(todo, config.source), choice=choice, tokenizer=tokenizer,
-                               clock=clock)
-        settled = config.with_settings(compile="on" if runtime.loaded.compile.compiled else "off")
-        return ShardRunner(settled, runtime, pool, clock), settled
-    except BaseException:
-        pool.close()
-        raise
+def prepare_here(config: RunConfig, choice: ModelChoice | ModelSetChoice, todo: list[Shard], clock: SetupClock,
+                 carry: Carry | None = None, opened: dict | None = None) -> tuple[ShardsRunner, RunConfig]:
+    """The local engine: the model, or models (`opened` receives what each settled, `carry` a change of
+    models), loaded once in this process (compiled if that pays back over `todo`); one shard runner for
+    all shards; the config with --compile settled."""
+    opening = open_shard_runner(config, choice, InputSample(todo, config.source), clock, carry=carry)
+    if opened is not None:
+        opened.update(opening.opened)
+    return opening.runner, opening.config

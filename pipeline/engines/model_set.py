@@ -1,38 +1,41 @@
-"""The local engine for a run of several models (docs/jobs.md "Several models, one pass"): each model settled
-and opened as a one-model run's, one tokenizer pool for all, and one shard runner whose job runs every batch
-through each model. The claim, resume, --reuse and commit are the one-model run's (`run_claimed`)."""
+"""A run of several models on any engine (docs/jobs.md "Several models, one pass"): each model settled as a
+one-model run's, a change of models since the output was made found before the claim, and the summary's `models`
+object. The claim, resume, --reuse and commit are the one-model run's (`run_claimed`); what loads the models is the
+engine's (`prepare`: this process, or the Ray actors), and each opens them with `open_shard_runner`."""
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 
-from pipeline.core.clock import SetupClock
-from pipeline.core.device import dtype_name
-from pipeline.core.probe import describe_plan
-from pipeline.core.settings import tokenize_workers_for
-from pipeline.core.tokenize import TokenizerPool
-from pipeline.engines.claim import run_claimed
 from pipeline.core.errors import UsageError
+from pipeline.engines.claim import run_claimed
+from pipeline.engines.local import prepare_here
 from pipeline.offline.carry import Carry, carry_of
 from pipeline.offline.claim import output_fingerprint
 from pipeline.offline.config import RunConfig
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.model_set import model_change, model_configs, models_summary
-from pipeline.offline.runner import ShardRunner
 from pipeline.offline.sink import ShardSink
-from pipeline.offline.source import Shard, WorkerSlot
+from pipeline.offline.source import WorkerSlot
 from pipeline.offline.summary import RunSummary
-from pipeline.offline.workload import InputSample
-from pipeline.runtime import open_runtime
-from pipeline.runtime.model_set import ModelSetChoice, choose_model_set, combine_runtimes
+from pipeline.runtime.choice import choose_model
+from pipeline.runtime.model_set import ModelSetChoice, choose_model_set
 
 
-def run_model_set(config: RunConfig, slot: WorkerSlot) -> RunSummary:
-    """`run_job` for several models: the summary with its `models` object."""
+def run_model_set(config: RunConfig, slot: WorkerSlot, prepare=prepare_here,
+                  choose: Callable[..., ModelSetChoice] | None = None) -> RunSummary:
+    """`run_job` for several models: the summary with its `models` object. `prepare(config, choice, todo, clock,
+    carry=, opened=)`: the engine's setup (`prepare_here`), which fills `opened` with what each model settled;
+    `choose`: how the models are settled (`choose_models`; the Ray engine settles them for its actors)."""
     opened: dict[str, dict] = {}
     carrying: list[Carry] = []
-    summary = run_claimed(config, slot, functools.partial(prepare_model_set, opened=opened, carrying=carrying),
-                          choose_models_here)
+
+    def prepare_models(config: RunConfig, choice: ModelSetChoice, todo, clock):
+        carry = change_of_models(config, choice)
+        carrying[:] = [carry] if carry is not None else []
+        return prepare(config, choice, todo, clock, carry=carry, opened=opened)
+
+    summary = run_claimed(config, slot, prepare_models, choose or choose_models)
     summary.models = models_summary(config, summary.computed_rows, summary.reused_rows, summary.flagged_by_label,
                                     opened, summary.reuse.get("carried", 0),
                                     carrying[0].computed if carrying else tuple(config.models))
@@ -41,40 +44,23 @@ def run_model_set(config: RunConfig, slot: WorkerSlot) -> RunSummary:
     return summary
 
 
-def choose_models_here(config: RunConfig, dtype_source: str | None, trial_texts) -> ModelSetChoice:
+def choose_models(config: RunConfig, dtype_source: str | None, trial_texts,
+                  choose_one: Callable = choose_model) -> ModelSetChoice:
+    """The run's models settled: each by `choose_one` (`choose_model`'s arguments; here, or for the Ray actors)."""
     configs = model_configs(config)
     return choose_model_set({name: each.model for name, each in configs.items()}, config.cache.plan_cache,
-                            config.runtime_needs().long_rows, dtype_source, trial_texts)
+                            config.runtime_needs().long_rows, dtype_source, trial_texts, choose_one)
 
 
-def prepare_model_set(config: RunConfig, choice: ModelSetChoice, todo: list[Shard], clock: SetupClock,
-                      opened: dict, carrying: list) -> tuple[ShardRunner, RunConfig]:
-    """The pool started first, then each model's runtime opened as a one-model run opens it (its dtype,
-    compile, limits and memory plan), combined (`combine_runtimes`); the config with each model's --compile
-    settled. `opened` receives what each model settled, for the summary; `carrying`, a change of models
-    since the output was made (offline/carry.py), which the runner carries."""
-    configs = model_configs(config)
+def change_of_models(config: RunConfig, choice: ModelSetChoice) -> Carry | None:
+    """A change of models since the output was made (offline/carry.py), which the shard runners carry; with
+    --reuse a UsageError. Read before the claim, which records the new models."""
+    if config.overwrite:
+        return None
     output = ShardSink(config.output, config.source.storage_options)
-    carry = None if config.overwrite else carry_of(model_change(RunManifest(output.fs, output.output_dir).read_run(),
-                                                                output_fingerprint(config, choice)))
+    carry = carry_of(model_change(RunManifest(output.fs, output.output_dir).read_run(),
+                                  output_fingerprint(config, choice)))
     if carry is not None and config.reuse:
         raise UsageError("--reuse with a change of models since the output was made: finish the change without "
                          "--reuse first, or drop --reuse")
-    carrying[:] = [carry] if carry is not None else []
-    pool = TokenizerPool(choice.tokenizer, tokenize_workers_for(config.tokenize_workers, choice.device.type),
-                         wait=False)
-    try:
-        sample = InputSample(todo, config.source)
-        runtimes = {name: open_runtime(configs[name], sample, choice=each, tokenizer=choice.tokenizer, clock=clock)
-                    for name, each in choice.choices.items()}
-        opened.update({name: {"model": runtime.loaded.choice.path,
-                              "dtype": dtype_name(runtime.loaded.choice.dtype),
-                              "compile": runtime.loaded.compile.reason, "batch_setting": runtime.batch_setting,
-                              "batch_plan": describe_plan(runtime.plan)} for name, runtime in runtimes.items()})
-        models = {name: {**settings, "compile": "on" if runtimes[name].loaded.compile.compiled else "off"}
-                  for name, settings in config.models.items()}
-        settled = config.with_settings(models=models)
-        return ShardRunner(settled, combine_runtimes(runtimes), pool, clock, carry=carry), settled
-    except BaseException:
-        pool.close()
-        raise
+    return carry

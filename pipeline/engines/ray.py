@@ -1,18 +1,18 @@
 """`--engine ray`: the same shard runner on Ray Core actors.
 
-The driver claims the output (lock, fingerprint, pending shards) as a local run does, then
-feeds the pending shards, longest first, to K actors. Each actor loads the model once and
-runs the shard runner on one shard at a time, reading its input and writing its output
-itself: no rows travel through Ray's object store, only shards, summaries and id hashes. The
-driver keeps one more shard queued on each actor, which reads and tokenizes that shard's first
-window while the current one runs, so the device does not wait for a shard's start. An
-actor that dies at any moment (while loading the model, mid-shard, while committing: node
-lost, OOM-killed) is replaced, and its shard handed to another actor, at most
-MAX_SHARD_ATTEMPTS times; actors are replaced at most MAX_SHARD_ATTEMPTS × K times a run. The
-same Python exception from loading the model in two actors is a usage error. Each attempt
-carries a token the driver grants before handing the shard out; the commit checks it, so a
-zombie attempt that comes back never commits over a newer one, and reads the driver's lock, so no
-actor on any node commits once its driver's lock was taken over or its lease ran out (docs/scale-out.md).
+The driver claims the output (lock, fingerprint, pending shards) as a local run does, then feeds the
+pending shards, longest first, to K actors. Each actor loads the model (or a run's several models,
+as a local run opens them: `open_shard_runner`) once and runs the shard runner on one shard at a
+time, reading its input and writing its output itself: no rows travel through Ray's object store,
+only shards, summaries and id hashes. The driver keeps one more shard queued on each actor, which
+reads and tokenizes that shard's first window while the current one runs, so the device does not
+wait for a shard's start. An actor that dies at any moment (while loading the model, mid-shard,
+while committing: node lost, OOM-killed) is replaced, and its shard handed to another actor, at most
+MAX_SHARD_ATTEMPTS times; actors are replaced at most MAX_SHARD_ATTEMPTS × K times a run. The same
+Python exception from loading the model in two actors is a usage error. Each attempt carries a token
+the driver grants before handing the shard out; the commit checks it, so a zombie attempt that comes
+back never commits over a newer one, and reads the driver's lock, so no actor on any node commits
+once its driver's lock was taken over or its lease ran out (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -34,19 +34,22 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from pipeline.core.buckets import padding_efficiency
-from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
+from pipeline.core.clock import SetupClock
 from pipeline.core.errors import StorageError, UsageError
-from pipeline.runtime import open_runtime
-from pipeline.runtime.choice import ModelChoice, choose_model
 from pipeline.core.settings import CUDA_HOST_THREADS
+from pipeline.engines.claim import choose_here, run_claimed
+from pipeline.engines.model_set import choose_models, run_model_set
+from pipeline.engines.ray_devices import actors_config, choose_on_cluster, said_dtypes, settled_dtypes
+from pipeline.engines.runner_setup import open_shard_runner
+from pipeline.offline.carry import Carry
 from pipeline.offline.config import RunConfig
-from pipeline.engines.claim import run_claimed
 from pipeline.offline.manifest import RunManifest
 from pipeline.offline.reuse import remove_stale_hash_temporaries
-from pipeline.offline.runner import ShardRunner
 from pipeline.offline.sink import ShardSink, output_paths
 from pipeline.offline.source import Shard, WorkerSlot
 from pipeline.offline.summary import IdTracker, RunSummary, add_counts
+from pipeline.runtime.choice import ModelChoice
+from pipeline.runtime.model_set import ModelSetChoice
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +68,24 @@ def import_ray():
 
 
 class ShardWorker:
-    """The body of a Ray actor: one model on one device, shards in, summaries out. A Python
-    exception while loading the model is kept and reported by `where`, so that the driver can
+    """The body of a Ray actor: one model, or several, on one device, shards in, summaries out. A
+    Python exception while loading a model is kept and reported by `where`, so that the driver can
     tell it (the same in every actor: a usage error) from an actor killed while it loads."""
 
-    def __init__(self, config: RunConfig):
-        """`config`: the driver's, with the actor's torch threads and tokenizer processes."""
+    def __init__(self, config: RunConfig, carry: Carry | None = None):
+        """`config`: the driver's, with the actor's torch threads and tokenizer processes, and the device
+        and dtypes it settled (`actors_config`); `carry`: a change of models the driver found."""
         started = time.perf_counter()
         self.config = config
-        self.start_error, self.device, self.dtype = None, None, None
+        self.start_error, self.device, self.dtype, self.models = None, None, None, {}
         try:
             # the device settled here, on the actor's node: cuda is its GPU (cuda:0)
-            runtime = open_runtime(config)
-            choice = runtime.loaded.choice
-            self.device, self.dtype = str(choice.device), dtype_name(choice.dtype)
-            self.runner = ShardRunner(config, runtime, keep_pool=True)  # one tokenizer pool for the actor's life
+            choice = (choose_models if config.models else choose_here)(config, None, None)
+            # one tokenizer pool for the actor's life
+            opening = open_shard_runner(config, choice, None, SetupClock(), keep_pool=True, carry=carry)
+            self.runner, self.models = opening.runner, opening.opened
+            self.device = str(choice.device)
+            self.dtype = said_dtypes({name: each["dtype"] for name, each in self.models.items()})
         except Exception as error:
             self.start_error = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {error}"
         self.setup_s = time.perf_counter() - started
@@ -88,7 +94,7 @@ class ShardWorker:
 
     def where(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "setup_s": round(self.setup_s, 2),
-                "device": self.device, "dtype": self.dtype, "start_error": self.start_error}
+                "device": self.device, "dtype": self.dtype, "start_error": self.start_error, "models": self.models}
 
     def run_shard(self, shard: Shard, attempt: str, lock_token: str | None = None) -> dict:
         """Run one shard to its committed output (or its failure marker) as attempt `attempt`, under
@@ -117,12 +123,15 @@ class ShardWorker:
 
 
 def run_on_ray(config: RunConfig) -> RunSummary:
-    """`lengthwise run --engine ray`: connect, settle the actors' device and dtype from the
+    """`lengthwise run --engine ray`: connect, settle the actors' device and dtype (each model's) from the
     cluster, claim the output here, run the pending shards on actors."""
     ray = import_ray()
     with ray_connection(ray, config.ray_address):
-        cluster = ray.cluster_resources()
-        return run_claimed(config, WorkerSlot(), prepare_actors, choose=functools.partial(choose_on_cluster, cluster))
+        choose_one = functools.partial(choose_on_cluster, ray.cluster_resources())
+        if config.models:
+            return run_model_set(config, WorkerSlot(), prepare_actors,
+                                 functools.partial(choose_models, choose_one=choose_one))
+        return run_claimed(config, WorkerSlot(), prepare_actors, functools.partial(choose_here, choose_one=choose_one))
 
 
 @contextmanager
@@ -144,67 +153,25 @@ def ray_connection(ray, address: str | None):
             ray.shutdown()
 
 
-PRE_AMPERE_GPUS = frozenset({"K80", "M60", "P4", "P40", "P100", "V100", "T4"})  # Ray's accelerator_type names
-
-
-def actor_device_and_dtype(device: str, dtype: str, cluster: dict) -> tuple[str, str | None, str]:
-    """(device, dtype, why) of the actors, from the cluster's resources rather than the driver's
-    own hardware: a CPU-only head (KubeRay's `num-gpus: "0"`) must neither put GPU actors in
-    float32 nor refuse --device cuda. Every actor gets the same explicit dtype, so the output
-    fingerprint recorded here holds for all of them. dtype None: CPU actors, whose `auto` the
-    driver settles as a local run does."""
-    gpus = int(cluster.get("GPU", 0))
-    if device == "cpu" or not gpus:
-        if device.startswith("cuda"):
-            raise UsageError(f"--device {device}: the Ray cluster has no GPU; use --device cpu or auto")
-        return "cpu", None, ""
-    if device not in ("auto", "cuda"):
-        raise UsageError(f"--device {device} names one GPU, but each Ray actor has a GPU of its own; "
-                         "use --device cuda or auto")
-    if dtype != "auto":
-        return "cuda", dtype, f"{dtype}: --dtype"
-    kinds = sorted(name.removeprefix("accelerator_type:") for name in cluster if name.startswith("accelerator_type:"))
-    older = [kind for kind in kinds if kind in PRE_AMPERE_GPUS]
-    if older and len(older) < len(kinds):
-        raise UsageError(f"the Ray cluster mixes GPUs before Ampere ({', '.join(older)}) with later ones "
-                         f"({', '.join(k for k in kinds if k not in older)}), whose --dtype auto differ; "
-                         "set --dtype float16 or bfloat16")
-    chosen = gpu_auto_dtype((7, 0) if older else (8, 0))
-    return "cuda", chosen, f"{chosen}: the default on the cluster's GPUs ({', '.join(kinds) or 'type not reported'})"
-
-
-def choose_on_cluster(cluster: dict, config: RunConfig, dtype_source: str | None = None,
-                      trial_texts=None) -> ModelChoice:
-    """The run's model choice with the device and dtype its actors will run in (see
-    `actor_device_and_dtype`); everything else is settled on the driver as for a local run
-    (on CPUs the bf16 trial runs on `trial_texts()`)."""
-    device, dtype, reason = actor_device_and_dtype(config.model.device, config.model.dtype, cluster)
-    if device == "cpu":
-        return choose_model(dataclasses.replace(config.model, device="cpu"), config.cache.plan_cache, dtype_source,
-                            trial_texts)
-    import torch
-
-    # the driver needs no GPU
-    choice = choose_model(dataclasses.replace(config.model, device="cpu", dtype="float32"), config.cache.plan_cache)
-    log.info(f"actors: dtype {reason}")
-    return dataclasses.replace(choice, device=torch.device("cuda"), dtype=DTYPES[dtype], dtype_reason=reason)
-
-
-def prepare_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], clock=None):
-    """Nothing to load on the driver: the actors load the model (the max length was checked
-    against its architecture in `choose_model`), and each settles --compile auto from the
+def prepare_actors(config: RunConfig, choice: ModelChoice | ModelSetChoice, todo: list[Shard], clock=None,
+                   carry: Carry | None = None, opened: dict | None = None):
+    """Nothing to load on the driver: the actors load the model, or models (the max length was
+    checked against each architecture in `choose_model`), and each settles --compile auto from the
     cached verdict on its own device; their setup is in the summary's actor lines, not on the
-    driver's `clock`."""
-    return functools.partial(run_on_actors, config, choice), config
+    driver's `clock`. `carry`: a change of models, handed to every actor; `opened` receives what
+    each model settled on the actors (`run_model_set`)."""
+    return functools.partial(run_on_actors, config, choice, carry=carry, opened=opened), config
 
 
-def run_on_actors(config: RunConfig, choice: ModelChoice, todo: list[Shard], sink: ShardSink, manifest: RunManifest,
-                  summary: RunSummary, started: float) -> None:
+def run_on_actors(config: RunConfig, choice: ModelChoice | ModelSetChoice, todo: list[Shard], sink: ShardSink,
+                  manifest: RunManifest, summary: RunSummary, started: float, carry: Carry | None = None,
+                  opened: dict | None = None) -> None:
     """The Ray engine: hand `todo` to actors, then remove what attempts whose actor died left behind."""
     ray = import_ray()
-    # every actor runs on the device type and in the dtype the fingerprint says, whatever its node would pick
-    config = config.with_settings(device=choice.device.type, dtype=dtype_name(choice.dtype))
-    ActorPool(ray, config, len(todo)).run(todo, sink, manifest, summary, config.progress)
+    pool = ActorPool(ray, actors_config(config, choice), len(todo), carry)
+    pool.run(todo, sink, manifest, summary, config.progress)
+    if opened is not None:
+        opened.update(pool.models)
     sink.remove_stale_temporaries([shard.stem for shard in todo])
     remove_stale_hash_temporaries(manifest, [shard.stem for shard in todo])
     summary.dtype_reason = choice.dtype_reason  # the driver's choice; the actors were handed its result
@@ -258,8 +225,8 @@ class ActorPool:
     """K shard actors fed longest shard first; an actor that dies is replaced and its shard
     retried, within the budgets; every hand-out is a fenced attempt."""
 
-    def __init__(self, ray, config: RunConfig, shards: int):
-        self.ray = ray
+    def __init__(self, ray, config: RunConfig, shards: int, carry: Carry | None = None):
+        self.ray, self.carry = ray, carry
         layout = actor_layout(config, [node["Resources"] for node in ray.nodes() if node["Alive"]], shards)
         if layout.note:
             log.warning(layout.note)
@@ -278,12 +245,13 @@ class ActorPool:
         self.run_token = uuid.uuid4().hex[:8]  # this driver's attempts: RUN.1, RUN.2, …
         self.attempts_made = 0
         self.where: dict[int, dict] = {}  # actor slot → pid, host, setup time
+        self.models: dict[str, dict] = {}  # what each model settled on the actors (`open_shard_runner`)
         self.stats = collections.defaultdict(lambda: {"shards": 0, "rows": 0, "busy_s": 0.0, "forward_s": 0.0,
                                                       "started_early": 0})
 
     def _launch(self, slot: int) -> None:
         self.generation[slot] += 1
-        self.actors[slot] = self.actor_class.remote(self.config)
+        self.actors[slot] = self.actor_class.remote(self.config, self.carry)
         self.starting[self.actors[slot].where.remote()] = slot
 
     def _replace(self, slot: int, why: str) -> None:
@@ -315,12 +283,14 @@ class ActorPool:
             log.warning(f"actor {slot} could not load the model ({load_error}); trying another actor")
             self._replace(slot, f"could not load the model: {load_error}")
             return None
-        if (where["device"].split(":")[0], where["dtype"]) != (self.config.model.device, self.config.model.dtype):
+        recorded = said_dtypes(settled_dtypes(self.config))
+        if (where["device"].split(":")[0], where["dtype"]) != (self.config.model.device, recorded):
             for actor in self.actors.values():
                 self.ray.kill(actor)
             raise UsageError(f"Ray actor {slot} on {where['host']} runs on {where['device']} in {where['dtype']}, "
-                             f"not {self.config.model.device} in {self.config.model.dtype} as the output records; "
+                             f"not {self.config.model.device} in {recorded} as the output records; "
                              "set --device and --dtype")
+        self.models = where.pop("models")
         self.where[slot] = where
         log.info(f"actor {slot}: pid {where['pid']} on {where['host']}, model loaded in {where['setup_s']}s")
         return slot
@@ -449,7 +419,8 @@ def merge_summary(total: RunSummary, part: dict) -> None:
     """Add one shard's summary to the run's: counts add up, lists extend, the rest is kept
     (duplicate ids are counted across shards from the actors' id hashes, not added up)."""
     for name in ("rows", "error_rows", "truncated_rows", "batches", "real_tokens", "padded_tokens", "oom_splits",
-                 "reused_rows", "computed_rows", "deduplicated_rows"):
+                 "reused_rows", "computed_rows", "deduplicated_rows", "split_rows", "segments",
+                 "truncated_unflagged_rows"):
         setattr(total, name, getattr(total, name) + part[name])
     total.failed_shards.extend(part["failed_shards"])
     total.reuse = add_counts([total.reuse, part["reuse"]])
@@ -469,5 +440,5 @@ def merge_summary(total: RunSummary, part: dict) -> None:
         total.token_lengths[name] = max(total.token_lengths.get(name, 0), length)
     total.padding_efficiency = padding_efficiency(total.real_tokens, total.padded_tokens)
     for name in ("batch_setting", "batch_plan", "device", "dtype", "dtype_reason", "model", "settings",
-                 "sweep_reference"):
+                 "sweep_reference", "long_text", "compile", "compile_s", "compiled_graphs", "unpad"):
         setattr(total, name, part[name])

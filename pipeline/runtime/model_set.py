@@ -33,19 +33,25 @@ class ModelSetChoice:
     def device(self):
         return next(iter(self.choices.values())).device
 
+    @property
+    def dtype_reason(self) -> str:
+        return per_model(self.choices, lambda choice: choice.dtype_reason)
+
 
 TOKENIZING = {"tokenizer_json": "tokenizer", "max_length": "max length", "prompt": "prompt",
               "lowercase": "lower-casing", "segment_length": "long-text segments", "pair": "pair input"}
 
 
 def choose_model_set(settings: dict[str, ModelSettings], plan_cache: str | None, long_rows: LongRowSettings,
-                     dtype_source: str | None = None, trial_texts: Callable | None = None) -> ModelSetChoice:
-    """Each model settled as a one-model run settles it, and their tokenizers loaded: they must be one
-    (by content: vocabulary, max length, prompt, long-text mode), else a UsageError naming the models that differ."""
+                     dtype_source: str | None = None, trial_texts: Callable | None = None,
+                     choose_one: Callable[..., ModelChoice] = choose_model) -> ModelSetChoice:
+    """Each model settled as a one-model run settles it (`choose_one`, with `choose_model`'s arguments: the Ray
+    engine settles each for its actors), and their tokenizers loaded: they must be one (by content: vocabulary,
+    max length, prompt, long-text mode), else a UsageError naming the models that differ."""
     choices = {}
     for name, each in settings.items():
         try:
-            choices[name] = choose_model(each, plan_cache, dtype_source, trial_texts)
+            choices[name] = choose_one(each, plan_cache, dtype_source, trial_texts)
         except UsageError as error:
             raise UsageError(f"models.{name}: {error}") from None
     tokenizers = {name: tokenizer_for(settings[name], choice, long_rows) for name, choice in choices.items()}
@@ -87,9 +93,10 @@ def tightest(batches: list[BatchSettings]) -> BatchSettings:
                                max_batch_tokens=fewest("max_batch_tokens"))
 
 
-def per_model(runtimes: dict[str, Runtime], describe) -> str:
-    """One line of `describe(runtime)` per model, as `NAME: …; NAME: …` (or one, where all agree)."""
-    said = {name: describe(runtime) for name, runtime in runtimes.items()}
+def per_model(models: dict, describe) -> str:
+    """One line of `describe(each)` per model (its runtime or choice), as `NAME: …; NAME: …` (or one, where all
+    agree)."""
+    said = {name: describe(each) for name, each in models.items()}
     if len(set(said.values())) == 1:
         return next(iter(said.values()))
     return "; ".join(f"{name}: {text}" for name, text in said.items())

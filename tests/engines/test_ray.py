@@ -3,6 +3,7 @@ an actor killed mid-shard, a driver killed and rerun."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -20,8 +21,9 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.offline.config import RunConfig
 from pipeline.core.errors import UsageError
-from pipeline.engines.ray import RAY_AUTH_LOGGER, actor_device_and_dtype, actor_layout
-from tests.conftest import assert_equal_outputs, read_outputs, write_shards
+from pipeline.engines.ray import RAY_AUTH_LOGGER, actor_layout
+from pipeline.engines.ray_devices import actor_device_and_dtype
+from tests.conftest import MODEL_SET_SETTINGS, assert_equal_outputs, read_outputs, three_models, write_shards
 
 BIN = Path(sys.executable).parent
 SIX_SHARDS = [40, 30, 0, 50, 45, 35]
@@ -105,12 +107,35 @@ def test_actors_settle_device_and_dtype_from_the_cluster_not_the_driver():
 
 def test_a_cpu_only_driver_records_the_gpu_actors_dtype_in_the_fingerprint(tiny_encoder_path):
     from pipeline.offline.claim import output_fingerprint
-    from pipeline.engines.ray import choose_on_cluster
+    from pipeline.engines.ray_devices import choose_on_cluster
 
+    a100s = {"CPU": 16.0, "GPU": 2.0, "accelerator_type:A100": 2.0}
     config = RunConfig.of(input=("x",), output="y", model=tiny_encoder_path, device="cuda")  # refused locally here
-    choice = choose_on_cluster({"CPU": 16.0, "GPU": 2.0, "accelerator_type:A100": 2.0}, config)
+    choice = choose_on_cluster(a100s, config.model, None)
     assert (choice.device.type, str(choice.dtype)) == ("cuda", "torch.bfloat16")
     assert output_fingerprint(config, choice)["dtype"] == "bfloat16"
+
+
+def test_several_models_each_get_their_dtype_from_the_cluster_and_the_actors_are_handed_it(tiny_encoder_path):
+    from pipeline.engines.model_set import choose_models
+    from pipeline.engines.ray_devices import actors_config, choose_on_cluster, said_dtypes, settled_dtypes
+    from pipeline.offline.claim import output_fingerprint
+
+    config = RunConfig.of(input=("x",), output="y", device="auto", models={
+        "a": {"job": "embed", "model": tiny_encoder_path}, "b": {"job": "embed", "model": tiny_encoder_path,
+                                                              "dtype": "float16"}})
+    choose_one = functools.partial(choose_on_cluster, {"CPU": 16.0, "GPU": 2.0, "accelerator_type:H100": 2.0})
+    choice = choose_models(config, None, None, choose_one=choose_one)
+    assert choice.device.type == "cuda" and choice.dtype_reason == ("a: bfloat16: the default on the cluster's GPUs "
+                                                                    "(H100); b: float16: --dtype")
+    assert {name: each["dtype"] for name, each in output_fingerprint(config, choice)["models"].items()} == {
+        "a": "bfloat16", "b": "float16"}
+    handed = actors_config(config, choice)
+    assert handed.model.device == "cuda" and handed.models["a"] == {"job": "embed", "model": tiny_encoder_path,
+                                                                    "dtype": "bfloat16"}
+    assert said_dtypes(settled_dtypes(handed)) == "a bfloat16, b float16"  # what each actor must report loading
+    assert said_dtypes(settled_dtypes(actors_config(config.with_settings(models={}), choice.choices["a"]))) == \
+        "bfloat16"
 
 
 def test_engine_ray_without_ray_is_a_usage_error_saying_what_to_install(tmp_path, monkeypatch, sample_table,
@@ -378,6 +403,50 @@ def test_ray_actors_reuse_yesterdays_rows(tmp_path, ray_cluster, rows_with_bad_o
     assert_equal_outputs(ours, read_outputs(tmp_path / "full"))
     reused = [i for i in range(200) if i not in (0, 17, 99, 150, 160)]
     assert ours.take(reused).equals(yesterday.take(reused))
+
+
+def assert_same_cells(ours: pa.Table, theirs: pa.Table) -> None:
+    assert ours.schema == theirs.schema
+    for column in theirs.column_names:
+        assert ours[column].to_pylist() == theirs[column].to_pylist(), column
+
+
+@pytest.mark.slow
+def test_ray_runs_several_models_as_a_local_run_does_and_an_added_model_alone(
+        tmp_path, ray_cluster, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+    """Three models (two classifiers sharing MiniLM's tokenizer, and MiniLM embedding) on two actors give the
+    local run's output cell for cell (one torch thread and the same windows and batches in both) and its
+    `models` object; a model added to an output of two computes its columns alone on the actors."""
+    from pipeline.api import run
+
+    write_shards(tmp_path / "in", model_set_rows, [100, 140])
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    settings = {**MODEL_SET_SETTINGS, "keep_columns": ["lang"], "torch_threads": 1, "window_rows": 20,
+                "max_batch_rows": 8, "probe": False}
+    on_ray = {"engine": "ray", "ray_address": ray_cluster, "workers": 2, "threads_per_worker": 1}
+
+    def into(output: str, chosen: dict, **engine) -> dict:
+        return run(str(tmp_path / "in"), str(tmp_path / output), models=chosen, **settings, **engine)
+
+    local = into("local", models)
+    ours = into("ray", models, **on_ray)
+    assert_same_cells(read_outputs(tmp_path / "ray"), read_outputs(tmp_path / "local"))
+    assert ours["models"] == local["models"]
+    assert local["models"]["toxicity"]["flagged_rows"] > 0 and local["models"]["embed"]["computed_rows"] == 240
+    assert (ours["split_rows"], ours["deduplicated_rows"]) == (local["split_rows"], local["deduplicated_rows"])
+    assert ours["batch_plan"] == local["batch_plan"] and ours["compile"] == local["compile"]
+    assert sum(worker["shards"] for worker in ours["workers"]) == 2
+
+    into("added", {name: models[name] for name in ("toxicity", "topic")})
+    added = into("added", models, **on_ray)  # embed added: only its columns are computed
+    carried = added["reuse"]["carried"]
+    assert carried == 239  # every row but the one with a null text (no text hash to recognise it by)
+    assert added["models"]["embed"]["computed_rows"] == 240 and added["models"]["embed"]["reused_rows"] == 0
+    for name in ("toxicity", "topic"):
+        assert (added["models"][name]["computed_rows"], added["models"][name]["reused_rows"]) == (240 - carried,
+                                                                                                  carried)
+    assert added["models"]["toxicity"]["flagged_rows"] == local["models"]["toxicity"]["flagged_rows"]
+    assert_same_cells(read_outputs(tmp_path / "added"), read_outputs(tmp_path / "local"))
 
 
 def spawned_children(pid: int) -> set[int]:

@@ -5,6 +5,7 @@ configurations are refused before anything is written."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -18,20 +19,13 @@ from pipeline.core import values
 from pipeline.core.errors import UsageError
 from pipeline.offline.model_set import model_tables
 from pipeline.offline.options import RUN_OPTIONS
-from tests.conftest import resume_after_a_kill_between_shards, write_shards
+from tests.conftest import MODEL_SET_SETTINGS as SHARED
+from tests.conftest import kill_when_written, resume_after_a_kill_between_shards, three_models, write_shards
 
-SHARED = {"max_length": 32, "long_text": "split", "dtype": "float32", "compile": "off", "tokenize_workers": 0,
-          "no_plan_cache": True, "progress": False}
 
 
 def read_output(folder) -> pa.Table:
     return pa.concat_tables(pq.read_table(path) for path in sorted(folder.glob("*.parquet")))
-
-
-def three_models(moderator: str, classifier: str, embedder: str) -> dict:
-    return {"toxicity": {"job": "moderate", "model": moderator, "thresholds": {"toxic": 0.5, "insult": 0.45}},
-            "topic": {"job": "classify", "model": classifier},
-            "embed": {"job": "embed", "model": embedder}}
 
 
 # --- pure parts ---------------------------------------------------------------------------------------------
@@ -98,36 +92,14 @@ def test_a_bad_models_config_is_one_line_exit_2_and_writes_nothing(tmp_path, sam
     assert not (tmp_path / "out").exists()
 
 
-def test_the_ray_engine_refuses_several_models_before_anything_is_written(tmp_path, sample_table):
-    from pipeline.api import run
-
-    write_shards(tmp_path / "in", sample_table.slice(0, 20), [20])
-    with pytest.raises(UsageError, match="--engine ray does not yet run several models"):
-        run(str(tmp_path / "in"), str(tmp_path / "out"), engine="ray", models={"e": {"job": "embed"}},
-            tokenize_workers=0)
-    assert not (tmp_path / "out").exists()
-
-
 # --- one pass equals the separate runs ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def long_rows(sample_table) -> pa.Table:
-    """The sample, with one repeated text (dedupe), long rows (split into segments) and bad rows (errors)."""
-    texts = sample_table["text"].to_pylist()[:240]
-    texts[5] = texts[9]
-    texts[30] = None
-    texts[31] = " "
-    texts[40] = " ".join(texts[41:48])  # longer than 32 tokens: segments
-    return pa.table({"id": sample_table["id"].to_pylist()[:240], "text": pa.array(texts, pa.string()),
-                     "lang": pa.array(["en"] * 240)})
-
-
-@pytest.fixture(scope="module")
-def separate_and_together(tmp_path_factory, long_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+def separate_and_together(tmp_path_factory, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
     from pipeline.api import run
 
     folder = tmp_path_factory.mktemp("models")
-    write_shards(folder / "in", long_rows, [100, 140])
+    write_shards(folder / "in", model_set_rows, [100, 140])
     models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
     separate = {}
     for name, table in models.items():
@@ -218,13 +190,13 @@ def test_verify_and_a_rerun_accept_an_output_of_several_models(separate_and_toge
 
 @pytest.mark.slow
 def test_reuse_with_several_models_copies_unchanged_rows_and_equals_a_fresh_run(
-        separate_and_together, long_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+        separate_and_together, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
     from pipeline.api import run
 
     folder, _, _ = separate_and_together
-    texts = long_rows["text"].to_pylist()
+    texts = model_set_rows["text"].to_pylist()
     texts[3] = "an edited post, new today"
-    today = long_rows.set_column(1, "text", pa.array(texts, pa.string()))
+    today = model_set_rows.set_column(1, "text", pa.array(texts, pa.string()))
     write_shards(folder / "today", today, [100, 140])
     models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
     reused = run(str(folder / "today"), str(folder / "reused"), keep_columns=["lang"], models=models,
@@ -241,8 +213,8 @@ def test_reuse_with_several_models_copies_unchanged_rows_and_equals_a_fresh_run(
 
 @pytest.mark.slow
 def test_a_run_of_several_models_killed_after_a_shard_resumes_to_an_uninterrupted_ones_output(
-        tmp_path, long_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
-    write_shards(tmp_path / "in", long_rows, [80, 80, 80])
+        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+    write_shards(tmp_path / "in", model_set_rows, [80, 80, 80])
     models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
     def inline_table(table: dict) -> str:
         keys = [f"{key} = {json.dumps(value)}" for key, value in table.items() if key != "thresholds"]
@@ -262,13 +234,13 @@ def test_a_run_of_several_models_killed_after_a_shard_resumes_to_an_uninterrupte
 
 
 @pytest.mark.slow
-def test_a_model_with_an_unpadded_forward_beside_a_padded_one_equals_its_separate_run(tmp_path, long_rows,
+def test_a_model_with_an_unpadded_forward_beside_a_padded_one_equals_its_separate_run(tmp_path, model_set_rows,
                                                                                     tiny_classifier_path, minilm_path):
     """One model's unpadded forward makes the host pack every batch's layout (`ModelSet.unpadded`); the padded
     model beside it ignores it."""
     from pipeline.api import run
 
-    write_shards(tmp_path / "in", long_rows, [240])
+    write_shards(tmp_path / "in", model_set_rows, [240])
     settings = {**SHARED, "long_text": "truncate"}
     models = {"embed": {"job": "embed", "model": minilm_path, "unpad": "on"},
               "topic": {"job": "classify", "model": tiny_classifier_path, "unpad": "off"}}
@@ -376,11 +348,11 @@ def assert_same_output(ours, theirs) -> None:
 
 @pytest.mark.slow
 def test_adding_changing_and_removing_a_model_computes_only_what_changed(
-        tmp_path, long_rows, forward_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+        tmp_path, model_set_rows, forward_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
     from pipeline.api import run
     from pipeline.offline.verify import verify_output
 
-    write_shards(tmp_path / "in", long_rows, [100, 140])
+    write_shards(tmp_path / "in", model_set_rows, [100, 140])
     models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
     two = {name: models[name] for name in ("toxicity", "topic")}
 
@@ -426,10 +398,10 @@ def test_adding_changing_and_removing_a_model_computes_only_what_changed(
 
 @pytest.mark.slow
 def test_a_change_of_models_is_refused_with_other_run_wide_settings_or_with_reuse(
-        tmp_path, long_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
     from pipeline.api import run
 
-    write_shards(tmp_path / "in", long_rows.slice(0, 40), [40])
+    write_shards(tmp_path / "in", model_set_rows.slice(0, 40), [40])
     models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
     two = {name: models[name] for name in ("toxicity", "topic")}
     run(str(tmp_path / "in"), str(tmp_path / "out"), models=two, **SHARED)
@@ -444,8 +416,8 @@ def test_a_change_of_models_is_refused_with_other_run_wide_settings_or_with_reus
 
 @pytest.mark.slow
 def test_a_change_of_models_killed_mid_way_resumes_to_a_fresh_runs_output(
-        tmp_path, long_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
-    write_shards(tmp_path / "in", long_rows, [80, 80, 80])
+        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+    write_shards(tmp_path / "in", model_set_rows, [80, 80, 80])
     models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
     base = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(tmp_path / "in"), "--max-length", "32",
             "--long-text", "split", "--dtype", "float32", "--compile", "off", "--tokenize-workers", "0",
