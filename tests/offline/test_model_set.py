@@ -95,12 +95,12 @@ def test_a_bad_models_config_is_one_line_exit_2_and_writes_nothing(tmp_path, sam
 # --- one pass equals the separate runs ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def separate_and_together(tmp_path_factory, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+def separate_and_together(tmp_path_factory, model_set_rows, tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path):
     from pipeline.api import run
 
     folder = tmp_path_factory.mktemp("models")
     write_shards(folder / "in", model_set_rows, [100, 140])
-    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path)
     separate = {}
     for name, table in models.items():
         settings = {key: value for key, value in table.items() if key != "thresholds"}
@@ -151,7 +151,7 @@ def test_one_pass_of_three_models_equals_their_separate_runs_cell_for_cell(separ
 
 @pytest.mark.slow
 def test_verify_and_a_rerun_accept_an_output_of_several_models(separate_and_together, tiny_multilabel_path,
-                                                               tiny_classifier_path, minilm_path):
+                                                               tiny_classifier_path, tiny_encoder_path):
     from pipeline.api import run
     from pipeline.offline.verify import verify_output
 
@@ -180,17 +180,17 @@ def test_verify_and_a_rerun_accept_an_output_of_several_models(separate_and_toge
     finally:
         shard.write_bytes(original)
     again = run(str(folder / "in"), str(folder / "together"), keep_columns=["lang"],
-                models=three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path), **SHARED)
+                models=three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path), **SHARED)
     assert again["nothing_to_do"]
     with pytest.raises(UsageError, match="other settings"):  # a run-wide setting (a model's: test_adding_changing…)
         run(str(folder / "in"), str(folder / "together"), models=three_models(tiny_multilabel_path,
-                                                                              tiny_classifier_path, minilm_path),
+                                                                              tiny_classifier_path, tiny_encoder_path),
             **SHARED)
 
 
 @pytest.mark.slow
 def test_reuse_with_several_models_copies_unchanged_rows_and_equals_a_fresh_run(
-        separate_and_together, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+        separate_and_together, model_set_rows, tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path):
     from pipeline.api import run
 
     folder, _, _ = separate_and_together
@@ -198,7 +198,7 @@ def test_reuse_with_several_models_copies_unchanged_rows_and_equals_a_fresh_run(
     texts[3] = "an edited post, new today"
     today = model_set_rows.set_column(1, "text", pa.array(texts, pa.string()))
     write_shards(folder / "today", today, [100, 140])
-    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path)
     reused = run(str(folder / "today"), str(folder / "reused"), keep_columns=["lang"], models=models,
                  reuse=str(folder / "together"), **SHARED)
     fresh = run(str(folder / "today"), str(folder / "fresh"), keep_columns=["lang"], models=models, **SHARED)
@@ -213,9 +213,9 @@ def test_reuse_with_several_models_copies_unchanged_rows_and_equals_a_fresh_run(
 
 @pytest.mark.slow
 def test_a_run_of_several_models_killed_after_a_shard_resumes_to_an_uninterrupted_ones_output(
-        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path):
     write_shards(tmp_path / "in", model_set_rows, [80, 80, 80])
-    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path)
     def inline_table(table: dict) -> str:
         keys = [f"{key} = {json.dumps(value)}" for key, value in table.items() if key != "thresholds"]
         if "thresholds" in table:
@@ -235,14 +235,14 @@ def test_a_run_of_several_models_killed_after_a_shard_resumes_to_an_uninterrupte
 
 @pytest.mark.slow
 def test_a_model_with_an_unpadded_forward_beside_a_padded_one_equals_its_separate_run(tmp_path, model_set_rows,
-                                                                                    tiny_classifier_path, minilm_path):
+                                                                                    tiny_classifier_path, tiny_encoder_path):
     """One model's unpadded forward makes the host pack every batch's layout (`ModelSet.unpadded`); the padded
     model beside it ignores it."""
     from pipeline.api import run
 
     write_shards(tmp_path / "in", model_set_rows, [240])
     settings = {**SHARED, "long_text": "truncate"}
-    models = {"embed": {"job": "embed", "model": minilm_path, "unpad": "on"},
+    models = {"embed": {"job": "embed", "model": tiny_encoder_path, "unpad": "on"},
               "topic": {"job": "classify", "model": tiny_classifier_path, "unpad": "off"}}
     together = run(str(tmp_path / "in"), str(tmp_path / "together"), models=models, **settings)
     assert together["models"]["embed"]["computed_rows"] == 240
@@ -348,12 +348,12 @@ def assert_same_output(ours, theirs) -> None:
 
 @pytest.mark.slow
 def test_adding_changing_and_removing_a_model_computes_only_what_changed(
-        tmp_path, model_set_rows, forward_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+        tmp_path, model_set_rows, forward_rows, tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path):
     from pipeline.api import run
     from pipeline.offline.verify import verify_output
 
     write_shards(tmp_path / "in", model_set_rows, [100, 140])
-    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path)
     two = {name: models[name] for name in ("toxicity", "topic")}
 
     def into(output: str, chosen: dict) -> dict:
@@ -377,7 +377,7 @@ def test_adding_changing_and_removing_a_model_computes_only_what_changed(
     assert added["reuse"]["new"] == 0 and verify_output(None, str(tmp_path / "out")).complete
     assert into("out", models)["nothing_to_do"]
 
-    changed = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    changed = three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path)
     changed["toxicity"]["thresholds"] = {"toxic": 0.3}
     recomputed = into("out", changed)  # toxicity alone runs again
     assert forward_rows.take() == {"toxicity": full["toxicity"]}
@@ -398,11 +398,11 @@ def test_adding_changing_and_removing_a_model_computes_only_what_changed(
 
 @pytest.mark.slow
 def test_a_change_of_models_is_refused_with_other_run_wide_settings_or_with_reuse(
-        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path):
     from pipeline.api import run
 
     write_shards(tmp_path / "in", model_set_rows.slice(0, 40), [40])
-    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path)
     two = {name: models[name] for name in ("toxicity", "topic")}
     run(str(tmp_path / "in"), str(tmp_path / "out"), models=two, **SHARED)
     before = sorted(p.name for p in (tmp_path / "out").iterdir())
@@ -416,9 +416,9 @@ def test_a_change_of_models_is_refused_with_other_run_wide_settings_or_with_reus
 
 @pytest.mark.slow
 def test_a_change_of_models_killed_mid_way_resumes_to_a_fresh_runs_output(
-        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
+        tmp_path, model_set_rows, tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path):
     write_shards(tmp_path / "in", model_set_rows, [80, 80, 80])
-    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path)
     base = [sys.executable, "-m", "pipeline.cli", "run", "--input", str(tmp_path / "in"), "--max-length", "32",
             "--long-text", "split", "--dtype", "float32", "--compile", "off", "--tokenize-workers", "0",
             "--no-probe", "--no-progress", "--max-batch-rows", "2", "--window-rows", "40"]
