@@ -146,7 +146,7 @@ def rows_with_bad_ones(sample_table) -> pa.Table:
 
 
 # a run of several models (docs/jobs.md "Several models, one pass"): the run-wide settings that give the three models
-# one tokenization, and the three (a moderator and a classifier sharing MiniLM's tokenizer, and MiniLM embedding)
+# one tokenization, and the three (a moderator, a classifier and an embedder, all with MiniLM's tokenizer)
 MODEL_SET_SETTINGS = {"max_length": 32, "long_text": "split", "dtype": "float32", "compile": "off",
                       "tokenize_workers": 0, "no_plan_cache": True, "progress": False}
 
