@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -99,6 +100,21 @@ def set_torch_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def torch_threads_restored():
+    """Give the process back the intra-op thread count it had once a run is over: --torch-threads
+    is process-wide, and a script (or a test) that runs a job through the API must not have its
+    later forwards on another count (their float sums then differ in the last bits)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 LONG_TEXT_MODES = ("auto", "truncate", "split")

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from pipeline.core.errors import UsageError, as_storage_error
+from pipeline.core.settings import torch_threads_restored
 from pipeline.offline.config import RunConfig
 from pipeline.offline.locations import check_written_paths
 from pipeline.offline.metrics import (ProgressTextfile, in_progress_figure, metric_labels, progress_figures, push,
@@ -30,7 +31,7 @@ def execute_run(config: RunConfig):
     labels = metric_labels(config.model.job, config.model.model, config.output)
     textfile = ProgressTextfile(config.metrics_textfile, config.output, config.source.storage_options, labels,
                                 config.metrics_interval_s) if config.metrics_textfile else contextlib.nullcontext()
-    with textfile:
+    with textfile, torch_threads_restored():
         if config.engine == "ray":
             if config.num_shards > 1:
                 raise UsageError("--engine ray hands out the shards itself; drop --num-shards")

@@ -59,16 +59,22 @@ def test_oversubscription_is_diagnosed_with_each_jobs_share_of_the_cores():
 
 def test_torch_threads_of_a_run_come_from_the_flag_or_its_environment_variable(tmp_path, sample_table,
                                                                                tiny_encoder_path, monkeypatch):
+    """... and hold for the run only: a script's later forwards run on its own thread count again (a run through
+    the API that left one thread behind made an in-process run after it differ from a fresh process in the
+    last bits)."""
     write_shards(tmp_path / "in", sample_table.slice(0, 10), [10])
     threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     monkeypatch.setenv("LENGTHWISE_TORCH_THREADS", "1")
     try:
         result = CliRunner().invoke(cli, ["run", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
                                           "--model", tiny_encoder_path, "--no-progress", "--tokenize-workers", "0",
                                           "--no-probe", "--summary-json", str(tmp_path / "s.json")])
+        after = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
+    assert after == 2
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["settings"]["torch_threads"] == 1
     assert json.loads((tmp_path / "out" / ".lengthwise" / "run.json").read_text())["config"]["torch_threads"] == 1
