@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -23,21 +22,6 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lengthwise-test-cache-")
 # one inductor cache for the whole session (a directory of the user's own wins over the plan cache's), so the
 # compile tests, each with its own plan cache, share the C++ kernels they all build
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "inductor"))
-
-
-
-def pytest_sessionstart(session):
-    """The heavy imports' objects live all session: frozen out of the cyclic collector, so that the full
-    collection before each of the probe's measurements (`resident_bytes`) scans what the tests made, not
-    torch's and transformers' 200,000 objects again (up to 240 ms a collection in this process)."""
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    import pipeline.engines.local  # noqa: F401
-    import pipeline.runtime  # noqa: F401
-
-    gc.freeze()
-
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "sample_data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")

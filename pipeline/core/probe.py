@@ -139,50 +139,51 @@ def probe_memory_plan(job, model, device, available_bytes: int, safety: float, m
     import time
 
     from pipeline.core.compiled_forward import is_compiled
-    from pipeline.core.device import HOST_MMAP_THRESHOLD_BYTES, dtype_name, resident_bytes
+    from pipeline.core.device import HOST_MMAP_THRESHOLD_BYTES, dtype_name, garbage_frozen, resident_bytes
 
-    started = time.perf_counter()
-    compiled = is_compiled(model)
-    stack = repeated_blocks(model)
-    hidden_size = getattr(model.config, "hidden_size", 0)
-    element_bytes = next(model.parameters()).element_size()
-    shortened = []
-    # CPU: forwards keep buffers (kernel and thread caches; for MiniLM they grow to 56 MiB over the fitting
-    # grid, then stay) that a fresh process pays in its first batches; full-size checks count from before the
-    # first forward, the fitting grid per call (their growth would steepen the fit) plus what was kept by its end
-    since = resident_bytes() if device.type == "cpu" else None
+    with garbage_frozen(device):
+        started = time.perf_counter()
+        compiled = is_compiled(model)
+        stack = repeated_blocks(model)
+        hidden_size = getattr(model.config, "hidden_size", 0)
+        element_bytes = next(model.parameters()).element_size()
+        shortened = []
+        # CPU: forwards keep buffers (kernel and thread caches; for MiniLM they grow to 56 MiB over the fitting
+        # grid, then stay) that a fresh process pays in its first batches; full-size checks count from before the
+        # first forward, the fitting grid per call (their growth would steepen the fit) plus what was kept by its end
+        since = resident_bytes() if device.type == "cpu" else None
 
-    def measure(rows: int, length: int, since_bytes: int | None = since) -> float:
-        if stack and check_through_first_blocks(device.type, compiled, len(stack[2]), rows, length, hidden_size,
-                                                element_bytes, HOST_MMAP_THRESHOLD_BYTES):
-            shortened.append((rows, length))
-            with first_blocks(stack):
-                peak = forward_peak_bytes(job, model, device, rows, length, since_bytes)
-            return shortened_check_bytes(peak, rows, length, hidden_size, element_bytes)
-        return forward_peak_bytes(job, model, device, rows, length, since_bytes)
+        def measure(rows: int, length: int, since_bytes: int | None = since) -> float:
+            if stack and check_through_first_blocks(device.type, compiled, len(stack[2]), rows, length, hidden_size,
+                                                    element_bytes, HOST_MMAP_THRESHOLD_BYTES):
+                shortened.append((rows, length))
+                with first_blocks(stack):
+                    peak = forward_peak_bytes(job, model, device, rows, length, since_bytes)
+                return shortened_check_bytes(peak, rows, length, hidden_size, element_bytes)
+            return forward_peak_bytes(job, model, device, rows, length, since_bytes)
 
-    measure(1, min(8, max_length), None)  # the first call's one-off costs (CUDA workspaces) stay out of the fit
-    fit_lengths = sorted({max(1, int(max_length * f)) for f in FIT_LENGTH_FRACTIONS})
-    grid_rows = fit_rows(device.type, fit_lengths[0], max_length, hidden_size, element_bytes, max_batch_tokens)
-    measurements = [PeakMeasurement(rows, length, measure(rows, length, None))
-                    for rows in grid_rows for length in fit_lengths]
-    if any(math.isinf(m.peak_bytes) for m in measurements):
-        raise ValueError(f"even the fitting batches ({max(grid_rows)} rows × {max_length} tokens) run out of "
-                         f"memory on {device}; lower --max-length")
-    kept = max(0, resident_bytes() - since) if since is not None else 0
-    measurements = [PeakMeasurement(m.rows, m.length, m.peak_bytes + kept) for m in measurements]
-    if kept:
-        log.info(f"memory probe: forwards keep {format_bytes(kept)} of caches, counted in every batch's peak")
-    coefficients = fit_memory_model(measurements)
-    buckets = plan_buckets(coefficients, available_bytes, safety, memory_bucket_lengths(max_length),
-                           max_batch_rows, max_batch_tokens, measure, 1 if device.type == "cuda" else PROBE_ROUNDS,
-                           measurements)
-    if shortened:
-        log.info(f"memory probe: {len(shortened)} large check(s) ran through {KEPT_BLOCKS} of "
-                 f"{len(stack[2])} blocks, counted one hidden state higher (see check_through_first_blocks)")
-    return MemoryPlan(available_bytes, safety, coefficients, buckets, str(device),
-                      dtype_name(next(model.parameters()).dtype),
-                      round(time.perf_counter() - started, 2))
+        measure(1, min(8, max_length), None)  # the first call's one-off costs (CUDA workspaces) stay out of the fit
+        fit_lengths = sorted({max(1, int(max_length * f)) for f in FIT_LENGTH_FRACTIONS})
+        grid_rows = fit_rows(device.type, fit_lengths[0], max_length, hidden_size, element_bytes, max_batch_tokens)
+        measurements = [PeakMeasurement(rows, length, measure(rows, length, None))
+                        for rows in grid_rows for length in fit_lengths]
+        if any(math.isinf(m.peak_bytes) for m in measurements):
+            raise ValueError(f"even the fitting batches ({max(grid_rows)} rows × {max_length} tokens) run out of "
+                             f"memory on {device}; lower --max-length")
+        kept = max(0, resident_bytes() - since) if since is not None else 0
+        measurements = [PeakMeasurement(m.rows, m.length, m.peak_bytes + kept) for m in measurements]
+        if kept:
+            log.info(f"memory probe: forwards keep {format_bytes(kept)} of caches, counted in every batch's peak")
+        coefficients = fit_memory_model(measurements)
+        buckets = plan_buckets(coefficients, available_bytes, safety, memory_bucket_lengths(max_length),
+                               max_batch_rows, max_batch_tokens, measure, 1 if device.type == "cuda" else PROBE_ROUNDS,
+                               measurements)
+        if shortened:
+            log.info(f"memory probe: {len(shortened)} large check(s) ran through {KEPT_BLOCKS} of "
+                     f"{len(stack[2])} blocks, counted one hidden state higher (see check_through_first_blocks)")
+        return MemoryPlan(available_bytes, safety, coefficients, buckets, str(device),
+                          dtype_name(next(model.parameters()).dtype),
+                          round(time.perf_counter() - started, 2))
 
 
 def load_cached_plan(path: Path, key: dict) -> MemoryPlan | None:

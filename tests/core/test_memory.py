@@ -197,6 +197,32 @@ def test_cpu_probe_on_a_tiny_model_shrinks_under_a_tight_budget(tiny_encoder_pat
     assert rows == sorted(rows, reverse=True)
 
 
+def test_garbage_frozen_keeps_earlier_objects_out_of_collections_and_leaves_anothers_freeze_alone():
+    import gc
+
+    from pipeline.core.device import garbage_frozen
+
+    assert gc.get_freeze_count() == 0
+    with garbage_frozen(torch.device("cpu")):
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # torch's objects: a collection inside scans none of them
+        cycle: list = []
+        cycle.append(cycle)  # garbage made inside is still collected
+        del cycle
+        assert gc.collect() >= 1
+    assert gc.get_freeze_count() == 0
+    with garbage_frozen(torch.device("cuda")):
+        assert gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own freeze (a pre-forking server) is not undone
+    try:
+        before = gc.get_freeze_count()
+        with garbage_frozen(torch.device("cpu")):
+            assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+
+
 def test_buckets_capped_by_rows_are_covered_by_the_longest_one_run_at_full_size():
     """At a roomy budget every bucket is capped at 512 rows: running the longest at 512 rows
     covers all shorter ones (memory grows with rows and length), so only it runs at full size."""
