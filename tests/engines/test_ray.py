@@ -413,14 +413,14 @@ def assert_same_cells(ours: pa.Table, theirs: pa.Table) -> None:
 
 @pytest.mark.slow
 def test_ray_runs_several_models_as_a_local_run_does_and_an_added_model_alone(
-        tmp_path, ray_cluster, model_set_rows, tiny_multilabel_path, tiny_classifier_path, minilm_path):
-    """Three models (two classifiers sharing MiniLM's tokenizer, and MiniLM embedding) on two actors give the
+        tmp_path, ray_cluster, model_set_rows, tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path):
+    """Three models (two classifiers and an embedder, sharing MiniLM's tokenizer) on two actors give the
     local run's output cell for cell (one torch thread and the same windows and batches in both) and its
     `models` object; a model added to an output of two computes its columns alone on the actors."""
     from pipeline.api import run
 
     write_shards(tmp_path / "in", model_set_rows, [100, 140])
-    models = three_models(tiny_multilabel_path, tiny_classifier_path, minilm_path)
+    models = three_models(tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path)
     settings = {**MODEL_SET_SETTINGS, "keep_columns": ["lang"], "torch_threads": 1, "window_rows": 20,
                 "max_batch_rows": 8, "probe": False}
     on_ray = {"engine": "ray", "ray_address": ray_cluster, "workers": 2, "threads_per_worker": 1}
