@@ -240,10 +240,16 @@ def run_one_huge_row(tmp_path: Path, model: str, text: str, *extra: str, cap_byt
     """`lengthwise run` over three rows, the middle one `text`, and the same run with a short middle row;
     returns the first run's finished process (its output in `tmp_path / "out"`) and what its peak resident set exceeded the second's by, in
     KiB. The difference is what the one row cost: the rest (torch, the model, the pool) is 490-620 MiB by
-    machine, which an absolute cap would measure instead."""
-    _, short_rows_peak = _peak_of_one_run(tmp_path / "short", model, "a short row", extra, cap_bytes)
+    machine, which an absolute cap would measure instead. The short run is made once a session per model, flags
+    and cap."""
+    key = (model, extra, cap_bytes)
+    if key not in _SHORT_ROWS_PEAKS:
+        _SHORT_ROWS_PEAKS[key] = _peak_of_one_run(tmp_path / "short", model, "a short row", extra, cap_bytes)[1]
     finished, peak = _peak_of_one_run(tmp_path, model, text, extra, cap_bytes)
-    return finished, peak - short_rows_peak
+    return finished, peak - _SHORT_ROWS_PEAKS[key]
+
+
+_SHORT_ROWS_PEAKS: dict[tuple, int] = {}  # run_one_huge_row's reference runs
 
 
 @pytest.fixture(scope="session")
