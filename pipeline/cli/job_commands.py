@@ -21,6 +21,7 @@ from pipeline.cli.options import (
     fail,
     exit_on_known_errors,
     run_option,
+    run_options,
     with_options,
 )
 from pipeline.core import exit_codes, values
@@ -67,18 +68,26 @@ def run(**options) -> None:
 @env_option("--sample-rows", env="SAMPLE_ROWS", type=Checked(values.Integer(1)), default=2000, show_default=True,
             help="--estimate: rows tokenized to learn the token lengths.")
 @run_option("reuse", help="--estimate: the output the run will --reuse; the sampled rows it has cost no device time.")
+@with_options(run_options("long_text", "segment_length"))  # plans and estimates the rows the run computes
+@run_option("models", help="The run's several models (a TOML [models.NAME] table each): each model's plan, the "
+                           "rows a batch of one pass takes, and with --estimate each model's and the pass's figures.")
 @with_options(WORKER_OPTIONS)
 @with_options(LOG_OPTIONS)
 def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_option, estimate, window_s,
-         sample_rows, **settings) -> None:
+         sample_rows, models, **settings) -> None:
     """Show how many rows each length bucket gets, probed on the device (or cached).
 
     With --available and --per-sample it is a calculator for the bare formula:
     rows = floor(available / (per_sample x safety)). With --input and --estimate it predicts
-    whether a run fits its --window.
+    whether a run fits its --window; for several models, also what one pass saves over separate runs.
     """
     from pipeline.core.memory import batch_rows
+    from pipeline.offline.model_set import check_model_flags, model_tables
+    from pipeline.offline.options import RUN_OPTIONS
 
+    with exit_on_known_errors():
+        check_model_flags(models, model, {}, None)
+        settings["models"] = model_tables(models, RUN_OPTIONS)
     if estimate:
         print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sample_rows, as_json, settings)
         return
@@ -86,6 +95,8 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
         fail(f"{'--window' if window_s is not None else '--reuse'} goes with --estimate")
 
     if available is not None or per_sample is not None:
+        if settings["models"]:
+            fail("calculator mode takes no model: drop the [models] tables (or --models)")
         if available is None or per_sample is None:
             fail("calculator mode needs both --available and --per-sample")
         rows = batch_rows(available, per_sample, settings["safety"])
@@ -103,10 +114,45 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
         check_run_paths(config)
         # --dtype auto's trial on the input's rows, as the run's: the plan is made for the run's dtype
         rows = InputSample(list_source_shards(config.source), config.source) if inputs else None
+        if config.models:
+            print_model_set_plans(config, rows, as_json)
+            return
         memory_plan = open_runtime(config, rows).plan
     if memory_plan is None:
         fail("no plan: the memory probe failed (see above)")
     click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
+
+
+def print_model_set_plans(config: RunConfig, rows, as_json: bool) -> None:
+    """Each model's memory plan, opened as the run of several opens it, and the rows per padded length a
+    batch of the pass takes: the fewest any model's plan allows."""
+    from dataclasses import asdict
+
+    from pipeline.engines.model_set import choose_models
+    from pipeline.offline.model_set import model_configs
+    from pipeline.runtime import open_runtime
+    from pipeline.runtime.model_set import combine_runtimes
+
+    configs = model_configs(config)
+    choice = choose_models(config, None, rows.texts if rows else None)
+    runtimes = {name: open_runtime(configs[name], rows, choice=each, tokenizer=choice.tokenizer)
+                for name, each in choice.choices.items()}
+    plans = {name: runtime.plan for name, runtime in runtimes.items()}
+    if any(each is None for each in plans.values()):
+        fail("no plan: the memory probe failed (see above)")
+    limits = combine_runtimes(runtimes).limits
+    lengths = sorted({bucket.length for each in plans.values() for bucket in each.buckets})
+    one_pass = {length: limits.rows_for(length) for length in lengths}
+    if as_json:
+        click.echo(json.dumps({"models": {name: asdict(each) for name, each in plans.items()},
+                               "one_pass_rows": {str(length): rows for length, rows in one_pass.items()}}, indent=2))
+        return
+    for name, each in plans.items():
+        click.echo(f"model {name} ({configs[name].model.job}, {runtimes[name].loaded.choice.path})")
+        click.echo(each.to_table())
+        click.echo("")
+    click.echo("one pass: rows per padded length, the fewest any model allows: "
+               + ", ".join(f"≤{length}: {rows}" for length, rows in one_pass.items()))
 
 
 def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sample_rows, as_json, settings) -> None:
@@ -158,7 +204,7 @@ def status(output, storage_option, as_json, as_metrics) -> None:
     elif as_metrics:
         from pipeline.offline.metrics import exposition, metric_labels, progress_figures
 
-        labels = metric_labels(report["job"], report["model"], report["output"])
+        labels = metric_labels(report["job"], report["model"], report["output"], tuple(report.get("models") or ()))
         click.echo(exposition(progress_figures(report, time.time()), labels).decode(), nl=False)
     else:
         print_status(report)

@@ -27,8 +27,11 @@ def _read_config_file(ctx: click.Context, param: click.Parameter, path: str | No
     names = _config_keys(ctx.command)
     kinds = {key: (kind_of(parameter), parameter.multiple) for key, parameter in names.items()}
     other_commands = set().union(*(_config_keys(command) for command in COMMANDS.values())) - set(names)
+    refused = {"models": f"`{ctx.info_name}` takes one model and {path} declares several ([models] tables): give "
+                         "it the one with --model (and the table's settings as flags)"} \
+        if "model" in names and "models" not in names else {}
     try:
-        found = config_file_values(path, kinds, other_commands)
+        found = config_file_values(path, kinds, other_commands, refused)
     except ValueError as error:
         raise click.BadParameter(str(error), ctx=ctx, param=param) from None
     defaults = {names[key].name: value for key, value in found.items() if key in names}

@@ -28,7 +28,7 @@ def execute_run(config: RunConfig):
     if config.metrics_interval_s <= 0:
         raise UsageError("--metrics-interval must be more than 0s (e.g. 30s)")
     before = machine_load()
-    labels = metric_labels(config.model.job, config.model.model, config.output)
+    labels = metric_labels(config.model.job, config.model.model, config.output, tuple(config.models))
     textfile = ProgressTextfile(config.metrics_textfile, config.output, config.source.storage_options, labels,
                                 config.metrics_interval_s) if config.metrics_textfile else contextlib.nullcontext()
     with textfile, torch_threads_restored():

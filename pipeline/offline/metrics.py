@@ -5,7 +5,9 @@ the run and at its end), a Pushgateway push (`--pushgateway`) and `status --metr
 Names follow Prometheus's conventions: the `lengthwise_` prefix, base units in the name
 (`_seconds`, `_bytes`, `_ratio`), one metric per quantity with a label for its kinds (rows by
 `status`, shards by `state`). Every metric carries `lengthwise_job` (embed, classify, …), `model`
-and `output`; not `job` or `instance`, which Prometheus sets itself from the scrape or the push.
+and `output`; not `job` or `instance`, which Prometheus sets itself from the scrape or the push. A run
+of several models carries `lengthwise_job="models"` and `model` its names, and adds figures per model,
+labelled `model_name`.
 """
 
 from __future__ import annotations
@@ -37,9 +39,26 @@ class Figure:
     labels: dict = field(default_factory=dict)
 
 
-def metric_labels(job: str, model: str, output: str) -> dict:
-    """The labels every metric of a run or an output carries (the output without credentials)."""
+def metric_labels(job: str, model: str, output: str, models=()) -> dict:
+    """The labels every metric of a run or an output carries (the output without credentials); `models`:
+    the names of a run of several models."""
+    if models:
+        job, model = "models", ",".join(models)
     return {"lengthwise_job": job or "", "model": model or "", "output": redact_url(output or "")}
+
+
+def model_run_figures(models: dict) -> list[Figure]:
+    """A run of several models (the summary's `models` object): each model's rows computed and carried over
+    (reused or kept from the output), and the rows it flagged."""
+    figures = []
+    for name, each in models.items():
+        figures += [Figure("run_model_rows", "Rows each model of a run of several computed, or took from an "
+                                             "earlier output, by model and status.", each.get(f"{status}_rows", 0),
+                           {"model_name": name, "status": status}) for status in ("computed", "reused")]
+        if "flagged_rows" in each:
+            figures.append(Figure("run_model_flagged_rows", "Rows each model of a run of several flagged.",
+                                  each["flagged_rows"], {"model_name": name}))
+    return figures
 
 
 def last_success_figure(timestamp: float) -> Figure:
@@ -82,6 +101,7 @@ def run_figures(summary: dict, finished_at: float, last_success: float | None) -
         Figure("run_success", "1 when the last run ended with no failed shard, else 0.", 1 if succeeded else 0),
         Figure("last_run_timestamp_seconds", "When the last run ended (Unix time).", finished_at),
     ]
+    figures += model_run_figures(summary.get("models") or {})
     if success is not None:
         figures.append(last_success_figure(success))
     return figures
@@ -103,6 +123,11 @@ def progress_figures(status: dict, now: float) -> list[Figure]:
                1 if status["done"] == status["shards"] else 0),
         Figure("status_timestamp_seconds", "When these figures were read (Unix time).", now),
     ]
+    for name, each in (status.get("models") or {}).items():
+        figures += [Figure("model_shards_done", "Input shards whose output holds the model's columns, by model.",
+                           each["shards_done"], {"model_name": name}),
+                    Figure("model_rows_done", "Rows in the shards whose output holds the model's columns, by model.",
+                           each["rows_done"], {"model_name": name})]
     if status["done"] == status["shards"] and status.get("completed_at"):
         figures.append(Figure("output_last_success_timestamp_seconds",
                               "When the output's last shard was committed, once every shard is done (Unix time).",

@@ -219,9 +219,11 @@ def env_name(option: str) -> str:
     return f"LENGTHWISE_{option.upper()}"
 
 
-def config_file_values(path: str, kinds: Mapping[str, tuple[values.Kind, bool]], other_keys) -> dict:
+def config_file_values(path: str, kinds: Mapping[str, tuple[values.Kind, bool]], other_keys,
+                       refused: Mapping[str, str] | None = None) -> dict:
     """A TOML job file's values by option name, type-checked, never coerced: `kinds` maps the command's
-    options to (kind, repeats); keys in `other_keys` (another command's) are skipped, any other unknown key
+    options to (kind, repeats); keys in `other_keys` (another command's) are skipped, those in `refused`
+    are an error saying why (a [models] table for a command of one model), any other unknown key
     is an error. Its [storage] and [thresholds] tables become KEY=VALUE pairs. ValueError says what is
     wrong, naming the file and the key."""
     try:
@@ -238,6 +240,8 @@ def config_file_values(path: str, kinds: Mapping[str, tuple[values.Kind, bool]],
             if TABLES[name] in kinds or name == "storage":
                 found[TABLES[name]] = [f"{k}={v if name == 'thresholds' else json.dumps(v)}" for k, v in value.items()]
             continue
+        if name in (refused or {}):
+            raise ValueError(refused[name])
         if name not in kinds:
             if name in other_keys:  # e.g. `output` of a run's file, read by `sweep --config`
                 continue

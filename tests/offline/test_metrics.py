@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.cli import cli
-from pipeline.offline.metrics import (ProgressTextfile, exposition, last_success_in, metric_labels, run_figures,
-                                      write_textfile)
+from pipeline.offline.metrics import (ProgressTextfile, exposition, last_success_in, metric_labels,
+                                      progress_figures, run_figures, write_textfile)
 from tests.conftest import write_shards
 
 LABELS = metric_labels("embed", "/models/minilm", "s3://bucket/out")
@@ -65,6 +65,30 @@ def test_a_summary_becomes_gauges_with_its_counts_and_the_common_labels():
     assert failed[("lengthwise_last_run_timestamp_seconds", ())] == 1_700_086_400.0
     never = samples(exposition(run_figures({**summary, "failed_shards": [{}]}, 1.0, None), LABELS).decode())
     assert not any(name == "lengthwise_last_success_timestamp_seconds" for name, _ in never)
+
+
+def test_a_run_of_several_models_is_labelled_models_and_counts_each_models_rows():
+    labels = metric_labels("embed", None, "out", ("toxicity", "embed"))
+    assert labels == {"lengthwise_job": "models", "model": "toxicity,embed", "output": "out"}
+    summary = {"rows": 240, "shards": 2, "models": {
+        "toxicity": {"job": "moderate", "computed_rows": 2, "reused_rows": 238, "flagged_rows": 31},
+        "embed": {"job": "embed", "computed_rows": 240, "reused_rows": 0}}}
+    got = samples(exposition(run_figures(summary, 1.0, None), labels).decode())
+    per_model = {key: value for key, value in got.items() if key[0].startswith("lengthwise_run_model_")}
+    assert per_model == {
+        ("lengthwise_run_model_rows", (("model_name", "toxicity"), ("status", "computed"))): 2,
+        ("lengthwise_run_model_rows", (("model_name", "toxicity"), ("status", "reused"))): 238,
+        ("lengthwise_run_model_flagged_rows", (("model_name", "toxicity"),)): 31,
+        ("lengthwise_run_model_rows", (("model_name", "embed"), ("status", "computed"))): 240,
+        ("lengthwise_run_model_rows", (("model_name", "embed"), ("status", "reused"))): 0}
+    status = {"done": 1, "failed": 0, "pending": 1, "shards": 2, "rows": 240, "rows_done": 100, "models": {
+        "toxicity": {"shards_done": 1, "rows_done": 100}, "embed": {"shards_done": 0, "rows_done": 0}}}
+    progress = samples(exposition(progress_figures(status, 5.0), labels).decode())
+    assert {key: value for key, value in progress.items() if key[0].startswith("lengthwise_model_")} == {
+        ("lengthwise_model_shards_done", (("model_name", "toxicity"),)): 1,
+        ("lengthwise_model_rows_done", (("model_name", "toxicity"),)): 100,
+        ("lengthwise_model_shards_done", (("model_name", "embed"),)): 0,
+        ("lengthwise_model_rows_done", (("model_name", "embed"),)): 0}
 
 
 def test_the_textfile_is_replaced_whole_and_its_last_success_read_back(tmp_path):

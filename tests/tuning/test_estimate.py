@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,9 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.tuning.estimate import (
     device_seconds,
+    Estimate,
     mean_tokens_per_row,
+    one_pass_estimate,
     scored_tokens_per_row,
     summarize_estimate,
     wall_seconds,
@@ -25,6 +28,52 @@ def test_device_and_wall_seconds():
     assert wall_seconds(900.0, 30.0, workers=4, busy=0.9) == pytest.approx(280.0)
     with pytest.raises(ValueError):
         device_seconds(10, 0.0)
+
+
+def test_the_host_bounds_the_wall_where_tokenizing_takes_longer_than_the_device():
+    assert wall_seconds(90.0, 10.0, busy=0.9, host_s=50.0) == pytest.approx(110.0)  # the device binds
+    assert wall_seconds(90.0, 10.0, busy=0.9, host_s=300.0) == pytest.approx(310.0)  # the host binds
+    assert wall_seconds(90.0, 10.0, workers=3, busy=0.9, host_s=300.0) == pytest.approx(110.0)
+    assert workers_for_window(90.0, 10.0, 110.0, busy=0.9, host_s=300.0) == 3
+    # on a CPU the forward and the tokenizing share the cores: they add up, past the device's busy share
+    assert wall_seconds(90.0, 10.0, busy=0.9, host_s=50.0, shared_cores=True) == pytest.approx(150.0)
+    assert wall_seconds(90.0, 10.0, busy=0.9, host_s=5.0, shared_cores=True) == pytest.approx(110.0)
+    estimate = summarize_estimate(
+        rows=1_000, shards=1, lengths=np.array([10, 20, 30, 40]), tokens_per_s=1_000.0, basis="t", setup_s=0.0,
+        window_s=None, reused=np.array([True, True, False, False]), sample_tokenize_s=2.0)
+    assert estimate.host_seconds == pytest.approx(2.0 / 4 * 1_000 * 0.5)  # the sample's, scaled to the rows to compute
+    assert estimate.predicted_seconds == pytest.approx(250.0)  # 17,500 tokens: 19 s of device, 250 s of tokenizing
+
+
+def model_estimate_of(device_s: float, setup_s: float, host_s: float) -> Estimate:
+    return Estimate(rows=1_000, shards=4, sample_rows=100, mean_tokens_per_row=20.0, tokens=20_000,
+                    tokens_per_s=20_000 / device_s, basis="t", device_seconds=device_s, setup_seconds=setup_s,
+                    predicted_seconds=wall_seconds(device_s, setup_s, host_s=host_s), host_seconds=host_s)
+
+
+def test_one_pass_of_several_models_pays_their_device_and_setup_and_the_host_once():
+    models = {"toxicity": model_estimate_of(45.0, 5.0, 100.0), "embed": model_estimate_of(27.0, 3.0, 100.0)}
+    found = one_pass_estimate(models, window_s=None)
+    one = found.one_pass
+    assert (one.device_seconds, one.setup_seconds, one.host_seconds) == (72.0, 8.0, 100.0)
+    assert one.predicted_seconds == pytest.approx(8.0 + 100.0)  # the host binds: 100 s against 80 s of device
+    assert found.separate_seconds == pytest.approx(105.0 + 103.0)  # each run tokenizes every row again
+    assert found.saved_seconds == pytest.approx(100.0)
+    assert one.tokens_per_s == pytest.approx(20_000 / 72.0)
+    assert "saves 100s (48%) over 2 separate runs (208s, each starting in 0.0s): it starts and tokenizes once" \
+        in found.to_text()
+    on_cpu = one_pass_estimate({name: dataclasses.replace(each, shared_cores=True, predicted_seconds=wall_seconds(
+        each.device_seconds, each.setup_seconds, host_s=100.0, shared_cores=True)) for name, each in models.items()},
+        window_s=None)
+    assert on_cpu.one_pass.predicted_seconds == pytest.approx(8.0 + 72.0 + 100.0)
+    assert on_cpu.saved_seconds == pytest.approx(100.0)  # the tokenizing of the second run
+    assert found.to_text().startswith("model toxicity\n  tokens ")
+    assert set(found.to_dict()) == {"models", "one_pass", "separate_seconds", "saved_seconds", "start_seconds"}
+    started = one_pass_estimate(models, window_s=None, start_s=4.0)  # the second run's process start and imports
+    assert (started.separate_seconds, started.saved_seconds) == (pytest.approx(212.0), pytest.approx(104.0))
+    # the --reuse index is built once; a 60 s window needs two workers: 100 s of host work, 54 s a worker past setup
+    reused = one_pass_estimate(models, window_s=60.0, once_s=2.0)
+    assert reused.one_pass.setup_seconds == 6.0 and reused.one_pass.workers == 2
 
 
 def test_workers_for_window_is_the_fewest_that_fit():
@@ -177,3 +226,45 @@ def test_plan_estimate_counts_the_segments_of_long_text_split(tmp_path, tiny_mul
     truncated, split = tokens("classify"), tokens("moderate")
     assert truncated == 10 * 32 + 10 * 3  # [CLS] short [SEP]
     assert split > 4 * truncated
+
+
+@pytest.mark.slow
+def test_plan_of_several_models_shows_each_plan_the_pass_rows_and_an_estimate_of_what_one_pass_saves(
+        tmp_path, tiny_multilabel_path, tiny_encoder_path):
+    """`plan --config` with [models] tables opens each model as the run of several does: its plan, the rows a
+    batch of the pass takes (the fewest any plan allows), and with --estimate each model's figures and the pass's."""
+    from tests.conftest import SAMPLE_DIR
+
+    config = tmp_path / "night.toml"
+    config.write_text(f'max_length = 32\ndtype = "float32"\ntokenize_workers = 0\nlong_text = "truncate"\n'
+                      f'[models.toxicity]\njob = "moderate"\nmodel = "{tiny_multilabel_path}"\n'
+                      f'thresholds = {{toxic = 0.5}}\n[models.embed]\njob = "embed"\nmodel = "{tiny_encoder_path}"\n')
+    common = ["--config", str(config), "--plan-cache", str(tmp_path / "cache"), "--memory-budget", "64MiB"]
+    planned = CliRunner().invoke(cli, ["plan", "--json", *common])
+    assert planned.exit_code == 0, planned.output
+    plans = json.loads(planned.output[planned.output.index("{"):])
+    assert list(plans["models"]) == ["toxicity", "embed"]
+    rows = {name: {bucket["length"]: bucket["probed_rows"] for bucket in plan["buckets"]}
+            for name, plan in plans["models"].items()}
+    assert plans["one_pass_rows"] == {str(length): min(rows["toxicity"][length], rows["embed"][length])
+                                      for length in rows["embed"]}
+
+    estimated = CliRunner().invoke(cli, ["plan", "--estimate", "--json", "--input", str(SAMPLE_DIR),
+                                         "--sample-rows", "100", *common])
+    assert estimated.exit_code == 0, estimated.output
+    found = json.loads(estimated.output[estimated.output.index("{"):])["estimate"]
+    models, one = found["models"], found["one_pass"]
+    assert list(models) == ["toxicity", "embed"] and one["rows"] == 400
+    for each in models.values():
+        assert each["tokens"] == one["tokens"] > 400 and each["host_seconds"] == one["host_seconds"] > 0
+        assert each["memory_plan"].startswith("from cache")  # the plans `plan` just made, as the run will take them
+    assert one["device_seconds"] == pytest.approx(sum(each["device_seconds"] for each in models.values()), abs=0.02)
+    assert found["separate_seconds"] == pytest.approx(sum(each["predicted_seconds"] for each in models.values())
+                                                      + found["start_seconds"], abs=0.05)  # the second run's start
+    assert found["saved_seconds"] == pytest.approx(found["separate_seconds"] - one["predicted_seconds"], abs=0.05)
+    assert found["saved_seconds"] >= found["start_seconds"] > 0  # this process's start, paid once
+
+    swept = CliRunner().invoke(cli, ["sweep", "--config", str(config), "--input", str(SAMPLE_DIR)])
+    assert swept.exit_code == 2 and "`sweep` takes one model and" in swept.output, swept.output
+    both = CliRunner().invoke(cli, ["plan", "--model", tiny_encoder_path, *common])
+    assert both.exit_code == 2 and "--model and a [models] table both set it" in both.output, both.output
