@@ -180,15 +180,15 @@ class ZeroForwardJob:
 
 
 def with_zero_forward(sampler: CpuSampler) -> None:
-    """Make the local engine open runtimes whose job forward is `ZeroForwardJob`'s; the CPU
+    """Make the shard runner's setup open runtimes whose job forward is `ZeroForwardJob`'s; the CPU
     `sampler` measures from the end of the run's setup (the model loaded, the pool and the
     encoder process up), where the rows/s start too."""
     import dataclasses
 
-    import pipeline.engines.local as local
+    import pipeline.engines.runner_setup as runner_setup
     import pipeline.offline.runner as runner
 
-    real_open_runtime, real_breakdown = local.open_runtime, runner.SetupClock.breakdown
+    real_open_runtime, real_breakdown = runner_setup.open_runtime, runner.SetupClock.breakdown
 
     def open_runtime(*args, **kwargs):
         runtime = real_open_runtime(*args, **kwargs)
@@ -200,7 +200,7 @@ def with_zero_forward(sampler: CpuSampler) -> None:
         sampler.start_measuring()
         return real_breakdown(clock, setup_s)
 
-    local.open_runtime = open_runtime
+    runner_setup.open_runtime = open_runtime
     runner.SetupClock.breakdown = breakdown
 
 

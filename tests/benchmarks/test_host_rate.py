@@ -1,0 +1,42 @@
+"""benchmarks/host_rate.py's harness still reaches the real pipeline: it swaps the shard runner's setup for one
+whose forward returns zeros, and a refactor that moves that setup would break the benchmark silently."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_shards
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_host_rate():
+    spec = importlib.util.spec_from_file_location("host_rate", ROOT / "benchmarks" / "host_rate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["host_rate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_harness_runs_the_real_pipeline_with_a_forward_of_zeros(tmp_path, sample_table, monkeypatch):
+    import pipeline.engines.runner_setup as runner_setup
+    import pipeline.offline.runner as runner
+
+    host_rate = load_host_rate()
+    # what the harness replaces is put back after the test
+    monkeypatch.setattr(runner_setup, "open_runtime", runner_setup.open_runtime)
+    monkeypatch.setattr(runner.SetupClock, "breakdown", runner.SetupClock.breakdown)
+    forwarded = []
+    zero_forward = host_rate.ZeroForwardJob.forward
+    monkeypatch.setattr(host_rate.ZeroForwardJob, "forward",
+                        lambda job, model, input_ids, *args, **kwargs: forwarded.append(int(input_ids.shape[0]))
+                        or zero_forward(job, model, input_ids, *args, **kwargs))
+    write_shards(tmp_path / "in", sample_table.select(["id", "text"]).slice(0, 200), [120, 80])
+    figures = host_rate.measure_pipeline(tmp_path / "in", 200, 128, 1)
+    assert sum(forwarded) == 200 - figures["deduplicated_rows"]  # every row the run computes went through zeros
+    assert figures["rows_per_s"] > 0 and figures["main_process_us_per_row"] > 0
