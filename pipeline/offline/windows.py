@@ -219,12 +219,14 @@ class OutputArrays:
     which cost the device loop ten times the copy itself; `allocate` makes new ones (a run with an
     encoder process sets its `shared_zeros`, faulted in by that process). Zeroing one already
     mapped costs a fraction of the copy. At most `keep` arrays of each shape wait, so what is
-    kept stays within the windows in flight."""
+    kept stays within the windows in flight; an array made by an earlier allocator is not kept (see
+    `allocate`)."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
         self._allocate: Callable[[tuple, np.dtype], np.ndarray] = zeroed_array
         self._free: dict[tuple, list[np.ndarray]] = {}
+        self._made: set[int] = set()  # ids of the arrays the current allocator made that are alive
         self._lock = threading.Lock()  # windows are stored by the device loop and released by the writer
 
     @property
@@ -234,17 +236,25 @@ class OutputArrays:
     @allocate.setter
     def allocate(self, allocate: Callable[[tuple, np.dtype], np.ndarray]) -> None:
         """A new allocator drops the arrays the old one made: a run with an encoder would otherwise
-        store into a run's before it (kept by `keep_pool` or a Ray actor) that the encoder cannot map."""
+        store into a run's before it (kept by `keep_pool` or a Ray actor) that the encoder cannot map; an
+        array of the old one given back later (a shard still being written as the next one starts) is let go."""
         with self._lock:
             self._allocate = allocate
             self._free.clear()
+            self._made.clear()
 
     def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         with self._lock:
             free = self._free.get((shape, np.dtype(dtype)))
             array = free.pop() if free else None
         if array is None:
-            return self._allocate(shape, dtype)
+            with self._lock:
+                allocate = self._allocate
+            array = allocate(shape, dtype)
+            with self._lock:
+                if allocate is self._allocate:
+                    self._made.add(id(array))
+            return array
         array.fill(0)
         return array
 
@@ -252,8 +262,10 @@ class OutputArrays:
         with self._lock:
             for array in arrays:
                 free = self._free.setdefault((array.shape, array.dtype), [])
-                if len(free) < self.keep:
+                if id(array) in self._made and len(free) < self.keep:
                     free.append(array)
+                else:
+                    self._made.discard(id(array))
 
 
 OUTPUT_ARRAYS = OutputArrays()  # one for the process: a Ray actor's overlapping shards share it

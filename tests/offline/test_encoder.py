@@ -167,6 +167,11 @@ def test_output_arrays_kept_from_another_allocator_are_not_handed_out():
     arrays.give_back([kept])
     arrays.allocate = lambda shape, dtype: made.append(shape) or np.zeros(shape, dtype)
     assert arrays.take((4, 3), np.float32) is not kept and made == [(4, 3)]
+    # one taken before the change and given back after it (a shard still being written) is let go too
+    before = arrays.take((2, 3), np.float32)
+    arrays.allocate = lambda shape, dtype: np.ones(shape, dtype) * 0
+    arrays.give_back([before])
+    assert arrays.take((2, 3), np.float32) is not before
 
 
 def test_window_output_arrays_come_from_memory_the_encoder_process_faulted_in():
