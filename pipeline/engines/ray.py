@@ -234,6 +234,7 @@ class ActorPool:
         # one bar, the driver's; a tokenizer pool from the actor's share of its node's CPUs
         self.config = config.with_settings(progress=False, tokenize_workers=layout.tokenize_workers,
                                            torch_threads=layout.threads)
+        self.recorded_dtypes = said_dtypes(settled_dtypes(self.config))  # what every actor must run in
         self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0,
                                                            max_concurrency=SHARDS_PER_ACTOR, **self.options)
         self.replacements_left = self.count * MAX_SHARD_ATTEMPTS
@@ -283,7 +284,7 @@ class ActorPool:
             log.warning(f"actor {slot} could not load the model ({load_error}); trying another actor")
             self._replace(slot, f"could not load the model: {load_error}")
             return None
-        recorded = said_dtypes(settled_dtypes(self.config))
+        recorded = self.recorded_dtypes
         if (where["device"].split(":")[0], where["dtype"]) != (self.config.model.device, recorded):
             for actor in self.actors.values():
                 self.ray.kill(actor)
