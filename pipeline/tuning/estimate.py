@@ -288,9 +288,11 @@ class ModelSetEstimate:
     start_seconds: float = 0.0  # a process's start and imports, which each separate run pays again
 
     def to_dict(self) -> dict:
-        return {"models": {name: each.to_dict() for name, each in self.models.items()},
-                "one_pass": self.one_pass.to_dict(), "separate_seconds": round(self.separate_seconds, 2),
-                "saved_seconds": round(self.saved_seconds, 2), "start_seconds": round(self.start_seconds, 2)}
+        """The pass's figures at the top, as one model's estimate has them (a scheduler reads `workers` either
+        way), then each model's and the comparison."""
+        return {**self.one_pass.to_dict(), "models": {name: each.to_dict() for name, each in self.models.items()},
+                "separate_seconds": round(self.separate_seconds, 2), "saved_seconds": round(self.saved_seconds, 2),
+                "start_seconds": round(self.start_seconds, 2)}
 
     def to_text(self) -> str:
         lines = []

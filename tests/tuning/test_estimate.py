@@ -68,7 +68,8 @@ def test_one_pass_of_several_models_pays_their_device_and_setup_and_the_host_onc
     assert on_cpu.one_pass.predicted_seconds == pytest.approx(8.0 + 72.0 + 100.0)
     assert on_cpu.saved_seconds == pytest.approx(100.0)  # the tokenizing of the second run
     assert found.to_text().startswith("model toxicity\n  tokens ")
-    assert set(found.to_dict()) == {"models", "one_pass", "separate_seconds", "saved_seconds", "start_seconds"}
+    assert set(found.to_dict()) == {*one.to_dict(), "models", "separate_seconds", "saved_seconds", "start_seconds"}
+    assert found.to_dict()["predicted_seconds"] == round(one.predicted_seconds, 2)  # the pass's, where one model's
     started = one_pass_estimate(models, window_s=None, start_s=4.0)  # the second run's process start and imports
     assert (started.separate_seconds, started.saved_seconds) == (pytest.approx(212.0), pytest.approx(104.0))
     # the --reuse index is built once; a 60 s window needs two workers: 100 s of host work, 54 s a worker past setup
@@ -253,7 +254,7 @@ def test_plan_of_several_models_shows_each_plan_the_pass_rows_and_an_estimate_of
                                          "--sample-rows", "100", *common])
     assert estimated.exit_code == 0, estimated.output
     found = json.loads(estimated.output[estimated.output.index("{"):])["estimate"]
-    models, one = found["models"], found["one_pass"]
+    models, one = found["models"], found  # the pass's figures at the top, as one model's estimate has them
     assert list(models) == ["toxicity", "embed"] and one["rows"] == 400
     for each in models.values():
         assert each["tokens"] == one["tokens"] > 400 and each["host_seconds"] == one["host_seconds"] > 0
