@@ -91,6 +91,17 @@ class Estimate:
     def to_dict(self) -> dict:
         return {key: round(value, 2) if isinstance(value, float) else value for key, value in asdict(self).items()}
 
+    def fit_window(self) -> None:
+        """The workers (`--num-shards`) that fit `window_seconds`, from this estimate's own figures, and a
+        note where they outnumber the shards."""
+        if self.window_seconds is None:
+            return
+        self.workers = workers_for_window(self.device_seconds, self.setup_seconds, self.window_seconds,
+                                          host_s=self.host_seconds, shared_cores=self.shared_cores)
+        if self.workers is not None and self.workers > self.shards:
+            self.note = (f"{self.workers} workers but only {self.shards} shard(s): a worker takes whole shards, "
+                         "so split the input into more files")
+
     def to_text(self) -> str:
         lines = [f"rows            {self.rows:,} in {self.shards} shard(s) (from the footers)"]
         if self.reused_share is not None:
@@ -131,11 +142,7 @@ def summarize_estimate(rows: int, shards: int, lengths: np.ndarray, tokens_per_s
     if reused is not None:
         estimate.reused_share = 1.0 - computed_share
         estimate.computed_rows = int(round(rows * computed_share))
-    if window_s is not None:
-        estimate.workers = workers_for_window(device_s, setup_s, window_s, host_s=host_s, shared_cores=shared_cores)
-        if estimate.workers is not None and estimate.workers > shards:
-            estimate.note = (f"{estimate.workers} workers but only {shards} shard(s): a worker takes whole shards, "
-                             "so split the input into more files")
+    estimate.fit_window()
     return estimate
 
 
@@ -254,13 +261,12 @@ def estimate_model_set(config: RunConfig, shards: list, rows, sample_rows: int,
             choosing_s.append(time.perf_counter() - started)
 
     choice = choose_models(config, None, rows.texts, timed_choice)
-    estimates, sample = {}, None
+    sample = tokenized_sample(config, shards, choice.tokenizer, choice.device.type, sample_rows)
+    estimates = {}
     for (name, each), chosen_s in zip(choice.choices.items(), choosing_s):
         started, clock = time.perf_counter(), SetupClock()
         runtime = open_runtime(configs[name], rows, choice=each, tokenizer=choice.tokenizer, clock=clock)
         setup_s = chosen_s + time.perf_counter() - started - clock.steps.get("batch plan", 0.0)
-        if sample is None:
-            sample = tokenized_sample(config, shards, choice.tokenizer, choice.device.type, sample_rows)
         estimates[name] = model_estimate(configs[name], runtime, setup_s, sample, window_s)
     return one_pass_estimate(estimates, window_s, sample.reuse_s, process_start_seconds())
 
@@ -326,11 +332,7 @@ def one_pass_estimate(models: dict[str, Estimate], window_s: float | None, once_
                    computed_rows=first.computed_rows, reused_share=first.reused_share,
                    memory_plan="each model's (above); batches take the fewest rows any plan allows",
                    host_seconds=host_s, shared_cores=shared)
-    if window_s is not None:
-        one.workers = workers_for_window(device_s, setup_s, window_s, host_s=host_s, shared_cores=shared)
-        if one.workers is not None and one.workers > first.shards:
-            one.note = (f"{one.workers} workers but only {first.shards} shard(s): a worker takes whole shards, "
-                        "so split the input into more files")
+    one.fit_window()
     separate = sum(each.predicted_seconds for each in models.values()) + start_s * (len(models) - 1)
     return ModelSetEstimate(models, one, separate, separate - one.predicted_seconds, start_s)
 
