@@ -190,26 +190,12 @@ def test_a_dag_of_mapped_workers_verify_and_sensor_runs_end_to_end(airflow_home,
 
 
 @pytest.mark.slow
-def test_a_usage_error_fails_once_without_its_retries(airflow_home, shards, tmp_path, tiny_encoder_path):
-    output = tmp_path / "out"
-    airflow_home.write_dag("usage", dag_header("lengthwise_usage", tiny_encoder_path) + f"""
-        with dag:
-            LengthwiseRunOperator(task_id="embed", executable=LENGTHWISE, input={str(shards)!r},
-                                  output={str(output)!r}, retries=2, **{{**SETTINGS, "max_length": 0}})
-        """)
-    log = airflow_home.dags_test("lengthwise_usage")
-    assert airflow_home.task_states("lengthwise_usage") == {("embed", -1): ("failed", 1)}, log[-4000:]
-    assert airflow_home.earlier_tries("lengthwise_usage", "embed") == []
-    assert "usage error" in log and "0 is not in the range" in log
-    assert not output.exists()  # a usage error writes nothing
-
-
-@pytest.mark.slow
-def test_a_failed_shard_fails_the_try_and_the_retry_redoes_only_that_shard(airflow_home, shards, tmp_path,
-                                                                         tiny_encoder_path):
-    """Shard 1 arrives with its text column misnamed (exit 1: the other shards commit); the
-    upstream export is fixed before the retry, which redoes only shard 1."""
-    output = tmp_path / "out"
+def test_a_failed_shard_is_retried_for_that_shard_alone_and_a_usage_error_is_not_retried(
+        airflow_home, shards, tmp_path, tiny_encoder_path):
+    """One DagRun, two tasks. `embed`: shard 1 arrives with its text column misnamed (exit 1: the other
+    shards commit); the upstream export is fixed before the retry, which redoes only shard 1. `usage`:
+    an impossible setting (exit 2) fails its one try although it has retries, and writes nothing."""
+    output, usage_output = tmp_path / "out", tmp_path / "usage-out"
     broken = shards / "part-00001.parquet"
     good = pq.read_table(broken)
     (tmp_path / "fixed.parquet").write_bytes(broken.read_bytes())
@@ -223,14 +209,20 @@ def test_a_failed_shard_fails_the_try_and_the_retry_redoes_only_that_shard(airfl
         with dag:
             LengthwiseRunOperator(task_id="embed", executable=LENGTHWISE, input={str(shards)!r},
                                   output={str(output)!r}, retries=2, on_retry_callback=reexport, **SETTINGS)
+            LengthwiseRunOperator(task_id="usage", executable=LENGTHWISE, input={str(shards)!r},
+                                  output={str(usage_output)!r}, retries=2, **{{**SETTINGS, "max_length": 0}})
         """)
     log = airflow_home.dags_test("lengthwise_retry")
-    assert airflow_home.task_states("lengthwise_retry") == {("embed", -1): ("success", 2)}, log[-4000:]
+    assert airflow_home.task_states("lengthwise_retry") == {("embed", -1): ("success", 2),
+                                                            ("usage", -1): ("failed", 1)}, log[-4000:]
     assert airflow_home.earlier_tries("lengthwise_retry", "embed") == [(1, "failed")]  # try 1 as history keeps it
+    assert airflow_home.earlier_tries("lengthwise_retry", "usage") == []
     assert "1 shard(s) failed" in log and "has no column 'text'" in log
     summary = airflow_home.xcom("lengthwise_retry", "embed")
     assert (summary["rows"], summary["shards_done_before"], summary["failed_shards"]) == (100, 2, [])  # shard 1 only
     assert summary["output_totals"]["rows"] == 300
+    assert "usage error" in log and "0 is not in the range" in log
+    assert not usage_output.exists()  # a usage error writes nothing
 
 
 @pytest.mark.slow
