@@ -20,7 +20,8 @@ from pipeline.core.errors import UsageError
 from pipeline.offline.model_set import model_tables
 from pipeline.offline.options import RUN_OPTIONS
 from tests.conftest import MODEL_SET_SETTINGS as SHARED
-from tests.conftest import kill_when_written, resume_after_a_kill_between_shards, three_models, write_shards
+from tests.conftest import (kill_when_written, resume_after_a_kill_between_shards, run_in_this_process, three_models,
+                            write_shards)
 
 
 
@@ -428,8 +429,8 @@ def test_a_change_of_models_killed_mid_way_resumes_to_a_fresh_runs_output(
                            f"{json.dumps(models[name]['model'])}}}" for name in names)
         return [*base, "--models", inline, "--output", str(tmp_path / output)]
 
-    done = subprocess.run(command(["toxicity", "topic"], "out"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    in_this_process = 3  # `python -m pipeline.cli` before the arguments
+    run_in_this_process(command(["toxicity", "topic"], "out")[in_this_process:])
     before = {path.name: path.read_bytes() for path in (tmp_path / "out").glob("*.parquet")}
     # killed as the second shard's new file is written: the first is committed with every model, the others not
     kill_when_written(command(list(models), "out"), tmp_path / "out", ".part-00001.parquet.*.tmp", 300)
@@ -449,8 +450,7 @@ def test_a_change_of_models_killed_mid_way_resumes_to_a_fresh_runs_output(
     assert "model embed     embed: 160 rows computed, 0 reused" in printed
     assert summary["shards_done_before"] == 1 and summary["models"]["embed"]["computed_rows"] == 160
     assert summary["models"]["topic"]["reused_rows"] >= 158
-    whole = subprocess.run(command(list(models), "whole"), capture_output=True, text=True, timeout=300)
-    assert whole.returncode == 0, whole.stderr
+    run_in_this_process(command(list(models), "whole")[in_this_process:])
     ours = read_output(tmp_path / "out")
     assert ours.num_rows == 240 and len(set(ours["id"].to_pylist())) == 240
     assert_same_output(tmp_path / "out", tmp_path / "whole")
