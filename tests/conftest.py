@@ -95,26 +95,26 @@ def kill_when_written(command: list[str], folder: Path, pattern: str, timeout_s:
 
 def resume_after_a_kill_between_shards(command: list[str], out: Path, whole: Path, shards: int) -> None:
     """Run `command` (`python -m pipeline.cli run ...`) into `out`, SIGKILLed once a shard of `shards` is
-    committed and before the last; rerun it (it must resume); run it uninterrupted into `whole`, in this
-    process: the caller compares the two outputs."""
+    committed and before the last; rerun it (it must resume) and run it uninterrupted into `whole`, both in
+    this process: the caller compares the two outputs."""
     markers = out / ".lengthwise" / "shards"
     kill_when_written([*command, "--output", str(out)], markers, "*.json", 300)
     done = sorted(p.name for p in markers.glob("*.json"))
     assert done and len(done) < shards, f"the run was not killed between shards: {done}"
-    rerun = subprocess.run([*command, "--output", str(out)], capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "already done, resuming" in rerun.stderr
-    run_in_this_process([*command[command.index("pipeline.cli") + 1:], "--output", str(whole)])
+    assert "already done, resuming" in run_in_this_process([*command, "--output", str(out)])
+    run_in_this_process([*command, "--output", str(whole)])
 
 
-def run_in_this_process(arguments: list[str]) -> str:
-    """`lengthwise ARGUMENTS` run in the test's process (no interpreter start and imports, ~4 s of a
-    subprocess's); asserts exit 0 and returns what it printed. For runs that are references, not
-    the process under test."""
+def run_in_this_process(command: list[str]) -> str:
+    """`command` (`python -m pipeline.cli ...` or `.../lengthwise ...`) run in the test's process: no
+    interpreter start and imports, ~4 s of a subprocess's. For the runs a test does not kill or signal
+    (references, reruns): they are real runs of the same code. Asserts exit 0; returns what the run
+    printed, its log included."""
     from click.testing import CliRunner
 
     from pipeline.cli import cli
 
+    arguments = command[command.index("pipeline.cli") + 1:] if "pipeline.cli" in command else command[1:]
     result = CliRunner().invoke(cli, arguments)
     assert result.exit_code == 0, result.output
     return result.output

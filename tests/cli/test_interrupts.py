@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from tests.conftest import write_shards
+from tests.conftest import run_in_this_process, write_shards
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
 
@@ -73,10 +73,8 @@ def test_sigterm_stops_cleanly_with_143_and_a_rerun_finishes(tmp_path, clean_run
     assert not list((tmp_path / "out").glob(".*.tmp")), "a temporary file survived"
     assert not (tmp_path / "out" / ".lengthwise" / "lock").exists()
     done_before = len(list(markers.iterdir()))
-    rerun = subprocess.run(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"),
-                           capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
-    assert f"{done_before} of 6 shards already done, resuming" in rerun.stderr
+    rerun = run_in_this_process(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"))
+    assert f"{done_before} of 6 shards already done, resuming" in rerun
     assert outputs(tmp_path / "out") == expected
 
 
@@ -96,9 +94,7 @@ def test_sigkill_at_a_random_moment_then_rerun_equals_a_clean_run(tmp_path, clea
     assert wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
                                     for pid in workers), 20), f"orphaned workers {workers}"
     # the lock of the killed run is stale and is taken over
-    rerun = subprocess.run(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"),
-                           capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
+    run_in_this_process(command(inputs, tmp_path / "out", tiny_encoder_path, "--tokenize-workers", "0"))
     assert outputs(tmp_path / "out") == expected
     assert not list((tmp_path / "out").glob(".*.tmp")), "the rerun left a killed run's temporary file"
     visible = sorted(p.name for p in (tmp_path / "out").glob("*.parquet"))

@@ -51,11 +51,10 @@ def test_hash_files_a_killed_attempt_left_are_removed_for_this_workers_shards_on
 @pytest.mark.slow
 def test_a_run_killed_while_writing_hashes_leaves_no_hash_temporary_after_the_rerun(tmp_path, sample_table,
                                                                                       tiny_encoder_path):
-    import subprocess
     import sys
     from pathlib import Path
 
-    from tests.conftest import kill_when_written, write_shards
+    from tests.conftest import kill_when_written, run_in_this_process, write_shards
 
     write_shards(tmp_path / "in", sample_table.select(["id", "text"]), [200, 200])
     command = [str(Path(sys.executable).parent / "lengthwise"), "run", "--input", str(tmp_path / "in"), "--output",
@@ -65,9 +64,7 @@ def test_a_run_killed_while_writing_hashes_leaves_no_hash_temporary_after_the_re
     # one row per batch: the first shard's hash file stays open, half written, for many steps
     left = kill_when_written(command + ["--max-batch-rows", "1"], hashes, "*.tmp", 120)
     assert left, "the run was not killed while a hash file was being written"
-    rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "removed temporary files of an interrupted run" in rerun.stderr
+    assert "removed temporary files of an interrupted run" in run_in_this_process(command)
     assert not list(hashes.glob("*.tmp"))
     assert sorted(p.name for p in hashes.iterdir()) == ["part-00000.hashes", "part-00001.hashes"]
 
