@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import write_shards
+from tests.conftest import run_in_this_process, write_shards
 from tests.test_layers import ROOT
 
 AIRFLOW_VENV = ROOT / ".venv-airflow"
@@ -240,9 +240,8 @@ def test_the_deferrable_sensor_defers_to_its_trigger_and_completes_when_the_run_
         while "not complete yet" not in log.read_text():  # the trigger polled an output with no run yet
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
-        subprocess.run([*LENGTHWISE, "run", "--input", str(shards), "--output", str(output), "--model",
-                        tiny_encoder_path, "--tokenize-workers", "0", "--dtype", "float32", "--no-progress", "-q"],
-                       cwd=ROOT, check=True, capture_output=True, timeout=180)
+        run_in_this_process([*LENGTHWISE, "run", "--input", str(shards), "--output", str(output), "--model",
+                             tiny_encoder_path, "--tokenize-workers", "0", "--dtype", "float32", "--no-progress", "-q"])
         process.wait(timeout=120)
     finally:
         if process.poll() is None:
@@ -294,10 +293,9 @@ def test_killing_the_task_stops_lengthwise_cleanly_and_a_rerun_resumes(tmp_path,
         os.kill(answer["child_pid"], 0)
     done = len(list(output.glob("part-*.parquet")))
     assert 0 < done < 100, f"{done} of 100 shards done when the task was killed"
-    rerun = subprocess.run([*LENGTHWISE, "run", "--input", str(tmp_path / "in"), "--output", str(output), "--model",
-                            tiny_encoder_path, "--tokenize-workers", "0", "--dtype", "float32", "--no-progress", "-q",
-                            "--summary-json", str(tmp_path / "rerun.json")], cwd=ROOT, capture_output=True, timeout=180)
-    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    run_in_this_process([*LENGTHWISE, "run", "--input", str(tmp_path / "in"), "--output", str(output), "--model",
+                         tiny_encoder_path, "--tokenize-workers", "0", "--dtype", "float32", "--no-progress", "-q",
+                         "--summary-json", str(tmp_path / "rerun.json")])
     summary = json.loads((tmp_path / "rerun.json").read_text())
     assert summary["shards_done_before"] == done and summary["output_totals"]["rows"] == 8000
     assert not list(output.glob(".*.tmp"))  # the abandoned shard's partial file is gone after the rerun
