@@ -14,12 +14,12 @@ from pipeline.offline.carry import Carry, carry_of
 from pipeline.offline.claim import output_fingerprint
 from pipeline.offline.config import RunConfig
 from pipeline.offline.manifest import RunManifest
-from pipeline.offline.model_set import model_change, model_configs, models_summary
+from pipeline.offline.model_set import model_change, models_summary
+from pipeline.offline.model_set_setup import choose_models
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import WorkerSlot
 from pipeline.offline.summary import RunSummary
-from pipeline.runtime.choice import choose_model
-from pipeline.runtime.model_set import ModelSetChoice, choose_model_set
+from pipeline.runtime.model_set import ModelSetChoice
 
 
 def run_model_set(config: RunConfig, slot: WorkerSlot, prepare=prepare_here,
@@ -42,14 +42,6 @@ def run_model_set(config: RunConfig, slot: WorkerSlot, prepare=prepare_here,
     if opened:
         summary.batch_plan = "; ".join(f"{name}: {each['batch_plan']}" for name, each in opened.items())
     return summary
-
-
-def choose_models(config: RunConfig, dtype_source: str | None, trial_texts,
-                  choose_one: Callable = choose_model) -> ModelSetChoice:
-    """The run's models settled: each by `choose_one` (`choose_model`'s arguments; here, or for the Ray actors)."""
-    configs = model_configs(config)
-    return choose_model_set({name: each.model for name, each in configs.items()}, config.cache.plan_cache,
-                            config.runtime_needs().long_rows, dtype_source, trial_texts, choose_one)
 
 
 def change_of_models(config: RunConfig, choice: ModelSetChoice) -> Carry | None:

@@ -38,7 +38,8 @@ from pipeline.core.clock import SetupClock
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.settings import CUDA_HOST_THREADS
 from pipeline.engines.claim import choose_here, run_claimed
-from pipeline.engines.model_set import choose_models, run_model_set
+from pipeline.engines.model_set import run_model_set
+from pipeline.offline.model_set_setup import choose_models
 from pipeline.engines.ray_devices import actors_config, choose_on_cluster, said_dtypes, settled_dtypes
 from pipeline.engines.runner_setup import open_shard_runner
 from pipeline.offline.carry import Carry

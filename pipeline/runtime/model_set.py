@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +29,7 @@ class ModelSetChoice:
 
     choices: dict[str, ModelChoice]
     tokenizer: TokenizerSpec
+    seconds: dict[str, float] = field(default_factory=dict, compare=False)  # each model's settling took
 
     @property
     def device(self):
@@ -48,12 +50,14 @@ def choose_model_set(settings: dict[str, ModelSettings], plan_cache: str | None,
     """Each model settled as a one-model run settles it (`choose_one`, with `choose_model`'s arguments: the Ray
     engine settles each for its actors), and their tokenizers loaded: they must be one (by content: vocabulary,
     max length, prompt, long-text mode), else a UsageError naming the models that differ."""
-    choices = {}
+    choices, seconds = {}, {}
     for name, each in settings.items():
+        started = time.perf_counter()
         try:
             choices[name] = choose_one(each, plan_cache, dtype_source, trial_texts)
         except UsageError as error:
             raise UsageError(f"models.{name}: {error}") from None
+        seconds[name] = time.perf_counter() - started
     tokenizers = {name: tokenizer_for(settings[name], choice, long_rows) for name, choice in choices.items()}
     first_name, first = next(iter(tokenizers.items()))
     for name, spec in tokenizers.items():
@@ -64,7 +68,7 @@ def choose_model_set(settings: dict[str, ModelSettings], plan_cache: str | None,
             raise UsageError(f"models {first_name} and {name} tokenize differently ({', '.join(differ)}); the models "
                              "of one run must share one tokenizer, --max-length and --long-text (a current limit): "
                              "give them the same or run them separately")
-    return ModelSetChoice(choices, first)
+    return ModelSetChoice(choices, first, seconds)
 
 
 class TightestLimits(BatchLimits):
@@ -122,4 +126,4 @@ def combine_runtimes(runtimes: dict[str, Runtime]) -> Runtime:
     return Runtime(combined, tightest([runtime.batch for runtime in runtimes.values()]),
                    per_model(runtimes, lambda r: r.batch_setting), first.plan,
                    TightestLimits({name: runtime.limits for name, runtime in runtimes.items()}), {},
-                   first.resolved)
+                   first.resolved, first.input)
