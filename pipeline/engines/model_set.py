@@ -25,17 +25,17 @@ from pipeline.runtime.model_set import ModelSetChoice
 def run_model_set(config: RunConfig, slot: WorkerSlot, prepare=prepare_here,
                   choose: Callable[..., ModelSetChoice] | None = None) -> RunSummary:
     """`run_job` for several models: the summary with its `models` object. `prepare(config, choice, todo, clock,
-    carry=, opened=)`: the engine's setup (`prepare_here`), which fills `opened` with what each model settled;
-    `choose`: how the models are settled (`choose_models`; the Ray engine settles them for its actors)."""
-    opened: dict[str, dict] = {}
-    carrying: list[Carry] = []
+    carry=)`: the engine's setup (`prepare_here`), whose runner puts what each model settled in the summary's
+    `models`; `choose`: how the models are settled (`choose_models`; the Ray engine settles them for its actors)."""
+    carrying: list[Carry] = []  # the change of models found before the claim, if any
 
     def prepare_models(config: RunConfig, choice: ModelSetChoice, todo, clock):
         carry = change_of_models(config, choice)
         carrying[:] = [carry] if carry is not None else []
-        return prepare(config, choice, todo, clock, carry=carry, opened=opened)
+        return prepare(config, choice, todo, clock, carry=carry)
 
     summary = run_claimed(config, slot, prepare_models, choose or choose_models)
+    opened = summary.models  # what each model settled (nothing where no shard ran)
     summary.models = models_summary(config, summary.computed_rows, summary.reused_rows, summary.flagged_by_label,
                                     opened, summary.reuse.get("carried", 0),
                                     carrying[0].computed if carrying else tuple(config.models))

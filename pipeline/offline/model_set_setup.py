@@ -10,14 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.core.clock import SetupClock
-from pipeline.core.device import dtype_name
-from pipeline.core.probe import describe_plan
 from pipeline.offline.config import RunConfig
 from pipeline.offline.model_set import model_configs
 from pipeline.runtime import InputRows, Runtime, open_chosen
 from pipeline.runtime.choice import ModelChoice, choose_model
 from pipeline.runtime.model import tokenizer_for
-from pipeline.runtime.model_set import ModelSetChoice, choose_model_set, combine_runtimes
+from pipeline.runtime.model_set import ModelSetChoice, choose_model_set, combine_runtimes, settled_models
 
 ONE_MODEL = ""  # the name the model of a one-model run goes by among the opened models
 
@@ -37,9 +35,9 @@ def one_model_set(config: RunConfig, choice: ModelChoice) -> ModelSetChoice:
 
 @dataclass
 class OpenedModels:
-    """A run's models opened, by name in the run's order: as they were settled, each one's config and runtime and the steps its opening
-    took (the seconds its own run would spend on them), the one runtime that runs every batch, and the run's
-    config with --compile auto settled (each model's), as run.json records it."""
+    """A run's models opened, by name in the run's order: as they were settled, each one's config and runtime and
+    the steps its opening took (the seconds its own run would spend on them), the one runtime that runs every
+    batch, and the run's config with --compile auto settled (each model's), as run.json records it."""
 
     choice: ModelSetChoice
     configs: dict[str, RunConfig]
@@ -49,10 +47,8 @@ class OpenedModels:
     config: RunConfig
 
     def settled(self) -> dict[str, dict]:
-        """What each model settled, by name: its folder, dtype, compile and batch limits (the summary's)."""
-        return {name: {"model": runtime.loaded.choice.path, "dtype": dtype_name(runtime.loaded.choice.dtype),
-                       "compile": runtime.loaded.compile.reason, "batch_setting": runtime.batch_setting,
-                       "batch_plan": describe_plan(runtime.plan)} for name, runtime in self.runtimes.items()}
+        """What each model settled, by name (`settled_models`)."""
+        return settled_models(self.runtimes)
 
 
 def open_models(config: RunConfig, clock: SetupClock | None = None) -> OpenedModels:
@@ -75,10 +71,12 @@ def open_chosen_models(config: RunConfig, choice: ModelSetChoice, rows: InputRow
     for each in clocks.values():
         clock.add_steps(each)
     if config.models:
-        return OpenedModels(choice, configs, runtimes, clocks, combine_runtimes(runtimes), config.with_settings(models={
-            name: {**settings, "compile": compile_setting(runtimes[name])} for name, settings in config.models.items()}))
+        settled = config.with_settings(models={name: {**settings, "compile": compile_setting(runtimes[name])}
+                                               for name, settings in config.models.items()})
+        return OpenedModels(choice, configs, runtimes, clocks, combine_runtimes(runtimes), settled)
     runtime = runtimes[ONE_MODEL]
-    return OpenedModels(choice, configs, runtimes, clocks, runtime, config.with_settings(compile=compile_setting(runtime)))
+    settled = config.with_settings(compile=compile_setting(runtime))
+    return OpenedModels(choice, configs, runtimes, clocks, runtime, settled)
 
 
 def compile_setting(runtime: Runtime) -> str:

@@ -9,7 +9,7 @@ model, max length, batch limits and memory plan the same way.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
@@ -46,6 +46,7 @@ class Runtime:
     saved_for: dict[str, dict | None]  # the sweep's saved recommendations for this model, device and dtype
     resolved: tuple[str, ...] = BATCH_LIMITS
     input: InputRows | None = None  # the input the setup read (`ProductConfig.input_rows`), for the product to reuse
+    members: dict[str, Runtime] = field(default_factory=dict)  # several models: each one's (`combine_runtimes`)
 
     @property
     def max_length(self) -> int:

@@ -1,4 +1,4 @@
-"""Several models' runtimes, each opened as a one-model run opens its own (`open_runtime`: its dtype, compile,
+"""Several models' runtimes, each opened as a one-model run opens its own (`open_chosen`: its dtype, compile,
 limits and memory plan), combined into one `Runtime` whose job runs every batch through each model
 (`jobs.model_set`). A batch is planned once, under the tightest of the models' limits, so that every model
 runs the same batches (docs/jobs.md "Several models, one pass")."""
@@ -14,8 +14,10 @@ import numpy as np
 
 from jobs.model_set import ModelSet, ModelSetJob
 from pipeline.core.compile import CompileChoice
+from pipeline.core.device import dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.core.forward import BatchLimits
+from pipeline.core.probe import describe_plan
 from pipeline.core.settings import BatchSettings, LongRowSettings, ModelSettings
 from pipeline.core.tokenize import TokenizerSpec
 from pipeline.runtime import Runtime
@@ -106,6 +108,13 @@ def per_model(models: dict, describe) -> str:
     return "; ".join(f"{name}: {text}" for name, text in said.items())
 
 
+def settled_models(runtimes: dict[str, Runtime]) -> dict[str, dict]:
+    """What each model settled, by name: its folder, dtype, compile and batch limits (the summary's `models`)."""
+    return {name: {"model": runtime.loaded.choice.path, "dtype": dtype_name(runtime.loaded.choice.dtype),
+                   "compile": runtime.loaded.compile.reason, "batch_setting": runtime.batch_setting,
+                   "batch_plan": describe_plan(runtime.plan)} for name, runtime in runtimes.items()}
+
+
 def combine_runtimes(runtimes: dict[str, Runtime]) -> Runtime:
     """One runtime for several models sharing one tokenizer and max length: the models' job and model sets,
     the tightest of their batch limits and memory plans. Its choice is the first model's, with the path,
@@ -126,4 +135,4 @@ def combine_runtimes(runtimes: dict[str, Runtime]) -> Runtime:
     return Runtime(combined, tightest([runtime.batch for runtime in runtimes.values()]),
                    per_model(runtimes, lambda r: r.batch_setting), first.plan,
                    TightestLimits({name: runtime.limits for name, runtime in runtimes.items()}), {},
-                   first.resolved, first.input)
+                   first.resolved, first.input, runtimes)
