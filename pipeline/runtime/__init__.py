@@ -24,6 +24,7 @@ from pipeline.runtime.model import LoadedModel, load_chosen, tokenizer_for
 
 log = logging.getLogger(__name__)
 
+
 class InputRows(Protocol):
     """The input a product runs on, read by the setup only where it needs it (`offline.workload.InputSample`)."""
 
@@ -45,7 +46,8 @@ class Runtime:
     limits: BatchLimits  # the plan's rows per length, lowered after an out-of-memory split
     saved_for: dict[str, dict | None]  # the sweep's saved recommendations for this model, device and dtype
     resolved: tuple[str, ...] = BATCH_LIMITS
-    input: InputRows | None = None  # the input the setup read (`ProductConfig.input_rows`), for the product to reuse
+    input: InputRows | None = None  # the input the setup read (`ProductConfig.input_rows`: an `InputSample`, its
+    # shards listed), for the product to reuse
     members: dict[str, Runtime] = field(default_factory=dict)  # several models: each one's (`combine_runtimes`)
 
     @property
@@ -81,7 +83,7 @@ def open_runtime(config: ProductConfig, clock: SetupClock | None = None) -> Runt
     """A product's runtime from its config alone: its input (`config.input_rows()`), the model settled (--dtype
     auto's trial on the input's rows) and its tokenizer loaded, then the rest as every run opens it
     (`open_chosen`). `clock`: the steps' seconds. A run settles its model earlier, to check its output with it, and
-    opens it with `open_chosen` (`offline.model_set.open_models`)."""
+    opens it on the shards it has to do (`offline.model_set_setup.open_chosen_models`)."""
     needs, clock = config.runtime_needs(), clock or SetupClock()
     with clock.step("shards"):
         rows = config.input_rows()
