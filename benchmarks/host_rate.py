@@ -188,19 +188,20 @@ def with_zero_forward(sampler: CpuSampler) -> None:
     import pipeline.engines.runner_setup as runner_setup
     import pipeline.offline.runner as runner
 
-    real_open_runtime, real_breakdown = runner_setup.open_runtime, runner.SetupClock.breakdown
+    real_open_models, real_breakdown = runner_setup.open_chosen_models, runner.SetupClock.breakdown
 
-    def open_runtime(*args, **kwargs):
-        runtime = real_open_runtime(*args, **kwargs)
+    def open_chosen_models(*args, **kwargs):
+        opened = real_open_models(*args, **kwargs)
+        runtime = opened.runtime
         runtime.loaded = dataclasses.replace(runtime.loaded,
                                              job=ZeroForwardJob(runtime.loaded.job, output_shapes(runtime.loaded)))
-        return runtime
+        return opened
 
     def breakdown(clock, setup_s: float) -> dict:  # the run's setup ends here (`ShardRunner.run`)
         sampler.start_measuring()
         return real_breakdown(clock, setup_s)
 
-    runner_setup.open_runtime = open_runtime
+    runner_setup.open_chosen_models = open_chosen_models
     runner.SetupClock.breakdown = breakdown
 
 

@@ -103,8 +103,6 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
         click.echo(json.dumps({"available_bytes": available, "per_sample_bytes": per_sample,
                                "safety": settings["safety"], "batch_rows": rows}) if as_json else rows)
         return
-    from pipeline.offline.source import list_source_shards
-    from pipeline.offline.workload import InputSample
     from pipeline.runtime import open_runtime
 
     with exit_on_known_errors():
@@ -113,34 +111,28 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
                               **{**settings, "probe": True})  # the plan is what `plan` shows
         check_run_paths(config)
         # --dtype auto's trial on the input's rows, as the run's: the plan is made for the run's dtype
-        rows = InputSample(list_source_shards(config.source), config.source) if inputs else None
         if config.models:
-            print_model_set_plans(config, rows, as_json)
+            print_model_set_plans(config, as_json)
             return
-        memory_plan = open_runtime(config, rows).plan
+        memory_plan = open_runtime(config).plan
     if memory_plan is None:
         fail("no plan: the memory probe failed (see above)")
     click.echo(memory_plan.to_json() if as_json else memory_plan.to_table())
 
 
-def print_model_set_plans(config: RunConfig, rows, as_json: bool) -> None:
+def print_model_set_plans(config: RunConfig, as_json: bool) -> None:
     """Each model's memory plan, opened as the run of several opens it, and the rows per padded length a
     batch of the pass takes: the fewest any model's plan allows."""
     from dataclasses import asdict
 
-    from pipeline.engines.model_set import choose_models
-    from pipeline.offline.model_set import model_configs
-    from pipeline.runtime import open_runtime
-    from pipeline.runtime.model_set import combine_runtimes
+    from pipeline.offline.model_set_setup import open_models
 
-    configs = model_configs(config)
-    choice = choose_models(config, None, rows.texts if rows else None)
-    runtimes = {name: open_runtime(configs[name], rows, choice=each, tokenizer=choice.tokenizer)
-                for name, each in choice.choices.items()}
+    opened = open_models(config)
+    configs, runtimes = opened.configs, opened.runtimes
     plans = {name: runtime.plan for name, runtime in runtimes.items()}
     if any(each is None for each in plans.values()):
         fail("no plan: the memory probe failed (see above)")
-    limits = combine_runtimes(runtimes).limits
+    limits = opened.runtime.limits
     lengths = sorted({bucket.length for each in plans.values() for bucket in each.buckets})
     one_pass = {length: limits.rows_for(length) for length in lengths}
     if as_json:

@@ -22,6 +22,11 @@ class SetupClock:
     def add(self, name: str, seconds: float) -> None:
         self.steps[name] = self.steps.get(name, 0.0) + seconds
 
+    def add_steps(self, other: SetupClock) -> None:
+        """Another clock's steps added to this one's (several models opened one by one)."""
+        for name, seconds in other.steps.items():
+            self.add(name, seconds)
+
     def breakdown(self, setup_s: float) -> dict[str, float]:
         """Every step in order, and the rest of `setup_s` as `other`, in seconds rounded to
         milliseconds: they add up to `setup_s`."""

@@ -223,8 +223,6 @@ class RuntimeNeeds:
     limits: tuple[str, ...] = BATCH_LIMITS  # the batch limits it settles (None, auto → a number)
     recommended: bool = True  # a sweep's saved recommendation applies (not to the batcher: a sweep measures
     # offline batches)
-    input_rows: bool = True  # --dtype auto's trial runs on the input's rows and --compile auto weighs the input's
-    # work (given an input); else random ids and a workload counted as large (a service)
     long_rows: LongRowSettings = TRUNCATE  # whether rows longer than max_length are split, and how
     levels: tuple[BatchSettings, ...] = ()  # a load test's levels: the memory plan is made for the largest
 

@@ -50,11 +50,9 @@ def refuse_while_a_worker_starts() -> None:
 
 
 def prepare_here(config: RunConfig, choice: ModelChoice | ModelSetChoice, todo: list[Shard], clock: SetupClock,
-                 carry: Carry | None = None, opened: dict | None = None) -> tuple[ShardsRunner, RunConfig]:
-    """The local engine: the model, or models (`opened` receives what each settled, `carry` a change of
-    models), loaded once in this process (compiled if that pays back over `todo`); one shard runner for
-    all shards; the config with --compile settled."""
+                 carry: Carry | None = None) -> tuple[ShardsRunner, RunConfig]:
+    """The local engine: the model, or models (`carry`: a change of models), loaded once in this process
+    (compiled if that pays back over `todo`); one shard runner for all shards; the config with --compile
+    settled."""
     opening = open_shard_runner(config, choice, InputSample(todo, config.source), clock, carry=carry)
-    if opened is not None:
-        opened.update(opening.opened)
     return opening.runner, opening.config

@@ -14,42 +14,34 @@ from pipeline.offline.carry import Carry, carry_of
 from pipeline.offline.claim import output_fingerprint
 from pipeline.offline.config import RunConfig
 from pipeline.offline.manifest import RunManifest
-from pipeline.offline.model_set import model_change, model_configs, models_summary
+from pipeline.offline.model_set import model_change, models_summary
+from pipeline.offline.model_set_setup import choose_models
 from pipeline.offline.sink import ShardSink
 from pipeline.offline.source import WorkerSlot
 from pipeline.offline.summary import RunSummary
-from pipeline.runtime.choice import choose_model
-from pipeline.runtime.model_set import ModelSetChoice, choose_model_set
+from pipeline.runtime.model_set import ModelSetChoice
 
 
 def run_model_set(config: RunConfig, slot: WorkerSlot, prepare=prepare_here,
                   choose: Callable[..., ModelSetChoice] | None = None) -> RunSummary:
     """`run_job` for several models: the summary with its `models` object. `prepare(config, choice, todo, clock,
-    carry=, opened=)`: the engine's setup (`prepare_here`), which fills `opened` with what each model settled;
-    `choose`: how the models are settled (`choose_models`; the Ray engine settles them for its actors)."""
-    opened: dict[str, dict] = {}
-    carrying: list[Carry] = []
+    carry=)`: the engine's setup (`prepare_here`), whose runner puts what each model settled in the summary's
+    `models`; `choose`: how the models are settled (`choose_models`; the Ray engine settles them for its actors)."""
+    carrying: list[Carry] = []  # the change of models found before the claim, if any
 
     def prepare_models(config: RunConfig, choice: ModelSetChoice, todo, clock):
         carry = change_of_models(config, choice)
         carrying[:] = [carry] if carry is not None else []
-        return prepare(config, choice, todo, clock, carry=carry, opened=opened)
+        return prepare(config, choice, todo, clock, carry=carry)
 
     summary = run_claimed(config, slot, prepare_models, choose or choose_models)
+    opened = summary.models  # what each model settled (nothing where no shard ran)
     summary.models = models_summary(config, summary.computed_rows, summary.reused_rows, summary.flagged_by_label,
                                     opened, summary.reuse.get("carried", 0),
                                     carrying[0].computed if carrying else tuple(config.models))
     if opened:
         summary.batch_plan = "; ".join(f"{name}: {each['batch_plan']}" for name, each in opened.items())
     return summary
-
-
-def choose_models(config: RunConfig, dtype_source: str | None, trial_texts,
-                  choose_one: Callable = choose_model) -> ModelSetChoice:
-    """The run's models settled: each by `choose_one` (`choose_model`'s arguments; here, or for the Ray actors)."""
-    configs = model_configs(config)
-    return choose_model_set({name: each.model for name, each in configs.items()}, config.cache.plan_cache,
-                            config.runtime_needs().long_rows, dtype_source, trial_texts, choose_one)
 
 
 def change_of_models(config: RunConfig, choice: ModelSetChoice) -> Carry | None:

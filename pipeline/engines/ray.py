@@ -38,7 +38,8 @@ from pipeline.core.clock import SetupClock
 from pipeline.core.errors import StorageError, UsageError
 from pipeline.core.settings import CUDA_HOST_THREADS
 from pipeline.engines.claim import choose_here, run_claimed
-from pipeline.engines.model_set import choose_models, run_model_set
+from pipeline.engines.model_set import run_model_set
+from pipeline.offline.model_set_setup import choose_models
 from pipeline.engines.ray_devices import actors_config, choose_on_cluster, said_dtypes, settled_dtypes
 from pipeline.engines.runner_setup import open_shard_runner
 from pipeline.offline.carry import Carry
@@ -154,24 +155,23 @@ def ray_connection(ray, address: str | None):
 
 
 def prepare_actors(config: RunConfig, choice: ModelChoice | ModelSetChoice, todo: list[Shard], clock=None,
-                   carry: Carry | None = None, opened: dict | None = None):
+                   carry: Carry | None = None):
     """Nothing to load on the driver: the actors load the model, or models (the max length was
     checked against each architecture in `choose_model`), and each settles --compile auto from the
     cached verdict on its own device; their setup is in the summary's actor lines, not on the
-    driver's `clock`. `carry`: a change of models, handed to every actor; `opened` receives what
-    each model settled on the actors (`run_model_set`)."""
-    return functools.partial(run_on_actors, config, choice, carry=carry, opened=opened), config
+    driver's `clock`. `carry`: a change of models, handed to every actor."""
+    return functools.partial(run_on_actors, config, choice, carry=carry), config
 
 
 def run_on_actors(config: RunConfig, choice: ModelChoice | ModelSetChoice, todo: list[Shard], sink: ShardSink,
-                  manifest: RunManifest, summary: RunSummary, started: float, carry: Carry | None = None,
-                  opened: dict | None = None) -> None:
-    """The Ray engine: hand `todo` to actors, then remove what attempts whose actor died left behind."""
+                  manifest: RunManifest, summary: RunSummary, started: float, carry: Carry | None = None) -> None:
+    """The Ray engine: hand `todo` to actors, then remove what attempts whose actor died left behind; several
+    models: the summary's `models` says what each settled on the actors."""
     ray = import_ray()
     pool = ActorPool(ray, actors_config(config, choice), len(todo), carry)
     pool.run(todo, sink, manifest, summary, config.progress)
-    if opened is not None:
-        opened.update(pool.models)
+    if config.models:
+        summary.models = pool.models
     sink.remove_stale_temporaries([shard.stem for shard in todo])
     remove_stale_hash_temporaries(manifest, [shard.stem for shard in todo])
     summary.dtype_reason = choice.dtype_reason  # the driver's choice; the actors were handed its result

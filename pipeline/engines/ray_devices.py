@@ -9,9 +9,9 @@ import logging
 from pipeline.core.device import DTYPES, dtype_name, gpu_auto_dtype
 from pipeline.core.errors import UsageError
 from pipeline.core.settings import ModelSettings
-from pipeline.engines.runner_setup import ONE_MODEL
 from pipeline.offline.config import RunConfig
 from pipeline.offline.model_set import model_configs
+from pipeline.offline.model_set_setup import ONE_MODEL
 from pipeline.runtime.choice import ModelChoice, choose_model
 from pipeline.runtime.model_set import ModelSetChoice
 

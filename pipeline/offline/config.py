@@ -51,8 +51,15 @@ class RunConfig(SettingsTree):
     pushgateway: str | None = None  # a Prometheus Pushgateway the run's metrics are pushed to at its end
 
     def runtime_needs(self) -> RuntimeNeeds:
-        """Both batch limits, a sweep's recommendation, the input's rows for the dtype trial and the compile."""
+        """Both batch limits and a sweep's recommendation."""
         return RuntimeNeeds(long_rows=self.long_rows)
+
+    def input_rows(self):
+        """Every shard of the input (`plan`, the estimate; a run weighs the shards it has to do), for the dtype
+        trial and the compile; None without an input (`plan` alone)."""
+        from pipeline.offline.workload import InputSample
+
+        return InputSample.listed(self.source) if self.source.input else None
 
 
 def check_named_inputs(job: str, pair_column: str | None, long_text: str) -> None:
@@ -64,3 +71,4 @@ def check_named_inputs(job: str, pair_column: str | None, long_text: str) -> Non
     if job == "pair" and long_text == "split":
         raise UsageError("--long-text split cuts one text into segments, which a pair cannot be: --job pair truncates "
                          "the longer text first (longest_first); drop --long-text split")
+

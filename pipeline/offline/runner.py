@@ -48,6 +48,7 @@ from pipeline.core.settings import auto_window_rows, tokenize_workers_for, usabl
 from pipeline.core.tokenize import TokenizerPool
 from pipeline.core.unpadded import runs_unpadded
 from pipeline.runtime import Runtime
+from pipeline.runtime.model_set import settled_models
 from pipeline.offline.config import RunConfig
 from pipeline.offline.encoder import OutputEncoder
 from pipeline.offline.manifest import RunManifest
@@ -196,6 +197,7 @@ class ShardRunner:
         summary.compile, summary.compile_s = loaded.compile.reason, round(loaded.compile.compile_s, 2)
         summary.unpad = loaded.unpad
         summary.batch_setting, summary.batch_plan = self.runtime.batch_setting, describe_plan(self.runtime.plan)
+        summary.models = settled_models(self.runtime.members)  # several models: what each settled
         summary.settings = diagnosis_settings(self.runtime, self.window_rows, self.tokenize_workers)
         summary.sweep_reference = self.runtime.sweep_reference
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from pipeline.core.settings import InputSettings
 from pipeline.core.tokenize import TokenizerSpec, encode_texts
-from pipeline.offline.source import Shard, read_blocks
+from pipeline.offline.source import Shard, list_source_shards, read_blocks
 
 SAMPLE_ROWS = 1000  # texts tokenized for the mean length: a fraction of a second
 
@@ -36,6 +36,11 @@ class InputSample:
 
     shards: Sequence[Shard]
     source: InputSettings
+
+    @classmethod
+    def listed(cls, source: InputSettings) -> InputSample:
+        """Every shard of `source` (a product's whole input: `plan`, the estimate, the sweep)."""
+        return cls(list_source_shards(source), source)
 
     def texts(self) -> list | None:
         """What the bf16 trial of `--dtype auto` runs on: the input's own first rows."""

@@ -25,8 +25,12 @@ class BatcherConfig(SettingsTree):
 
     def runtime_needs(self) -> RuntimeNeeds:
         """The token budget only (the batch size is its own setting), never a sweep's recommendation (a sweep
-        measures offline batches), no input: requests come one by one."""
-        return RuntimeNeeds(limits=("max_batch_tokens",), recommended=False, input_rows=False)
+        measures offline batches)."""
+        return RuntimeNeeds(limits=("max_batch_tokens",), recommended=False)
+
+    def input_rows(self) -> None:
+        """No input: requests come one by one (random ids for the dtype trial, a workload counted as large)."""
+        return None
 
     @property
     def max_batch_size(self) -> int:

@@ -36,24 +36,25 @@ class LoadedModel:
 
 
 def load_model(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice | None = None,
-               workload: Callable[[TokenizerSpec], float] | None = None, tokenizer: TokenizerSpec | None = None,
-               clock: SetupClock | None = None, long_rows: LongRowSettings = TRUNCATE,
                cache: CacheSettings = CacheSettings()) -> LoadedModel:
-    """Tokenizer (unless given: `tokenizer_for`) and model loaded once, the max length checked
-    against the model, the host allocator set up for the device (see
-    `keep_freed_host_memory`), and the forward compiled where `settings.compile` and a
-    measurement say so. `workload(tokenizer)` estimates the job's tokens (None: unknown, a
-    sweep or a service, counted as large). `clock` records the steps' seconds. `long_rows`: whether
-    the tokenizer cuts rows longer than the max length into segments (`tokenizer_for`); `cache`: where the
-    dtype and compile verdicts are kept."""
-    clock = clock or SetupClock()
+    """`load_chosen` of `settings` alone: the model settled here unless given, its tokenizer truncating long rows,
+    no workload (a service's: counted as large)."""
     choice = choice or choose_model(settings, cache.plan_cache)
+    return load_chosen(settings, batch, choice, tokenizer_for(settings, choice), cache=cache)
+
+
+def load_chosen(settings: ModelSettings, batch: BatchSettings, choice: ModelChoice, tokenizer: TokenizerSpec,
+                workload: Callable[[TokenizerSpec], float] | None = None, clock: SetupClock | None = None,
+                cache: CacheSettings = CacheSettings()) -> LoadedModel:
+    """The settled model (`choice`) loaded once, for `tokenizer` (`tokenizer_for`), the max length checked
+    against the model, the host allocator set up for the device (see `keep_freed_host_memory`), and the forward
+    compiled where `settings.compile` and a measurement say so. `workload(tokenizer)` estimates the job's tokens
+    (None: unknown, a sweep or a service, counted as large). `clock` records the steps' seconds; `cache`: where
+    the compile verdicts are kept."""
+    clock = clock or SetupClock()
     if choice.device.type == "cuda":
         torch.cuda.set_device(choice.device)  # cuda:N current for the main thread (kernels, caches, streams)
     job = choice.job
-    if tokenizer is None:
-        with clock.step("tokenizer"):
-            tokenizer = tokenizer_for(settings, choice, long_rows)
     with clock.step("model load"):
         model = job.load(choice.path, choice.device, choice.dtype, prompt_tokens=count_prompt_tokens(tokenizer),
                          **choice.job_options, allow_pickle=settings.allow_pickle,

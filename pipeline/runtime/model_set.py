@@ -1,4 +1,4 @@
-"""Several models' runtimes, each opened as a one-model run opens its own (`open_runtime`: its dtype, compile,
+"""Several models' runtimes, each opened as a one-model run opens its own (`open_chosen`: its dtype, compile,
 limits and memory plan), combined into one `Runtime` whose job runs every batch through each model
 (`jobs.model_set`). A batch is planned once, under the tightest of the models' limits, so that every model
 runs the same batches (docs/jobs.md "Several models, one pass")."""
@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from jobs.model_set import ModelSet, ModelSetJob
 from pipeline.core.compile import CompileChoice
+from pipeline.core.device import dtype_name
 from pipeline.core.errors import UsageError
 from pipeline.core.forward import BatchLimits
+from pipeline.core.probe import describe_plan
 from pipeline.core.settings import BatchSettings, LongRowSettings, ModelSettings
 from pipeline.core.tokenize import TokenizerSpec
 from pipeline.runtime import Runtime
@@ -28,6 +31,7 @@ class ModelSetChoice:
 
     choices: dict[str, ModelChoice]
     tokenizer: TokenizerSpec
+    seconds: dict[str, float] = field(default_factory=dict, compare=False)  # each model's settling took
 
     @property
     def device(self):
@@ -48,12 +52,14 @@ def choose_model_set(settings: dict[str, ModelSettings], plan_cache: str | None,
     """Each model settled as a one-model run settles it (`choose_one`, with `choose_model`'s arguments: the Ray
     engine settles each for its actors), and their tokenizers loaded: they must be one (by content: vocabulary,
     max length, prompt, long-text mode), else a UsageError naming the models that differ."""
-    choices = {}
+    choices, seconds = {}, {}
     for name, each in settings.items():
+        started = time.perf_counter()
         try:
             choices[name] = choose_one(each, plan_cache, dtype_source, trial_texts)
         except UsageError as error:
             raise UsageError(f"models.{name}: {error}") from None
+        seconds[name] = time.perf_counter() - started
     tokenizers = {name: tokenizer_for(settings[name], choice, long_rows) for name, choice in choices.items()}
     first_name, first = next(iter(tokenizers.items()))
     for name, spec in tokenizers.items():
@@ -64,7 +70,7 @@ def choose_model_set(settings: dict[str, ModelSettings], plan_cache: str | None,
             raise UsageError(f"models {first_name} and {name} tokenize differently ({', '.join(differ)}); the models "
                              "of one run must share one tokenizer, --max-length and --long-text (a current limit): "
                              "give them the same or run them separately")
-    return ModelSetChoice(choices, first)
+    return ModelSetChoice(choices, first, seconds)
 
 
 class TightestLimits(BatchLimits):
@@ -102,6 +108,13 @@ def per_model(models: dict, describe) -> str:
     return "; ".join(f"{name}: {text}" for name, text in said.items())
 
 
+def settled_models(runtimes: dict[str, Runtime]) -> dict[str, dict]:
+    """What each model settled, by name: its folder, dtype, compile and batch limits (the summary's `models`)."""
+    return {name: {"model": runtime.loaded.choice.path, "dtype": dtype_name(runtime.loaded.choice.dtype),
+                   "compile": runtime.loaded.compile.reason, "batch_setting": runtime.batch_setting,
+                   "batch_plan": describe_plan(runtime.plan)} for name, runtime in runtimes.items()}
+
+
 def combine_runtimes(runtimes: dict[str, Runtime]) -> Runtime:
     """One runtime for several models sharing one tokenizer and max length: the models' job and model sets,
     the tightest of their batch limits and memory plans. Its choice is the first model's, with the path,
@@ -122,4 +135,4 @@ def combine_runtimes(runtimes: dict[str, Runtime]) -> Runtime:
     return Runtime(combined, tightest([runtime.batch for runtime in runtimes.values()]),
                    per_model(runtimes, lambda r: r.batch_setting), first.plan,
                    TightestLimits({name: runtime.limits for name, runtime in runtimes.items()}), {},
-                   first.resolved)
+                   first.resolved, first.input, runtimes)

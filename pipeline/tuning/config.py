@@ -44,8 +44,14 @@ class SweepConfig(SettingsTree):
 
     def runtime_needs(self) -> RuntimeNeeds:
         """Rows as the run has them (the token budget is the varied or fixed level), its recommendation
-        saved, not taken; the input's rows for the dtype trial and the compile, as the run's."""
+        saved, not taken."""
         return RuntimeNeeds(limits=("max_batch_rows",), recommended=False, long_rows=self.long_rows)
+
+    def input_rows(self):
+        """The input's rows for the dtype trial and the compile, as the run's."""
+        from pipeline.offline.workload import InputSample
+
+        return InputSample.listed(self.source)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,10 @@ class OnlineLoadtestConfig(SettingsTree):
     def runtime_needs(self) -> RuntimeNeeds:
         """The batcher's, with one memory plan for the largest batches its levels may form."""
         return dataclasses.replace(self.batcher.runtime_needs(), levels=tuple(level.batch for level in self.levels()))
+
+    def input_rows(self) -> None:
+        """The batcher's: none (its texts are a service's requests, not a job's input)."""
+        return self.batcher.input_rows()
 
     def levels(self) -> list[BatcherConfig]:
         """The batcher setting of each level, smallest first."""

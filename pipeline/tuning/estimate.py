@@ -223,51 +223,36 @@ def estimate_run(config: RunConfig, sample_rows: int, window_s: float | None) ->
     """Read the footers, tokenize a sample, find each model's throughput (saved sweep, else measured
     here on the sample), and predict; for several models, also one pass against separate runs."""
     from pipeline.core.clock import SetupClock
-    from pipeline.offline.source import list_source_shards
-    from pipeline.offline.workload import InputSample
     from pipeline.runtime import open_runtime
 
-    shards = list_source_shards(config.source)
-    rows = InputSample(shards, config.source)
     if config.models:
-        return estimate_model_set(config, shards, rows, sample_rows, window_s)
+        return estimate_model_set(config, sample_rows, window_s)
     # the model, batch setting and memory plan the run will take (the plan probed here once and cached, so the run
     # does not probe); --dtype auto's trial on the input's rows, as the run's: the throughput depends on the dtype
     started, clock = time.perf_counter(), SetupClock()
-    runtime = open_runtime(config, rows, clock=clock)
-    setup_s = time.perf_counter() - started - clock.steps.get("batch plan", 0.0)  # a cached plan costs the run nothing
-    sample = tokenized_sample(config, shards, runtime.loaded.tokenizer, runtime.loaded.choice.device.type, sample_rows)
+    runtime = open_runtime(config, clock)
+    # a cached plan costs the run nothing; the listing is the sample's
+    setup_s = time.perf_counter() - started - clock.steps.get("batch plan", 0.0) - clock.steps.get("shards", 0.0)
+    sample = tokenized_sample(config, runtime.input.shards, runtime.loaded.tokenizer,
+                              runtime.loaded.choice.device.type, sample_rows)
     return model_estimate(config, runtime, setup_s, sample, window_s)
 
 
-def estimate_model_set(config: RunConfig, shards: list, rows, sample_rows: int,
-                       window_s: float | None) -> ModelSetEstimate:
+def estimate_model_set(config: RunConfig, sample_rows: int, window_s: float | None) -> ModelSetEstimate:
     """Each model opened as the run of several opens it (one tokenizer, each its own dtype, limits and plan),
     the sample tokenized once, each model's throughput measured on it; then one pass against separate runs."""
-    from pipeline.core.clock import SetupClock
-    from pipeline.engines.model_set import choose_models
-    from pipeline.offline.model_set import model_configs
-    from pipeline.runtime import open_runtime
-    from pipeline.runtime.choice import choose_model
+    from pipeline.offline.model_set_setup import open_models
 
-    configs = model_configs(config)
-    choosing_s = []  # each model's choice (its code, the dtype trial), in the run's order
-
-    def timed_choice(*args):
-        started = time.perf_counter()
-        try:
-            return choose_model(*args)
-        finally:
-            choosing_s.append(time.perf_counter() - started)
-
-    choice = choose_models(config, None, rows.texts, timed_choice)
-    sample = tokenized_sample(config, shards, choice.tokenizer, choice.device.type, sample_rows)
+    opened = open_models(config)
+    runtime = opened.runtime
+    sample = tokenized_sample(config, runtime.input.shards, runtime.loaded.tokenizer,
+                              runtime.loaded.choice.device.type, sample_rows)
     estimates = {}
-    for (name, each), chosen_s in zip(choice.choices.items(), choosing_s):
-        started, clock = time.perf_counter(), SetupClock()
-        runtime = open_runtime(configs[name], rows, choice=each, tokenizer=choice.tokenizer, clock=clock)
-        setup_s = chosen_s + time.perf_counter() - started - clock.steps.get("batch plan", 0.0)
-        estimates[name] = model_estimate(configs[name], runtime, setup_s, sample, window_s)
+    for name, each in opened.runtimes.items():
+        steps = opened.clocks[name].steps
+        # its own run's setup: its choice and opening (a cached plan costs the run nothing)
+        setup_s = opened.choice.seconds.get(name, 0.0) + sum(steps.values()) - steps.get("batch plan", 0.0)
+        estimates[name] = model_estimate(opened.configs[name], each, setup_s, sample, window_s)
     return one_pass_estimate(estimates, window_s, sample.reuse_s, process_start_seconds())
 
 

@@ -176,8 +176,6 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     from pipeline.core.device import available_memory_bytes, device_name, dtype_name
     from pipeline.runtime import open_runtime
     from pipeline.core.tokenize import TokenizerPool
-    from pipeline.offline.source import list_source_shards
-    from pipeline.offline.workload import InputSample
 
     if config.vary not in SWEEP_VARIES:
         raise UsageError(f"--vary {config.vary!r} is not one of {', '.join(SWEEP_VARIES)}")
@@ -187,8 +185,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     # given (a token budget of None is none: the sweep's levels set it); no memory plan: each level is measured
     # and --dtype auto's trial on the input's rows, as the run's: the recommendation is kept for the run's dtype
     source = config.source
-    shards = list_source_shards(source)
-    runtime = open_runtime(config, InputSample(shards, source))
+    runtime = open_runtime(config)
+    shards = runtime.input.shards
     loaded = runtime.loaded
     job, model, spec = loaded.job, loaded.model, loaded.tokenizer
     model_path, device, dtype, max_length = (loaded.choice.path, loaded.choice.device, loaded.choice.dtype,

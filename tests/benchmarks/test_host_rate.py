@@ -29,7 +29,7 @@ def test_the_harness_runs_the_real_pipeline_with_a_forward_of_zeros(tmp_path, sa
 
     host_rate = load_host_rate()
     # what the harness replaces is put back after the test
-    monkeypatch.setattr(runner_setup, "open_runtime", runner_setup.open_runtime)
+    monkeypatch.setattr(runner_setup, "open_chosen_models", runner_setup.open_chosen_models)
     monkeypatch.setattr(runner.SetupClock, "breakdown", runner.SetupClock.breakdown)
     forwarded = []
     zero_forward = host_rate.ZeroForwardJob.forward

@@ -117,7 +117,7 @@ def test_a_cpu_only_driver_records_the_gpu_actors_dtype_in_the_fingerprint(tiny_
 
 
 def test_several_models_each_get_their_dtype_from_the_cluster_and_the_actors_are_handed_it(tiny_encoder_path):
-    from pipeline.engines.model_set import choose_models
+    from pipeline.offline.model_set_setup import choose_models
     from pipeline.engines.ray_devices import actors_config, choose_on_cluster, said_dtypes, settled_dtypes
     from pipeline.offline.claim import output_fingerprint
 

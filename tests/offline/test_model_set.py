@@ -449,3 +449,39 @@ def test_a_change_of_models_killed_mid_way_resumes_to_a_fresh_runs_output(
     ours = read_output(tmp_path / "out")
     assert ours.num_rows == 240 and len(set(ours["id"].to_pylist())) == 240
     assert_same_output(tmp_path / "out", tmp_path / "whole")
+
+
+# --- the one opener of a run's models ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_runs_models_open_with_their_one_tokenizer_each_as_its_own_run_opens_it(tmp_path, model_set_rows,
+                                                                                    tiny_classifier_path,
+                                                                                    tiny_encoder_path, monkeypatch):
+    """`plan`, its estimate and the shard runner open a run's models in one place (`open_models`): the tokenizer
+    is loaded once per model to check they tokenize alike, and not again while they open; each model settles
+    what a one-model `open_runtime` of its config settles; the one runtime holds them all."""
+    import pipeline.runtime.model
+    from pipeline.offline.config import RunConfig
+    from pipeline.offline.model_set_setup import open_models
+    from pipeline.runtime import open_runtime
+
+    write_shards(tmp_path / "in", model_set_rows.slice(0, 40), [25, 15])
+    models = {"topic": {"job": "classify", "model": tiny_classifier_path},
+              "embed": {"job": "embed", "model": tiny_encoder_path}}
+    config = RunConfig.of(input=(str(tmp_path / "in"),), output="", models=models, max_length=32, dtype="float32",
+                          compile="off", probe=False, plan_cache=str(tmp_path / "cache"))
+    loads, real_load = [], pipeline.runtime.model.load_tokenizer_spec
+    monkeypatch.setattr(pipeline.runtime.model, "load_tokenizer_spec",
+                        lambda path, *args, **kwargs: loads.append(path) or real_load(path, *args, **kwargs))
+    opened = open_models(config)
+    assert loads == [tiny_classifier_path, tiny_encoder_path]
+    assert all(each.loaded.tokenizer is opened.choice.tokenizer for each in opened.runtimes.values())
+    assert opened.runtime.members == opened.runtimes and list(opened.runtimes) == ["topic", "embed"]
+    assert [shard.num_rows for shard in opened.runtime.input.shards] == [25, 15]  # the config's whole input
+    assert opened.config.models["topic"]["compile"] == "off"  # as run.json records it
+    for name, runtime in opened.runtimes.items():
+        alone = open_runtime(opened.configs[name])
+        assert (runtime.batch, runtime.max_length, runtime.loaded.choice.dtype) == \
+            (alone.batch, alone.max_length, alone.loaded.choice.dtype)
+        assert opened.settled()[name]["model"] == alone.loaded.choice.path
+    assert set(opened.clocks["embed"].steps) == {"model load", "compile decision", "batch plan"}

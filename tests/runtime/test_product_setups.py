@@ -99,3 +99,21 @@ def test_the_estimate_and_the_sweep_settle_compile_as_the_run_does(tmp_path, lon
     assert estimated.exit_code == 0, estimated.output
     assert json.loads(estimated.output[estimated.output.index("{"):])["estimate"]["rows"] == 40
     assert f"\n{summary.compile}\n" in estimated.output  # the setup's log line
+
+
+def test_each_product_config_names_the_input_its_setup_reads(tmp_path, long_rows):
+    """`open_runtime(config)` reads what `config.input_rows()` gives: a run's, `plan`'s and a sweep's whole input
+    (every shard listed), none without an input or for the batcher and its load test (a service's requests)."""
+    from pipeline.online.config import BatcherConfig
+    from pipeline.tuning.config import OnlineLoadtestConfig
+
+    write_shards(tmp_path / "two", pa.table({"id": list(range(10)), "text": ["a text"] * 10}), [4, 6])
+    run_rows = RunConfig.of(input=(str(tmp_path / "two"),), output="").input_rows()
+    assert [shard.num_rows for shard in run_rows.shards] == [4, 6]
+    assert run_rows.texts() == ["a text"] * 4  # the trial's sample: the first readable shard's rows
+    sweep_rows = SweepConfig.of(input=(long_rows,), vary="max-batch-tokens", values=(128,), out="s.csv").input_rows()
+    assert [shard.num_rows for shard in sweep_rows.shards] == [40]
+    assert RunConfig.of(output="").input_rows() is None  # `plan` without --input: random ids
+    assert BatcherConfig().input_rows() is None
+    assert OnlineLoadtestConfig.of(input=(long_rows,), vary="max-batch-size", values=(8,), out="l.csv").input_rows() \
+        is None
