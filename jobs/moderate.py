@@ -95,7 +95,8 @@ class ModerateJob(ClassifyJob):
     def options(self, settings: ModelSettings, model_path: str) -> dict:
         """The resolved thresholds, checked against the model's labels before anything runs
         (they change the output, so they join its fingerprint). A sweep has none: it
-        measures speed, and flags with the default threshold."""
+        measures speed, and flags with the default threshold. The options that set them are
+        declared beside the job: jobs/moderate_options.py."""
         if settings.thresholds is None:
             return {}
         try:

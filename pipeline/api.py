@@ -2,8 +2,9 @@
 
 The options are `lengthwise run`'s flags with underscores (`max_length=128`, `keep_columns=["label"]`,
 `threshold={"toxic": 0.8}`, `config="configs/nightly_moderation.toml"`), resolved without click
-from the same declarations as the CLI's (`pipeline.offline.options`): keyword, then LENGTHWISE_*
-variable, then the `config` TOML file, then the default, each checked as the flag is. Errors are exceptions,
+from the same declarations as the CLI's (`pipeline.offline.options`; the keys of a `config` file that
+only another command takes: `pipeline.tuning.options`): keyword, then LENGTHWISE_* variable, then the
+`config` TOML file, then the default, each checked as the flag is. Errors are exceptions,
 never an exit: UsageError (exit 2 on the CLI; bad settings, or a script without a main guard),
 ShardsFailed (exit 1), StorageError (exit 4) and WorkerStartError (a tokenizer worker process
 could not start). `run_async` is the same call for code inside a running event loop (a notebook,
@@ -17,14 +18,18 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from pipeline.core.errors import UsageError
 from pipeline.core.logs import configure_logging
 from pipeline.core.tokenize import WorkerStartError
 from pipeline.engines.execute import execute_run
-from pipeline.offline.options import run_config_from
+from pipeline.offline.config import RunConfig
+from pipeline.offline.options import resolve_run_options, run_config
+from pipeline.tuning.options import OTHER_COMMANDS_KEYS
 
 __all__ = ["run", "run_async", "ShardsFailed", "UsageError", "WorkerStartError"]
 
@@ -70,6 +75,14 @@ def _run(input, output: str | None, job: str, options: dict, unguarded: tuple[st
     if summary["failed_shards"]:
         raise ShardsFailed(summary)
     return summary
+
+
+def run_config_from(given: Mapping, environ: Mapping[str, str] | None = None) -> tuple[RunConfig, bool, bool]:
+    """The RunConfig of API keywords (`resolve_run_options`, then `run_config`), and whether quiet and
+    verbose were asked for. A `config` file's keys that only another command takes are skipped."""
+    options = resolve_run_options(given, os.environ if environ is None else environ, OTHER_COMMANDS_KEYS)
+    quiet, verbose = options.pop("quiet"), options.pop("verbose")
+    return run_config(**options), quiet, verbose
 
 
 def refuse_an_unguarded_main_script(script: str, line: int) -> None:

@@ -71,7 +71,8 @@ def test_the_layers_are_few_and_no_module_is_over_500_lines():
                                     "pipeline.online.rules", "pipeline.online.batcher", "pipeline.cli",
                                     "pipeline.offline.reuse", "pipeline.tuning.estimate",
                                     "pipeline.core.exit_codes", "pipeline.tuning.report", "pipeline.core.values",
-                                    "pipeline.offline.options", "pipeline.api", "pipeline.integrations.commands"])
+                                    "pipeline.offline.options", "pipeline.api", "pipeline.integrations.commands",
+                                    "pipeline.tuning.options", "jobs.moderate_options"])
 def test_imports_without_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, '{module} imported torch'"
     completed = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

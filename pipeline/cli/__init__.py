@@ -2,8 +2,9 @@
 
 Every option comes, in this order of precedence, from its flag, from its
 LENGTHWISE_<NAME> environment variable, from the TOML file given with --config, or from
-its default (defined once, in `pipeline/core/settings.py`; what each takes in `pipeline/core/values.py`,
-`run`'s options in `pipeline/offline/options.py`). Exit codes: `pipeline/core/exit_codes.py`.
+its default (defined once, in `pipeline/core/settings.py`; what each takes in `pipeline/core/values.py`;
+each command's options declared in a table: `run`'s, `status`'s and `verify`'s in `pipeline/offline/options.py`,
+`plan`'s, `sweep`'s and `loadtest`'s in `pipeline/tuning/options.py`). Exit codes: `pipeline/core/exit_codes.py`.
 """
 
 from __future__ import annotations

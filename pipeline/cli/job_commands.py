@@ -8,31 +8,24 @@ import time
 
 import click
 
-from pipeline.cli.options import (
-    BATCH_OPTIONS,
-    CONFIG_OPTION,
-    INPUT_OPTIONS,
-    LOG_OPTIONS,
-    MODEL_OPTIONS,
-    RUN_COMMAND_OPTIONS,
-    WORKER_OPTIONS,
-    Checked,
-    env_option,
-    fail,
-    exit_on_known_errors,
-    run_option,
-    run_options,
-    with_options,
-)
-from pipeline.core import exit_codes, values
+from pipeline.cli.options import CONFIG_OPTION, LOG_OPTIONS, declared_options, exit_on_known_errors, fail, with_options
+from pipeline.core import exit_codes
 from pipeline.offline.config import RunConfig
-from pipeline.offline.options import model_or_default, parse_storage_options, run_config
+from pipeline.offline.options import (
+    RUN_OPTIONS,
+    STATUS_OPTIONS,
+    VERIFY_OPTIONS,
+    model_or_default,
+    parse_storage_options,
+    run_config,
+)
 from pipeline.engines.execute import check_run_paths, execute_run
+from pipeline.tuning.options import PLAN_OPTIONS
 
 
 @click.command(epilog=f"\b\nExit codes:\n{exit_codes.exit_codes_help()}")
 @CONFIG_OPTION
-@with_options(RUN_COMMAND_OPTIONS)
+@declared_options(RUN_OPTIONS)
 @with_options(LOG_OPTIONS)
 def run(**options) -> None:
     """Run a job over every input shard and write one output shard per input shard."""
@@ -50,28 +43,7 @@ def run(**options) -> None:
 
 @click.command()
 @CONFIG_OPTION
-@with_options(MODEL_OPTIONS)
-@with_options(BATCH_OPTIONS)
-@env_option("--json", "as_json", env="JSON", is_flag=True, help="Print the plan as JSON.")
-@env_option("--available", env="AVAILABLE", type=Checked(values.Size()), default=None,
-            help="Calculator mode, no model: bytes available (e.g. 24GiB); needs --per-sample.")
-@env_option("--per-sample", env="PER_SAMPLE", type=Checked(values.Size()), default=None,
-            help="Calculator mode: peak activation bytes of one sample (e.g. 384MiB).")
-@run_option("input", help="The input shards of the run: --dtype auto's trial runs on their rows, as the "
-                                       "run's; --estimate reads them.")
-@with_options(INPUT_OPTIONS)
-@env_option("--estimate", env="ESTIMATE", is_flag=True,
-            help="Predict the run's device and wall seconds on --input: rows from the footers, token lengths from a "
-                 "sample, throughput from the saved sweep (else measured here on the sample).")
-@env_option("--window", "window_s", env="WINDOW", type=Checked(values.Duration()), default=None,
-            help="--estimate: the time the run must fit in (e.g. 4h); prints the --num-shards it needs.")
-@env_option("--sample-rows", env="SAMPLE_ROWS", type=Checked(values.Integer(1)), default=2000, show_default=True,
-            help="--estimate: rows tokenized to learn the token lengths.")
-@run_option("reuse", help="--estimate: the output the run will --reuse; the sampled rows it has cost no device time.")
-@with_options(run_options("long_text", "segment_length"))  # plans and estimates the rows the run computes
-@run_option("models", help="The run's several models (a TOML [models.NAME] table each): each model's plan, the "
-                           "rows a batch of one pass takes, and with --estimate each model's and the pass's figures.")
-@with_options(WORKER_OPTIONS)
+@declared_options(PLAN_OPTIONS)
 @with_options(LOG_OPTIONS)
 def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_option, estimate, window_s,
          sample_rows, models, **settings) -> None:
@@ -83,7 +55,6 @@ def plan(model, no_plan_cache, as_json, available, per_sample, inputs, storage_o
     """
     from pipeline.core.memory import batch_rows
     from pipeline.offline.model_set import check_model_flags, model_tables
-    from pipeline.offline.options import RUN_OPTIONS
 
     with exit_on_known_errors():
         check_model_flags(models, model, {}, None)
@@ -163,12 +134,7 @@ def print_estimate(inputs, model, no_plan_cache, storage_option, window_s, sampl
 
 @click.command()
 @CONFIG_OPTION
-@run_option("output", help="The output directory of a run (or `output` in the --config file).")
-@run_option("storage_option",
-            help="KEY=VALUE for fsspec. Repeatable; in the --config file a [storage] table.")
-@env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
-@env_option("--metrics", "as_metrics", env="METRICS", is_flag=True,
-             help="Print the output's state as Prometheus metrics (text format), for a textfile collector or a scrape.")
+@declared_options(STATUS_OPTIONS)
 def status(output, storage_option, as_json, as_metrics) -> None:
     """How much of a run is done: shards done, failed and pending, rows done, and what the
     output holds (rows, errors, truncated, flagged by label), as the run's summary prints it.
@@ -255,10 +221,7 @@ def lock_line(lock: dict) -> str:
 
 
 @click.command()
-@run_option("input", help="The input the output was made from. Default: the input recorded in the output's run.json.")
-@run_option("output", required=True, help="The output directory of a run.")
-@run_option("storage_option", help="KEY=VALUE for fsspec. Repeatable.")
-@env_option("--json", "as_json", env="JSON", is_flag=True, help="Print JSON.")
+@declared_options(VERIFY_OPTIONS)
 def verify(inputs, output, storage_option, as_json) -> None:
     """Check an output against its input: every shard committed under the recorded settings, every
     input id exactly once and in input order, no partial file; row errors counted by reason.

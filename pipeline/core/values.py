@@ -266,3 +266,9 @@ class ModelTables(Kind):
                 raise ValueError(f"models.{name} is {toml_type_name(table)}, but it takes a table of its settings "
                                  "(job, model, thresholds, …)")
         return {name: dict(table) for name, table in value.items()}
+
+
+class FilePath(Text):
+    """A file's path (a CSV, a plot): the CLI's option also refuses an existing directory (click.Path)."""
+
+    metavar = "FILE"

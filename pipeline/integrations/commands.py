@@ -14,11 +14,12 @@ from collections.abc import Mapping, Sequence
 
 from pipeline.core import exit_codes
 from pipeline.core.errors import UsageError
+from pipeline.core.options import Option
 from pipeline.core.values import Flag
-from pipeline.offline.options import LOG_LEVEL_OPTIONS, RUN_OPTIONS, RunOption, keyword_value
+from pipeline.offline.options import LOG_LEVEL_OPTIONS, RUN_OPTIONS, keyword_value
 
-CONFIG = "config"  # `--config JOB.toml`: a keyword of `run` with no RunOption (the file is read by the command)
-RUN_KEYWORDS: dict[str, RunOption] = {**RUN_OPTIONS, **LOG_LEVEL_OPTIONS}
+CONFIG = "config"  # `--config JOB.toml`: a keyword of `run` with no Option row (the file is read by the command)
+RUN_KEYWORDS: dict[str, Option] = {**RUN_OPTIONS, **LOG_LEVEL_OPTIONS}
 OPTION_NAMES = (*RUN_KEYWORDS, CONFIG)  # every keyword `pipeline.api.run` takes, input, output and job included
 DEFAULT_EXECUTABLE = "lengthwise"  # found on PATH, as a shell would
 

@@ -134,59 +134,94 @@ class ShardRunner:
         """Read, tokenize, batch, forward and write `shards`, adding to `summary`. Time before
         this call (since `started`) counts as setup; `ids` collects the written rows' id hashes;
         `begun`: the shards' first window, started already (`start`)."""
-        config, loaded = self.config, self.loaded
         times = begun.times if begun else StageTimes()
         self._describe(summary)
-        count_flagged = functools.partial(loaded.job.count_flagged, loaded.model) \
-            if hasattr(loaded.job, "count_flagged") else None
-        writer = WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids,
-                              functools.partial(loaded.job.fold_segments, loaded.model))
+        writer = self._window_writer(sink, manifest, shards, times, ids)
         background = BackgroundWriter(writer)
-        progress = tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
-                        disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
-        pool = self._started_pool or TokenizerPool(loaded.tokenizer, self.tokenize_workers, wait=False)
-        self._started_pool = pool if self.keep_pool else None
+        progress = self._progress_bar(shards)
+        pool = self._take_pool()
         sink.encoder = self._encoder_for(sink)
         try:
             with contextlib.nullcontext(pool) if self.keep_pool else pool:
-                import_arrow_conversions()
-                with self.clock.step("tokenizer pool"):  # only the wait for processes not yet up
-                    pool.ready()
-                times.setup = time.perf_counter() - started
-                summary.setup_steps = self.clock.breakdown(times.setup)
-                self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
-                feeder = DeviceFeeder(loaded.choice.device)
+                self._end_setup(pool, times, started, summary)
+                feeder = DeviceFeeder(self.loaded.choice.device)
                 work = batches_of(self._encoded_windows(pool, shards, times, begun), self.window_rows, self.runtime,
-                                  loaded.tokenizer.pad_token_id, feeder, times,
+                                  self.loaded.tokenizer.pad_token_id, feeder, times,
                                   self.carry and self.carry.computed)
-                for item, result in run_on_device(work, loaded.job, loaded.model, loaded.choice.device, feeder,
-                                                  self.runtime.limits, config.prefetch_batches, times):
-                    if isinstance(item, WindowPart):
-                        copied = item.window.copy_duplicates(item.start_row, item.end_row)
-                        summary.deduplicated_rows += copied
-                        background.write(item)
-                        progress.update(item.tokenize_errors + copied)
-                        # a shard that failed to read is seen here; one whose commit failed, up to two parts later
-                        if config.fail_fast and (background.failures or any(b.failure for b in item.blocks)):
-                            break
-                        continue
-                    progress.update(record_batch(item, result, summary))
-                    elapsed = progress.format_dict["elapsed"]
-                    if elapsed:
-                        progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)
+                self._compute(work, feeder, background, progress, summary, times)
             background.close()
         except BaseException:
             if self.keep_pool:  # the pool of a run that failed may be broken: the next run starts its own
                 self._close_pool()
             raise
         finally:
-            background.close(raise_error=False)  # on an error: the windows already handed on are still written
-            progress.close()
-            writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
-            if self._started_pool is None:  # not kept, or failed: the encoder goes with the pool, its files closed
-                self._close_encoder()
-            self._warn_of_low_reuse(summary)
+            self._end_run(background, progress, writer, summary)
         self._add_rates(summary, times, time.perf_counter() - started)
+
+    def _window_writer(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], times: StageTimes,
+                       ids: IdTracker | None) -> WindowWriter:
+        """The writer of this run's windows, with the job's flag count (where it has one) and its fold of
+        a row's segments."""
+        loaded = self.loaded
+        count_flagged = functools.partial(loaded.job.count_flagged, loaded.model) \
+            if hasattr(loaded.job, "count_flagged") else None
+        return WindowWriter(sink, manifest, shards, self._columns_of, times, count_flagged, ids,
+                            functools.partial(loaded.job.fold_segments, loaded.model))
+
+    def _progress_bar(self, shards: list[Shard]) -> tqdm:
+        return tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
+                    disable=not self.config.progress, dynamic_ncols=True, smoothing=0.1)
+
+    def _take_pool(self) -> TokenizerPool:
+        """The tokenizer pool started before this run (by the engine, `start` or `keep_pool`), else a new one;
+        kept for the next run only with `keep_pool`."""
+        pool = self._started_pool or TokenizerPool(self.loaded.tokenizer, self.tokenize_workers, wait=False)
+        self._started_pool = pool if self.keep_pool else None
+        return pool
+
+    def _end_setup(self, pool: TokenizerPool, times: StageTimes, started: float, summary: RunSummary) -> None:
+        """The setup ends once the tokenizer pool is up: its time and steps go to the summary."""
+        import_arrow_conversions()
+        with self.clock.step("tokenizer pool"):  # only the wait for processes not yet up
+            pool.ready()
+        times.setup = time.perf_counter() - started
+        summary.setup_steps = self.clock.breakdown(times.setup)
+        self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
+
+    def _compute(self, work: Iterator, feeder: DeviceFeeder, background: BackgroundWriter, progress: tqdm,
+                 summary: RunSummary, times: StageTimes) -> None:
+        """The device loop over `work`'s batches: a batch's result counts in the summary and the bar; a
+        window's part, its batches done, goes to the writer. --fail-fast stops at the first failed shard."""
+        loaded = self.loaded
+        for item, result in run_on_device(work, loaded.job, loaded.model, loaded.choice.device, feeder,
+                                          self.runtime.limits, self.config.prefetch_batches, times):
+            if isinstance(item, WindowPart):
+                if self._hand_on(item, background, progress, summary):
+                    return
+                continue
+            progress.update(record_batch(item, result, summary))
+            elapsed = progress.format_dict["elapsed"]
+            if elapsed:
+                progress.set_postfix(tokens_per_s=f"{summary.real_tokens / elapsed:,.0f}", refresh=False)
+
+    def _hand_on(self, part: WindowPart, background: BackgroundWriter, progress: tqdm, summary: RunSummary) -> bool:
+        """A window's part to the writer, its rows' duplicates copied first; whether --fail-fast stops here."""
+        copied = part.window.copy_duplicates(part.start_row, part.end_row)
+        summary.deduplicated_rows += copied
+        background.write(part)
+        progress.update(part.tokenize_errors + copied)
+        # a shard that failed to read is seen here; one whose commit failed, up to two parts later
+        return bool(self.config.fail_fast and (background.failures or any(b.failure for b in part.blocks)))
+
+    def _end_run(self, background: BackgroundWriter, progress: tqdm, writer: WindowWriter,
+                 summary: RunSummary) -> None:
+        """After the run, ended or failed: every window handed on written, the shards finished."""
+        background.close(raise_error=False)  # on an error: the windows already handed on are still written
+        progress.close()
+        writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
+        if self._started_pool is None:  # not kept, or failed: the encoder goes with the pool, its files closed
+            self._close_encoder()
+        self._warn_of_low_reuse(summary)
 
     def _describe(self, summary: RunSummary) -> None:
         """What the summary says of the runtime: device, dtype, model, long text, compile, batch plan."""

@@ -7,7 +7,7 @@ import pytest
 from pipeline.core.errors import UsageError
 from pipeline.integrations.commands import (option_arguments, run_arguments, run_exit_is_final, status_is_complete,
                                             verify_exit_is_final)
-from pipeline.offline.options import run_config_from
+from pipeline.api import run_config_from
 from tests.cli.test_options import cli_config
 
 KEYWORDS = [

@@ -256,7 +256,7 @@ def test_a_model_with_an_unpadded_forward_beside_a_padded_one_equals_its_separat
 
 
 def test_models_come_from_the_environment_as_from_the_flag():
-    from pipeline.offline.options import run_config_from
+    from pipeline.api import run_config_from
 
     config, _, _ = run_config_from({"input": "in", "output": "out", "dtype": "float32"},
                                    {"LENGTHWISE_MODELS": 'tox = {job = "moderate", thresholds = {toxic = 0.7}}, '
