@@ -243,7 +243,7 @@ def config_file_values(path: str, kinds: Mapping[str, tuple[values.Kind, bool]],
     return found
 
 
-def keyword_value(name: str, option: RunOption, value):
+def keyword_value(name: str, option: Option, value):
     """An API keyword as the option takes it: True/False for a flag, a dict for KEY=VALUE pairs
     (threshold={"toxic": 0.8}), a list for a repeatable option; a list for any other option is its items
     comma-separated, as the flag takes names (keep_columns=["label", "lang"])."""
