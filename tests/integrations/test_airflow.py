@@ -157,9 +157,25 @@ def test_the_docs_dags_parse_on_airflow_3_with_no_import_error_and_no_warning(tm
 
 
 @pytest.mark.slow
-def test_a_dag_of_mapped_workers_verify_and_sensor_runs_end_to_end(airflow_home, shards, tmp_path, tiny_encoder_path):
-    output = tmp_path / "out"
-    airflow_home.write_dag("e2e", dag_header("lengthwise_e2e", tiny_encoder_path) + f"""
+def test_one_dagrun_maps_workers_verifies_senses_retries_a_failed_shard_alone_and_not_a_usage_error(
+        airflow_home, shards, tmp_path, tiny_encoder_path):
+    """One DagRun (each `airflow dags test` costs its start), three branches:
+    - `worker_settings` → `embed` mapped over two workers → `verify` → `complete` (the sensor);
+    - `retried`: shard 1 of its input arrives with its text column misnamed (exit 1: the other shards commit);
+      the upstream export is fixed before the retry, which redoes only shard 1;
+    - `usage`: an impossible setting (exit 2) fails its one try although it has retries, and writes nothing."""
+    output, retried_output, usage_output = tmp_path / "out", tmp_path / "retried-out", tmp_path / "usage-out"
+    retried_input = tmp_path / "retried-in"
+    shutil.copytree(shards, retried_input)
+    broken = retried_input / "part-00001.parquet"
+    (tmp_path / "fixed.parquet").write_bytes(broken.read_bytes())
+    pq.write_table(pq.read_table(broken).rename_columns(["id", "body"]), broken)
+    airflow_home.write_dag("night", dag_header("lengthwise_night", tiny_encoder_path) + f"""
+        import shutil
+
+        def reexport(context):  # the upstream fix that lands between the two tries
+            shutil.copy({str(tmp_path / "fixed.parquet")!r}, {str(broken)!r})
+
         with dag:
             @task
             def worker_settings() -> list[dict]:
@@ -173,54 +189,33 @@ def test_a_dag_of_mapped_workers_verify_and_sensor_runs_end_to_end(airflow_home,
             complete = LengthwiseCompleteSensor(task_id="complete", output={str(output)!r}, executable=LENGTHWISE,
                                                 poke_interval=1, timeout=120)
             run >> audit >> complete
-        """)
-    log = airflow_home.dags_test("lengthwise_e2e")
-    states = airflow_home.task_states("lengthwise_e2e")
-    assert states == {("worker_settings", -1): ("success", 1), ("embed", 0): ("success", 1),
-                      ("embed", 1): ("success", 1), ("verify", -1): ("success", 1),
-                      ("complete", -1): ("success", 1)}, log[-4000:]
-    summaries = [airflow_home.xcom("lengthwise_e2e", "embed", index) for index in (0, 1)]
-    assert sorted(s["shards"] for s in summaries) == [1, 2]  # worker 0 of 2: shards 0 and 2; worker 1: shard 1
-    assert sum(s["rows"] for s in summaries) == 300 and all(not s["failed_shards"] for s in summaries)
-    report = airflow_home.xcom("lengthwise_e2e", "verify")
-    assert report["complete"] is True and [s["output_rows"] for s in report["shards"]] == [120, 100, 80]
-    status = airflow_home.xcom("lengthwise_e2e", "complete")
-    assert (status["shards"], status["done"], status["rows_done"]) == (3, 3, 300)
-    assert sum(pq.read_metadata(f).num_rows for f in output.glob("*.parquet")) == 300
-
-
-@pytest.mark.slow
-def test_a_failed_shard_is_retried_for_that_shard_alone_and_a_usage_error_is_not_retried(
-        airflow_home, shards, tmp_path, tiny_encoder_path):
-    """One DagRun, two tasks. `embed`: shard 1 arrives with its text column misnamed (exit 1: the other
-    shards commit); the upstream export is fixed before the retry, which redoes only shard 1. `usage`:
-    an impossible setting (exit 2) fails its one try although it has retries, and writes nothing."""
-    output, usage_output = tmp_path / "out", tmp_path / "usage-out"
-    broken = shards / "part-00001.parquet"
-    good = pq.read_table(broken)
-    (tmp_path / "fixed.parquet").write_bytes(broken.read_bytes())
-    pq.write_table(good.rename_columns(["id", "body"]), broken)
-    airflow_home.write_dag("retry", dag_header("lengthwise_retry", tiny_encoder_path) + f"""
-        import shutil
-
-        def reexport(context):  # the upstream fix that lands between the two tries
-            shutil.copy({str(tmp_path / "fixed.parquet")!r}, {str(broken)!r})
-
-        with dag:
-            LengthwiseRunOperator(task_id="embed", executable=LENGTHWISE, input={str(shards)!r},
-                                  output={str(output)!r}, retries=2, on_retry_callback=reexport, **SETTINGS)
+            LengthwiseRunOperator(task_id="retried", executable=LENGTHWISE, input={str(retried_input)!r},
+                                  output={str(retried_output)!r}, retries=2, on_retry_callback=reexport, **SETTINGS)
             LengthwiseRunOperator(task_id="usage", executable=LENGTHWISE, input={str(shards)!r},
                                   output={str(usage_output)!r}, retries=2, **{{**SETTINGS, "max_length": 0}})
         """)
-    log = airflow_home.dags_test("lengthwise_retry")
-    assert airflow_home.task_states("lengthwise_retry") == {("embed", -1): ("success", 2),
-                                                            ("usage", -1): ("failed", 1)}, log[-4000:]
-    assert airflow_home.earlier_tries("lengthwise_retry", "embed") == [(1, "failed")]  # try 1 as history keeps it
-    assert airflow_home.earlier_tries("lengthwise_retry", "usage") == []
+    log = airflow_home.dags_test("lengthwise_night")
+    assert airflow_home.task_states("lengthwise_night") == {
+        ("worker_settings", -1): ("success", 1), ("embed", 0): ("success", 1), ("embed", 1): ("success", 1),
+        ("verify", -1): ("success", 1), ("complete", -1): ("success", 1), ("retried", -1): ("success", 2),
+        ("usage", -1): ("failed", 1)}, log[-4000:]
+
+    summaries = [airflow_home.xcom("lengthwise_night", "embed", index) for index in (0, 1)]
+    assert sorted(s["shards"] for s in summaries) == [1, 2]  # worker 0 of 2: shards 0 and 2; worker 1: shard 1
+    assert sum(s["rows"] for s in summaries) == 300 and all(not s["failed_shards"] for s in summaries)
+    report = airflow_home.xcom("lengthwise_night", "verify")
+    assert report["complete"] is True and [s["output_rows"] for s in report["shards"]] == [120, 100, 80]
+    status = airflow_home.xcom("lengthwise_night", "complete")
+    assert (status["shards"], status["done"], status["rows_done"]) == (3, 3, 300)
+    assert sum(pq.read_metadata(f).num_rows for f in output.glob("*.parquet")) == 300
+
+    assert airflow_home.earlier_tries("lengthwise_night", "retried") == [(1, "failed")]  # try 1 as history keeps it
     assert "1 shard(s) failed" in log and "has no column 'text'" in log
-    summary = airflow_home.xcom("lengthwise_retry", "embed")
+    summary = airflow_home.xcom("lengthwise_night", "retried")
     assert (summary["rows"], summary["shards_done_before"], summary["failed_shards"]) == (100, 2, [])  # shard 1 only
     assert summary["output_totals"]["rows"] == 300
+
+    assert airflow_home.earlier_tries("lengthwise_night", "usage") == []
     assert "usage error" in log and "0 is not in the range" in log
     assert not usage_output.exists()  # a usage error writes nothing
 
