@@ -348,7 +348,8 @@ def assert_same_output(ours, theirs) -> None:
 
 @pytest.mark.slow
 def test_adding_changing_and_removing_a_model_computes_only_what_changed(
-        tmp_path, model_set_rows, forward_rows, tiny_multilabel_path, tiny_classifier_path, tiny_encoder_path):
+        tmp_path, model_set_rows, forward_rows, separate_and_together, tiny_multilabel_path, tiny_classifier_path,
+        tiny_encoder_path):
     from pipeline.api import run
     from pipeline.offline.verify import verify_output
 
@@ -360,14 +361,13 @@ def test_adding_changing_and_removing_a_model_computes_only_what_changed(
         return run(str(tmp_path / "in"), str(tmp_path / output), keep_columns=["lang"], models=chosen, **SHARED)
 
     into("out", two)
-    assert set(forward_rows.take()) == {"toxicity", "topic"}
-    fresh = into("fresh", models)
     full = forward_rows.take()  # what each model runs on over these rows
-    assert full["embed"] == full["toxicity"] > 240  # the rows that run, and their segments
+    assert set(full) == {"toxicity", "topic"} and full["toxicity"] > 240  # the rows that run, and their segments
+    folder, _, fresh = separate_and_together  # a fresh run of the three models over the same shards
 
-    added = into("out", models)  # the rerun into the same output: only embed runs
-    assert forward_rows.take() == {"embed": full["embed"]}
-    assert_same_output(tmp_path / "out", tmp_path / "fresh")
+    added = into("out", models)  # the rerun into the same output: only embed runs, on the rows toxicity ran on
+    assert forward_rows.take() == {"embed": full["toxicity"]}
+    assert_same_output(tmp_path / "out", folder / "together")
     assert added["models"]["embed"]["computed_rows"] == 240 and added["models"]["embed"]["reused_rows"] == 0
     for name in ("toxicity", "topic"):
         entry = added["models"][name]
