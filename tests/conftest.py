@@ -18,13 +18,20 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # memory plans cached by test runs go to a scratch directory, not the user's ~/.cache
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="lengthwise-test-cache-")
+SESSION_CACHE = tempfile.mkdtemp(prefix="lengthwise-test-cache-")
+os.environ["XDG_CACHE_HOME"] = SESSION_CACHE
 # one inductor cache for the whole session (a directory of the user's own wins over the plan cache's), so the
 # compile tests, each with its own plan cache, share the C++ kernels they all build
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "inductor"))
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "sample_data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's scratch cache (plans, compiled packages, inductor's kernels) goes with the session: each
+    run of the suite left one behind in /tmp."""
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
