@@ -9,6 +9,7 @@ model, max length, batch limits and memory plan the same way.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 class InputRows(Protocol):
     """The input a product runs on, read by the setup only where it needs it (`offline.workload.InputSample`)."""
+
+    shards: Sequence  # the input's shards, listed once: the sweep and the estimate read their sample from them
 
     def texts(self) -> list | None:
         """A sample of the input's texts: what --dtype auto's bf16 trial runs on."""
