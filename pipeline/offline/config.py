@@ -71,4 +71,3 @@ def check_named_inputs(job: str, pair_column: str | None, long_text: str) -> Non
     if job == "pair" and long_text == "split":
         raise UsageError("--long-text split cuts one text into segments, which a pair cannot be: --job pair truncates "
                          "the longer text first (longest_first); drop --long-text split")
-

@@ -6,8 +6,8 @@ runs the same batches (docs/jobs.md "Several models, one pass")."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
