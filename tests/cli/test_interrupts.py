@@ -12,9 +12,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 
-from pipeline.cli import cli
 from tests.conftest import run_in_this_process, write_shards
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
@@ -54,8 +52,7 @@ def clean_run(tmp_path_factory, many_rows, tiny_encoder_path):
     base = tmp_path_factory.mktemp("clean")
     write_shards(base / "in", many_rows, [400] * 6)
     # the reference run needs no process of its own: only the interrupted runs do
-    clean = CliRunner().invoke(cli, command(base / "in", base / "out", tiny_encoder_path, "--tokenize-workers", "0")[1:])
-    assert clean.exit_code == 0, clean.output
+    run_in_this_process(command(base / "in", base / "out", tiny_encoder_path, "--tokenize-workers", "0"))
     return base / "in", outputs(base / "out")
 
 
