@@ -30,6 +30,7 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
+from pipeline.core.arrow_memory import use_system_allocator
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.clock import SetupClock
 from pipeline.core.device import dtype_name, peak_rss_bytes
@@ -94,6 +95,7 @@ class ShardRunner:
         run's summary. `keep_pool`: one pool for every `run` until `close` (a Ray actor's, which
         runs shard after shard), started now. `carry`: a change of models (offline/carry.py): the kept
         models' columns carried from the output's earlier shards, the carried rows run by the others only."""
+        use_system_allocator()  # this process streams the shards' rows (pipeline/core/arrow_memory.py)
         self.config, self.runtime, self.loaded, self.carry = config, runtime, runtime.loaded, carry
         self._started_pool, self.clock, self.keep_pool = pool, clock or SetupClock(), keep_pool
         self.window_rows = config.window_rows or auto_window_rows(runtime.batch.max_batch_rows)
