@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.arrow_memory import use_system_allocator
 from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenizer
+from pipeline.core.process_memory import keep_freed_memory
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
 from pipeline.core.textcut import check_text, encode_long_text, has_long_word, text_cut_for, word_limit_for
@@ -151,7 +151,7 @@ def _init_worker(spec: TokenizerSpec, in_worker: bool = True) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallelism comes from the pool
         threading.Thread(target=_exit_with_parent, name="lengthwise-parent-watch", daemon=True).start()
-        use_system_allocator()  # it converts each task's Arrow texts (pipeline/core/arrow_memory.py)
+        keep_freed_memory()  # it converts each task's Arrow texts (pipeline/core/process_memory.py)
     from tokenizers import Tokenizer
 
     _worker_tokenizer = Tokenizer.from_str(spec.tokenizer_json)

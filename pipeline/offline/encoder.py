@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core.arrow_memory import use_system_allocator
+from pipeline.core.process_memory import keep_freed_memory
 from pipeline.offline.window_memory import SharedRegions, fault_in, is_float_vector, restore_columns
 
 CLOSE_TIMEOUT_S = 30.0  # an encoder told to stop that has not exited by then is killed
@@ -299,7 +299,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), name="lengthwise-parent-watch",
                      daemon=True).start()
-    use_system_allocator()  # it decodes and encodes a window's tables all run long (pipeline/core/arrow_memory.py)
+    keep_freed_memory()  # it decodes and encodes a window's tables all run long (pipeline/core/process_memory.py)
     channel = socket.socket(fileno=int(sys.argv[1]))
     serve(Connection(os.dup(channel.fileno())), channel)
 
