@@ -5,11 +5,10 @@ feeds the device": encoding a 384-float embedding cost the run's process ~4 µs 
 The run's process keeps everything that decides what is committed: it makes the folders, counts
 the rows, checks the lock and the attempt's token, renames and marks. The encoder process only
 opens a temporary file, appends the tables it is sent and closes it (or removes it) when told.
-It is a fresh interpreter (`python -m pipeline.offline.encoder`, as spawn starts one: never a
-fork of a process that may hold CUDA), ignores Ctrl-C and SIGTERM (its parent decides how to
-stop) and exits when its parent does, even by SIGKILL: it sees its socket close (and removes the
-temporary files it still held open) or its parent change (and leaves them to the rerun, which
-removes a killed attempt's temporary files).
+It is a helper process (offline/child_process.py: a fresh interpreter that leaves Ctrl-C and SIGTERM
+to its parent and exits with it): when its socket closes it removes the temporary files it still
+held open; when its parent is killed it leaves them to the rerun, which removes a killed attempt's
+temporary files.
 
 It also faults in the shared memory of the run's window output arrays (`shared_zeros`): the
 kernel's zeroing and mapping of fresh pages, touched row by row as batches are stored, cost the
@@ -26,24 +25,16 @@ from __future__ import annotations
 
 import mmap
 import os
-import pickle
-import signal
 import socket
-import subprocess
-import sys
 import threading
-import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core.process_memory import keep_freed_memory
+from pipeline.offline.child_process import child_channel, exit_code, portable, start_child, stop_child
 from pipeline.offline.window_memory import SharedRegions, fault_in, is_float_vector, restore_columns
-
-CLOSE_TIMEOUT_S = 30.0  # an encoder told to stop that has not exited by then is killed
 
 
 def parquet_writer_options(schema: pa.Schema) -> dict:
@@ -98,15 +89,8 @@ class OutputEncoder:
     shares_memory = hasattr(os, "memfd_create")  # `shared_zeros` (Linux); elsewhere windows keep their own memory
 
     def __init__(self):
-        ours, theirs = socket.socketpair()
-        package_root = str(Path(__file__).resolve().parents[2])  # where `pipeline` is imported from
-        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        self.process = subprocess.Popen([sys.executable, "-m", "pipeline.offline.encoder", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                        env={**os.environ, "PYTHONPATH": path})
-        theirs.close()
-        self._socket = ours  # file descriptors travel on it beside the connection's messages (`shared_zeros`)
-        self._connection = Connection(os.dup(ours.fileno()))
+        self.process, self._socket = start_child("pipeline.offline.encoder")  # descriptors travel on the socket
+        self._connection = Connection(os.dup(self._socket.fileno()))
         self._broken: dict[str, BaseException] = {}  # path → the error its write met, told ahead of its close
         self._lock = threading.Lock()
         self._buffer: pa.Buffer | None = None  # the last table's IPC stream (`_serialized`)
@@ -200,22 +184,13 @@ class OutputEncoder:
         return message
 
     def _died(self) -> EncoderDied:
-        try:
-            code = self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            code = None
-        return EncoderDied(f"the output encoder process (pid {self.process.pid}) exited with code {code}; the "
-                           f"shards not committed are redone by a rerun of the same command")
+        return EncoderDied(f"the output encoder process (pid {self.process.pid}) exited with code "
+                           f"{exit_code(self.process)}; the shards not committed are redone by a rerun of the same "
+                           "command")
 
     def close(self) -> None:
         """Stop the process (its files are closed or removed by now); idempotent."""
-        self._connection.close()
-        self._socket.close()
-        try:
-            self.process.wait(timeout=CLOSE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_child(self.process, self._connection, self._socket)
 
 
 def serve(connection: Connection, channel: socket.socket) -> None:
@@ -278,30 +253,8 @@ def serve(connection: Connection, channel: socket.socket) -> None:
             drop(path)
 
 
-def portable(error: BaseException) -> BaseException:
-    """`error` as it can travel to the parent: itself (an OSError keeps its errno), or its words."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-def exit_with_parent(parent: int) -> None:
-    """A parent killed while this process is encoding: exit without waiting for the socket's end."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and a group's SIGTERM reach here too: the parent decides
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), name="lengthwise-parent-watch",
-                     daemon=True).start()
-    keep_freed_memory()  # it decodes and encodes a window's tables all run long (pipeline/core/process_memory.py)
-    channel = socket.socket(fileno=int(sys.argv[1]))
-    serve(Connection(os.dup(channel.fileno())), channel)
+    serve(*child_channel())
 
 
 if __name__ == "__main__":
