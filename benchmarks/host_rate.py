@@ -17,8 +17,8 @@ Both run on the same rows (distinct texts: two random tweets of ../shared/data/t
 civil-comment-like, ~54 tokens), each in a fresh process, interleaved over --repeats. The
 figures: rows/s from the first row read to the last commit (the pipeline's setup, model load and
 pool start, is not counted; the bare side's tokenizer load is not either), and CPU µs per row over
-the same span of the main process (each of its threads), of each pool worker and of the output
-encoder process, sampled from /proc.
+the same span of the main process (each of its threads), of each pool worker, of the output
+encoder process and of the shard reader process, sampled from /proc.
 
     .venv/bin/python benchmarks/host_rate.py --rows 128000 --json benchmarks/results/host_rate.json
 """
@@ -128,12 +128,15 @@ class CpuSampler:
         workers = [round((seconds - self.baseline[1].get(key, 0.0)) * 1e6 / rows, 2)
                    for key, seconds in sorted(self.children.items())
                    if "multiprocessing" in key[1] and "resource_tracker" not in key[1]]
-        encoder = sum(seconds - self.baseline[1].get(key, 0.0) for key, seconds in self.children.items()
-                      if "pipeline.offline.encoder" in key[1])
+        def helper_us_per_row(module: str) -> float:
+            return round(sum(seconds - self.baseline[1].get(key, 0.0) for key, seconds in self.children.items()
+                             if module in key[1]) * 1e6 / rows, 2)
+
         return {"main_process_us_per_row": round(sum(by_name.values()) * 1e6 / rows, 2),
                 "main_thread_us_per_row": per_row.get("MainThread", 0.0),
                 "thread_us_per_row": per_row, "pool_worker_us_per_row": workers,
-                "encoder_process_us_per_row": round(encoder * 1e6 / rows, 2)}
+                "encoder_process_us_per_row": helper_us_per_row("pipeline.offline.encoder"),
+                "reader_process_us_per_row": helper_us_per_row("pipeline.offline.reader")}
 
 
 def cpu_seconds(stat_path: str) -> float | None:

@@ -56,7 +56,8 @@ from pipeline.offline.manifest import RunManifest
 from pipeline.offline.carry import Carry, kept_columns, mark_carried
 from pipeline.offline.reuse import PreviousOutput, mark_reused
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
-from pipeline.offline.source import RowBlock, Shard, read_blocks
+from pipeline.offline.reader import ShardReaders
+from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RunSummary, low_reuse_warning
 from pipeline.offline.windows import (
     OUTPUT_ARRAYS,
@@ -103,6 +104,7 @@ class ShardRunner:
         self._previous: PreviousOutput | None = None
         self._previous_lock = threading.Lock()  # a Ray actor's next shard starts while the current one runs
         self._encoder: OutputEncoder | None = None  # the process that encodes local outputs (kept like the pool)
+        self._readers = ShardReaders()  # the processes that read the shards (kept like the pool)
         check_kept_columns(config.keep_columns, self.loaded.job.output_schema(self.loaded.model).names,
                            [f.name for f in self._split_fields()])
         if keep_pool and self._started_pool is None:
@@ -121,7 +123,7 @@ class ShardRunner:
     def _windows(self, shards: list[Shard], times: StageTimes) -> Iterator[list[RowBlock]]:
         """The shards' rows in windows of row blocks, with --reuse's rows marked."""
         config = self.config
-        blocks = timed(read_blocks(shards, config.source.id_column, config.source.text_column, self.window_rows,
+        blocks = timed(self._readers.blocks(shards, config.source.id_column, config.source.text_column, self.window_rows,
                                    config.source.storage_options, config.keep_columns, config.source.pair_column),
                        times, "read")
         grouped = group_into_windows(blocks, self.window_rows)
@@ -221,8 +223,9 @@ class ShardRunner:
         background.close(raise_error=False)  # on an error: the windows already handed on are still written
         progress.close()
         writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
-        if self._started_pool is None:  # not kept, or failed: the encoder goes with the pool, its files closed
+        if self._started_pool is None:  # not kept, or failed: the encoder and readers go with the pool
             self._close_encoder()
+            self._readers.close()
         self._warn_of_low_reuse(summary)
 
     def _describe(self, summary: RunSummary) -> None:
@@ -305,10 +308,11 @@ class ShardRunner:
             self._encoder = None
 
     def close(self) -> None:
-        """Stop the tokenizer pool and the encoder process kept for every run (`keep_pool`), or a
+        """Stop the tokenizer pool, the encoder and the reader processes kept for every run (`keep_pool`), or a
         pool started for a `run` that never came (the claim failed)."""
         self._close_pool()
         self._close_encoder()
+        self._readers.close()
 
     def _close_pool(self) -> None:
         if self._started_pool is not None:
