@@ -32,6 +32,7 @@ from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenize
 from pipeline.core.process_memory import keep_freed_memory
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
+from pipeline.core.shared_arrays import ArrayInMemory, in_memory
 from pipeline.core.textcut import check_text, encode_long_text, has_long_word, text_cut_for, word_limit_for
 
 # texts per pool task: at least the first, so that handing results over (the pool's one manager thread unpickles
@@ -181,22 +182,22 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
-def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec | None = None,
-                 ids: Sequence | pa.Array | None = None, pairs: Sequence | pa.Array | None = None) -> EncodedRows:
+def encode_texts(texts: Sequence | pa.Array | ArrayInMemory, tokenizer=None, spec: TokenizerSpec | None = None,
+                 ids: Sequence | pa.Array | ArrayInMemory | None = None,
+                 pairs: Sequence | pa.Array | ArrayInMemory | None = None) -> EncodedRows:
     """Tokenize one chunk of texts with `tokenizer` prepared by `spec` (default: this
     process's, set by _init_worker; the online batcher passes its own). A long text is
     tokenized from a prefix that keeps the same tokens (pipeline/core/textcut.py). Arrow
-    arrays become Python values here, in the worker; with `ids`, the rows' hashes are
+    arrays (or where they lie in shared memory) become Python values here, in the worker; with `ids`, the rows' hashes are
     computed here too (`EncodedRows.hashes`). With `pairs` (a pair job's), each row is its
     text and its pair, encoded as one sequence (`encode_pair_rows`)."""
     started = time.perf_counter()
     whole = _worker_whole_tokenizer if spec is None else None  # a spec of the caller's: its own, below
     tokenizer, spec = tokenizer or _worker_tokenizer, spec or _worker_spec
-    texts = texts.to_pylist() if isinstance(texts, pa.Array) else texts
-    pairs = pairs.to_pylist() if isinstance(pairs, pa.Array) else pairs
+    texts, ids, pairs = (as_python(values) for values in (texts, ids, pairs))
     hashes = None
     if ids is not None:
-        hashes = hash_columns(ids.to_pylist() if isinstance(ids, pa.Array) else ids, texts, pairs)
+        hashes = hash_columns(ids, texts, pairs)
     if pairs is not None:
         encoded = encode_pair_rows(tokenizer, whole or whole_tokenizer(spec.tokenizer_json), spec, texts, pairs)
         return dataclasses.replace(encoded, encode_s=time.perf_counter() - started, hashes=hashes)
@@ -230,6 +231,13 @@ def encode_texts(texts: Sequence | pa.Array, tokenizer=None, spec: TokenizerSpec
     truncated[_rows_with_long_words(spec, token_ids, offsets, encodings, good_positions)] = True  # a row that fit
     return EncodedRows(token_ids, offsets, truncated, errors, time.perf_counter() - started, cut_tokens, segments,
                        hashes)
+
+
+def as_python(values: Sequence | pa.Array | ArrayInMemory | None) -> Sequence | None:
+    """A task's values as Python values (an array in shared memory mapped here first)."""
+    if isinstance(values, ArrayInMemory):
+        values = values.array()
+    return values.to_pylist() if isinstance(values, pa.Array) else values
 
 
 def encode_pair_rows(tokenizer, whole, spec: TokenizerSpec, texts: list, pairs: list) -> EncodedRows:
@@ -333,11 +341,13 @@ def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
     )
 
 
-def chunk_of(values: Sequence | pa.Array, start: int, rows: int) -> Sequence | pa.Array:
-    """Rows start:start+rows; an Arrow slice copied into buffers of its own (a slice pickles the
+def chunk_of(values: Sequence | pa.Array, start: int, rows: int) -> Sequence | pa.Array | ArrayInMemory:
+    """Rows start:start+rows as a worker's task takes them: an Arrow slice in memory the workers can map as
+    where it lies (core/shared_arrays.py), any other copied into buffers of its own (a slice pickles the
     whole array it views)."""
     if isinstance(values, pa.Array):
-        return pa.concat_arrays([values.slice(start, rows)])
+        piece = values.slice(start, rows)
+        return in_memory(piece) or pa.concat_arrays([piece])
     return values[start:start + rows]
 
 
@@ -453,16 +463,17 @@ class TokenizerPool:
 
     def submit(self, texts: Sequence | pa.Array, ids: pa.Array | None = None, pairs: pa.Array | None = None) -> list:
         """Tokenize `texts` (with their `pairs`, a pair job's; and hash the rows, given their `ids`) in
-        chunks; an Arrow array's chunks go to the workers as compact Arrow buffers and become Python
-        values there."""
+        chunks; an Arrow array's chunks go to the workers as where they lie in shared memory, else as
+        compact Arrow buffers, and become Python values there."""
         self.ready()
         step = self.chunk_rows or chunk_rows_for(len(texts), self.workers)
-        chunks = [(chunk_of(texts, i, step), None if ids is None else chunk_of(ids, i, step),
-                   None if pairs is None else chunk_of(pairs, i, step)) for i in range(0, len(texts), step)]
+        starts = range(0, len(texts), step)
         if self._executor is None:
-            return [encode_texts(chunk, ids=chunk_ids, pairs=chunk_pairs) for chunk, chunk_ids, chunk_pairs in chunks]
-        return [self._executor.submit(encode_texts, chunk, None, None, chunk_ids, chunk_pairs)
-                for chunk, chunk_ids, chunk_pairs in chunks]
+            return [encode_texts(texts[i:i + step], ids=None if ids is None else ids[i:i + step],
+                                 pairs=None if pairs is None else pairs[i:i + step]) for i in starts]
+        return [self._executor.submit(encode_texts, chunk_of(texts, i, step), None, None,
+                                      *(None if values is None else chunk_of(values, i, step) for values in (ids, pairs)))
+                for i in starts]
 
     def result(self, pending: list) -> EncodedRows:
         return concat_encoded([p if self._executor is None else p.result() for p in pending])

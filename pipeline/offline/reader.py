@@ -5,7 +5,7 @@ short texts of `benchmarks/host_rate.py` (docs/performance.md, "The host feeds t
 reader process (offline/child_process.py: a fresh interpreter that exits with its parent) runs
 `read_blocks` itself, with its retries, and hands each block over as an Arrow IPC stream in a
 memory file of its own (`memfd`): the run's process maps it and takes the block's arrays from the
-mapping without copying or decoding them. Blocks are the same as `read_blocks` gives in the run's
+mapping without copying or decoding them, and its tokenizer workers map it too (core/shared_arrays.py). Blocks are the same as `read_blocks` gives in the run's
 process, failures (a row-less block with its `failure`) and errors included; a reader's log lines
 are logged by the run's process.
 
@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 import pyarrow as pa
 
+from pipeline.core.shared_arrays import share
 from pipeline.offline.child_process import child_channel, exit_code, portable, start_child, stop_child
 from pipeline.offline.source import RowBlock, Shard, read_blocks
 
@@ -82,9 +83,10 @@ class ShardReader:
         try:
             mapped = mmap.mmap(memory, os.fstat(memory).st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                prot=mmap.PROT_READ)
-        finally:
-            os.close(memory)  # the mapping keeps the memory; it is freed with the block's arrays
-        batch = pa.ipc.open_stream(pa.py_buffer(mapped)).read_next_batch()
+        except BaseException:
+            os.close(memory)
+            raise
+        batch = pa.ipc.open_stream(share(mapped, memory)).read_next_batch()  # the file is closed with the mapping
         columns = dict(zip(batch.schema.names, batch.columns))
         return RowBlock(shard_index, first_row, columns.pop("ids"), columns.pop("texts"), is_last_of_shard,
                         errors=columns.pop("errors", None), pairs=columns.pop("pairs", None),

@@ -168,3 +168,30 @@ def test_two_streams_at_once_take_two_readers_both_kept_for_the_next(tmp_path, m
         assert {reader.process.pid for reader in readers._idle} == pids  # reused, no third started
     finally:
         readers.close()
+
+
+def test_tokenizer_workers_map_a_readers_block_instead_of_taking_its_bytes(tmp_path, minilm_path):
+    """A task of a block the reader read names where its texts and ids lie (core/shared_arrays.py); the worker
+    maps them and gives the same tokens and row hashes as a task of the same texts as values."""
+    from pipeline.core.shared_arrays import ArrayInMemory
+    from pipeline.core.tokenize import TokenizerPool, chunk_of, load_tokenizer_spec
+
+    texts = [None if i == 3 else f"row {i}: " + "a few words " * (i % 9) for i in range(300)]
+    write_shards(tmp_path / "in", pa.table({"id": [f"r{i}" for i in range(300)], "text": texts}), [300])
+    shards = list_shards([str(tmp_path / "in")], "id", "text")
+    reader = ShardReader()
+    try:
+        [block] = reader.blocks(shards, "id", "text", 1000)
+    finally:
+        reader.close()
+    piece = chunk_of(block.texts, 100, 50)
+    assert isinstance(piece, ArrayInMemory) and piece.array().to_pylist() == texts[100:150]
+    assert not isinstance(chunk_of(pa.array(texts), 100, 50), ArrayInMemory)  # an array of this process's own
+    spec = load_tokenizer_spec(minilm_path, 32)
+    with TokenizerPool(spec, workers=1, chunk_rows=64) as pool:
+        mapped = pool.result(pool.submit(block.texts, block.ids))
+        copied = pool.result(pool.submit(pa.array(texts), pa.array([f"r{i}" for i in range(300)])))
+    assert mapped.token_ids.tolist() == copied.token_ids.tolist() and mapped.offsets.tolist() == copied.offsets.tolist()
+    assert mapped.errors == copied.errors and mapped.errors[3] is not None
+    assert mapped.hashes.text_hashes.tolist() == copied.hashes.text_hashes.tolist()
+    assert mapped.hashes.id_hashes.tolist() == copied.hashes.id_hashes.tolist() and len(set(mapped.hashes.id_hashes)) == 300

@@ -1,0 +1,76 @@
+"""Arrow arrays in memory the tokenizer workers can map: handed to them as where they lie, not as their bytes.
+
+A block the shard reader process read (offline/reader.py) is a memory file the run's process maps. Its
+texts went to the tokenizer pool copied into compact buffers and pickled through the pool's pipe (three
+copies of each text and the pool's feeder thread, ~0.5 µs a row of the run's process); a worker now maps
+the same file (`/proc/<run's pid>/fd/<n>`, open while the block lives) and rebuilds the array from it.
+Arrays elsewhere (a run that reads in its own process, --reuse's texts with the reused rows dropped) go
+as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class ArrayInMemory:
+    """Where an array's buffers lie in a memory file of the run's process."""
+
+    path: str  # /proc/<pid>/fd/<n>: the memory file, open in the run's process while the array lives
+    size: int  # the file's bytes, all mapped
+    type: pa.DataType
+    length: int
+    offset: int
+    buffers: tuple  # (start, size) in the file of each of the array's buffers; None where it has none
+
+    def array(self) -> pa.Array:
+        """The array, from a mapping of the file (unmapped when the array goes)."""
+        with open(self.path, "rb") as file:
+            whole = pa.py_buffer(mmap.mmap(file.fileno(), self.size, prot=mmap.PROT_READ))
+        buffers = [None if span is None else whole.slice(*span) for span in self.buffers]
+        return pa.Array.from_buffers(self.type, self.length, buffers, offset=self.offset)
+
+
+_LOCK = threading.Lock()
+_SHARED: dict[int, tuple[int, int, str]] = {}  # id of a mapping → its (address, size, path)
+
+
+def share(mapped: mmap.mmap, memory: int) -> pa.Buffer:
+    """The mapping of memory file `memory` as a buffer whose arrays `in_memory` can hand over; the file
+    stays open, for the workers to map, until the mapping goes."""
+    buffer = pa.py_buffer(mapped)
+    key = id(mapped)
+    with _LOCK:
+        _SHARED[key] = (buffer.address, buffer.size, f"/proc/{os.getpid()}/fd/{memory}")
+    weakref.finalize(mapped, _forget, key, memory)
+    return buffer
+
+
+def _forget(key: int, memory: int) -> None:
+    with _LOCK:
+        _SHARED.pop(key, None)
+    os.close(memory)
+
+
+def in_memory(array: pa.Array) -> ArrayInMemory | None:
+    """Where `array` (a flat one: strings, binaries, numbers) lies in one shared mapping, or None."""
+    if pa.types.is_nested(array.type) or pa.types.is_dictionary(array.type):
+        return None
+    buffers = array.buffers()
+    present = [buffer for buffer in buffers if buffer is not None]
+    if not present:
+        return None
+    with _LOCK:
+        regions = list(_SHARED.values())
+    for address, size, path in regions:
+        if all(address <= buffer.address and buffer.address + buffer.size <= address + size for buffer in present):
+            spans = tuple(None if buffer is None else (buffer.address - address, buffer.size) for buffer in buffers)
+            return ArrayInMemory(path, size, array.type, len(array), array.offset, spans)
+    return None
