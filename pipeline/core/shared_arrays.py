@@ -14,6 +14,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -74,3 +75,19 @@ def in_memory(array: pa.Array) -> ArrayInMemory | None:
             spans = tuple(None if buffer is None else (buffer.address - address, buffer.size) for buffer in buffers)
             return ArrayInMemory(path, size, array.type, len(array), array.offset, spans)
     return None
+
+
+def chunk_of(values: Sequence | pa.Array, start: int, rows: int) -> Sequence | pa.Array | ArrayInMemory:
+    """Rows start:start+rows as a worker's task takes them: an Arrow slice in memory the workers can map as
+    where it lies, any other copied into buffers of its own (a slice pickles the whole array it views)."""
+    if isinstance(values, pa.Array):
+        piece = values.slice(start, rows)
+        return in_memory(piece) or pa.concat_arrays([piece])
+    return values[start:start + rows]
+
+
+def as_python(values: Sequence | pa.Array | ArrayInMemory | None) -> Sequence | None:
+    """A task's values as Python values (an array in shared memory mapped here first)."""
+    if isinstance(values, ArrayInMemory):
+        values = values.array()
+    return values.to_pylist() if isinstance(values, pa.Array) else values

@@ -32,7 +32,7 @@ from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenize
 from pipeline.core.process_memory import keep_freed_memory
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
-from pipeline.core.shared_arrays import ArrayInMemory, in_memory
+from pipeline.core.shared_arrays import ArrayInMemory, as_python, chunk_of
 from pipeline.core.textcut import check_text, encode_long_text, has_long_word, text_cut_for, word_limit_for
 
 # texts per pool task: at least the first, so that handing results over (the pool's one manager thread unpickles
@@ -233,13 +233,6 @@ def encode_texts(texts: Sequence | pa.Array | ArrayInMemory, tokenizer=None, spe
                        hashes)
 
 
-def as_python(values: Sequence | pa.Array | ArrayInMemory | None) -> Sequence | None:
-    """A task's values as Python values (an array in shared memory mapped here first)."""
-    if isinstance(values, ArrayInMemory):
-        values = values.array()
-    return values.to_pylist() if isinstance(values, pa.Array) else values
-
-
 def encode_pair_rows(tokenizer, whole, spec: TokenizerSpec, texts: list, pairs: list) -> EncodedRows:
     """Rows of a text and its pair (pipeline/core/pairs.py); either one null, empty or without tokens is
     the row's error (the pair's says `pair …`). The prompt goes before the text."""
@@ -339,16 +332,6 @@ def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
         else None,
         type_ids=np.concatenate([p.type_ids for p in parts]) if parts and parts[0].type_ids is not None else None,
     )
-
-
-def chunk_of(values: Sequence | pa.Array, start: int, rows: int) -> Sequence | pa.Array | ArrayInMemory:
-    """Rows start:start+rows as a worker's task takes them: an Arrow slice in memory the workers can map as
-    where it lies (core/shared_arrays.py), any other copied into buffers of its own (a slice pickles the
-    whole array it views)."""
-    if isinstance(values, pa.Array):
-        piece = values.slice(start, rows)
-        return in_memory(piece) or pa.concat_arrays([piece])
-    return values[start:start + rows]
 
 
 START_TIMEOUT_S = 120.0  # a worker imports numpy and tokenizers and rebuilds the tokenizer: seconds

@@ -173,8 +173,8 @@ def test_two_streams_at_once_take_two_readers_both_kept_for_the_next(tmp_path, m
 def test_tokenizer_workers_map_a_readers_block_instead_of_taking_its_bytes(tmp_path, minilm_path):
     """A task of a block the reader read names where its texts and ids lie (core/shared_arrays.py); the worker
     maps them and gives the same tokens and row hashes as a task of the same texts as values."""
-    from pipeline.core.shared_arrays import ArrayInMemory
-    from pipeline.core.tokenize import TokenizerPool, chunk_of, load_tokenizer_spec
+    from pipeline.core.shared_arrays import ArrayInMemory, chunk_of
+    from pipeline.core.tokenize import TokenizerPool, load_tokenizer_spec
 
     texts = [None if i == 3 else f"row {i}: " + "a few words " * (i % 9) for i in range(300)]
     write_shards(tmp_path / "in", pa.table({"id": [f"r{i}" for i in range(300)], "text": texts}), [300])
