@@ -90,14 +90,15 @@ def tiny_multilabel_path(tmp_path_factory, minilm_path) -> str:
 
 def kill_when_written(command: list[str], folder: Path, pattern: str, timeout_s: float) -> list[Path]:
     """Start `command` and SIGKILL it as soon as `folder` holds a file matching `pattern` (or it ends, or
-    `timeout_s` passes): a kill at a chosen point of a real run. Returns the matches at the kill."""
+    `timeout_s` passes): a kill at a chosen point of a real run. Returns the matches seen as it was killed
+    (a temporary file the run's encoder process held open is removed by that process as the run dies)."""
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
-    while not list(folder.glob(pattern)) and time.monotonic() < deadline and process.poll() is None:
+    while not (seen := sorted(folder.glob(pattern))) and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    return sorted(folder.glob(pattern))
+    return seen
 
 
 def resume_after_a_kill_between_shards(command: list[str], out: Path, whole: Path, shards: int) -> None:

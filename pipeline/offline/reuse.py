@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from pipeline.core.errors import UsageError
 from pipeline.core.retry import retry_transient
 from pipeline.core.row_hashes import HashColumns, hash_columns, id_hash
+from pipeline.offline.encoder import OutputEncoder, ParquetFile
 from pipeline.offline.locations import same_location, shown_path
 from pipeline.offline.manifest import (
     MANIFEST_DIR,
@@ -118,43 +119,52 @@ def error_statuses(errors: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedA
 
 
 class TextHashSink:
-    """Writes each shard's text-hash file beside the output, streamed, committed by rename."""
+    """Writes each shard's text-hash file beside the output, streamed, committed by rename; for a local output,
+    encoded by the output's encoder process (offline/encoder.py) as its output files are."""
 
-    def __init__(self, manifest: RunManifest):
-        self.fs, self.root = manifest.fs, manifest.root
-        self._writers: dict[int, tuple[pq.ParquetWriter, object, str, str]] = {}
+    def __init__(self, manifest: RunManifest, encoder_of: Callable[[], OutputEncoder | None] = lambda: None):
+        self.fs, self.root, self.encoder_of = manifest.fs, manifest.root, encoder_of
+        self._files: dict[int, tuple[ParquetFile | OutputEncoder, str, str]] = {}  # the writer, temporary, final
 
     def write(self, shard_index: int, shard: Shard, block: RowBlock, errors: pa.Array) -> None:
         """Hash one block's rows, with each row's status: OK, an error a retry may fix, or one it cannot."""
         hashes = block.reuse.hashes if block.reuse is not None else hash_rows(block.ids, block.texts, block.pairs)
         status = error_statuses(errors)
-        if shard_index not in self._writers:
+        if shard_index not in self._files:
             final = hashes_path(self.root, shard.stem)
             temp = f"{final}.{uuid.uuid4().hex[:12]}.tmp"
             self.fs.makedirs(final.rpartition("/")[0], exist_ok=True)
-            file = self.fs.open(temp, "wb")
-            self._writers[shard_index] = (pq.ParquetWriter(file, HASH_SCHEMA), file, temp, final)
-        self._writers[shard_index][0].write_table(pa.table([pa.array(hashes.id_hashes), hashes.text_hashes, status],
-                                                           schema=HASH_SCHEMA))
+            encoder = self.encoder_of()
+            self._files[shard_index] = (encoder or ParquetFile(self.fs.open(temp, "wb"), HASH_SCHEMA), temp, final)
+        writer, temp, _ = self._files[shard_index]
+        table = pa.table([pa.array(hashes.id_hashes), hashes.text_hashes, status], schema=HASH_SCHEMA)
+        if isinstance(writer, OutputEncoder):
+            writer.write(temp, table)
+        else:
+            writer.write(table)
 
     def commit(self, shard_index: int) -> None:
         """Called right after the shard's output is committed (its last block was written here too)."""
-        writer, file, temp, final = self._writers.pop(shard_index)
-        writer.close()
-        file.close()
+        writer, temp, final = self._files.pop(shard_index)
+        if isinstance(writer, OutputEncoder):
+            writer.close_file(temp)
+        else:
+            writer.close()
         retry_transient(lambda: self.fs.mv(temp, final), f"committing {final}", log=log.warning)
 
     def abort_all(self) -> None:
-        for shard_index in list(self._writers):
+        for shard_index in list(self._files):
             self.abort(shard_index)
 
     def abort(self, shard_index: int) -> None:
-        entry = self._writers.pop(shard_index, None)
+        entry = self._files.pop(shard_index, None)
         if entry is not None:
-            writer, file, temp, _ = entry
+            writer, temp, _ = entry
             try:
-                writer.close()
-                file.close()
+                if isinstance(writer, OutputEncoder):
+                    writer.abort_file(temp)
+                else:
+                    writer.close()
             finally:
                 if self.fs.exists(temp):
                     self.fs.rm(temp)

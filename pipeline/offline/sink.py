@@ -319,7 +319,7 @@ class WindowWriter:
         self.counts: dict[int, ShardCounts] = {}  # shard index → what its output holds so far
         self.ids = ids or IdTracker()  # an engine's own tracker counts duplicate ids across its runners
         self.row_stats = RowStats()
-        self.text_hashes = TextHashSink(manifest)  # what tomorrow's --reuse recognises rows by
+        self.text_hashes = TextHashSink(manifest, lambda: sink.encoder)  # what tomorrow's --reuse recognises rows by
         self.reuse_counts: dict[int, ReuseCounts] = {}  # --reuse: shard index → what it did with its rows
 
     def write(self, part: WindowPart) -> None:

@@ -64,7 +64,8 @@ def test_a_run_killed_while_writing_hashes_leaves_no_hash_temporary_after_the_re
     # one row per batch: the first shard's hash file stays open, half written, for many steps
     left = kill_when_written(command + ["--max-batch-rows", "1"], hashes, "*.tmp", 120)
     assert left, "the run was not killed while a hash file was being written"
-    assert "removed temporary files of an interrupted run" in run_in_this_process(command)
+    # the encoder process removes the files it held open as its run dies; any it could not, the rerun does
+    run_in_this_process(command)
     assert not list(hashes.glob("*.tmp"))
     assert sorted(p.name for p in hashes.iterdir()) == ["part-00000.hashes", "part-00001.hashes"]
 
