@@ -188,8 +188,8 @@ def encode_texts(texts: Sequence | pa.Array | ArrayInMemory, tokenizer=None, spe
     """Tokenize one chunk of texts with `tokenizer` prepared by `spec` (default: this
     process's, set by _init_worker; the online batcher passes its own). A long text is
     tokenized from a prefix that keeps the same tokens (pipeline/core/textcut.py). Arrow
-    arrays (or where they lie in shared memory) become Python values here, in the worker; with `ids`, the rows' hashes are
-    computed here too (`EncodedRows.hashes`). With `pairs` (a pair job's), each row is its
+    arrays (or where they lie in shared memory) become Python values here, in the worker; with
+    `ids`, the rows' hashes are computed here too (`EncodedRows.hashes`). With `pairs` (a pair job's), each row is its
     text and its pair, encoded as one sequence (`encode_pair_rows`)."""
     started = time.perf_counter()
     whole = _worker_whole_tokenizer if spec is None else None  # a spec of the caller's: its own, below
@@ -455,8 +455,8 @@ class TokenizerPool:
             return [encode_texts(texts[i:i + step], ids=None if ids is None else ids[i:i + step],
                                  pairs=None if pairs is None else pairs[i:i + step]) for i in starts]
         return [self._executor.submit(encode_texts, chunk_of(texts, i, step), None, None,
-                                      *(None if values is None else chunk_of(values, i, step) for values in (ids, pairs)))
-                for i in starts]
+                                      None if ids is None else chunk_of(ids, i, step),
+                                      None if pairs is None else chunk_of(pairs, i, step)) for i in starts]
 
     def result(self, pending: list) -> EncodedRows:
         return concat_encoded([p if self._executor is None else p.result() for p in pending])

@@ -5,9 +5,10 @@ short texts of `benchmarks/host_rate.py` (docs/performance.md, "The host feeds t
 reader process (offline/child_process.py: a fresh interpreter that exits with its parent) runs
 `read_blocks` itself, with its retries, and hands each block over as an Arrow IPC stream in a
 memory file of its own (`memfd`): the run's process maps it and takes the block's arrays from the
-mapping without copying or decoding them, and its tokenizer workers map it too (core/shared_arrays.py). Blocks are the same as `read_blocks` gives in the run's
-process, failures (a row-less block with its `failure`) and errors included; a reader's log lines
-are logged by the run's process.
+mapping without copying or decoding them, and its tokenizer workers map it too
+(core/shared_arrays.py). Blocks are the same as `read_blocks` gives in the run's process, failures
+(a row-less block with its `failure`) and errors included; a reader's log lines are logged by the
+run's process.
 
 Messages on one socket: ("read", arguments of read_blocks) starts a stream, each ("next",) is
 answered by ("block", what the block is) with the memory's file descriptor after it, or ("end",),
@@ -81,8 +82,8 @@ class ShardReader:
         except OSError as error:
             raise self._died() from error
         try:
-            mapped = mmap.mmap(memory, os.fstat(memory).st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                               prot=mmap.PROT_READ)
+            mapped = mmap.mmap(memory, os.fstat(memory).st_size, prot=mmap.PROT_READ,
+                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
             os.close(memory)
             raise

@@ -123,8 +123,9 @@ class ShardRunner:
     def _windows(self, shards: list[Shard], times: StageTimes) -> Iterator[list[RowBlock]]:
         """The shards' rows in windows of row blocks, with --reuse's rows marked."""
         config = self.config
-        blocks = timed(self._readers.blocks(shards, config.source.id_column, config.source.text_column, self.window_rows,
-                                   config.source.storage_options, config.keep_columns, config.source.pair_column),
+        source = config.source
+        blocks = timed(self._readers.blocks(shards, source.id_column, source.text_column, self.window_rows,
+                                            source.storage_options, config.keep_columns, source.pair_column),
                        times, "read")
         grouped = group_into_windows(blocks, self.window_rows)
         if self.carry is not None:
