@@ -1,4 +1,5 @@
-"""Arrow arrays in memory the tokenizer workers can map: handed to them as where they lie, not as their bytes.
+"""Memory the run's process and its tokenizer workers both map: a task's texts go to a worker as where they
+lie, its token ids come back through a slot, neither as pickled bytes.
 
 A block the shard reader process read (offline/reader.py) is a memory file the run's process maps. Its
 texts went to the tokenizer pool copied into compact buffers and pickled through the pool's pipe (three
@@ -10,6 +11,7 @@ as before.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import threading
@@ -17,6 +19,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 
@@ -91,3 +94,42 @@ def as_python(values: Sequence | pa.Array | ArrayInMemory | None) -> Sequence | 
     if isinstance(values, ArrayInMemory):
         values = values.array()
     return values.to_pylist() if isinstance(values, pa.Array) else values
+
+
+class TokenSlot:
+    """A memory file of the run's process that a tokenizer worker writes a task's token ids into, so that
+    they come back without being pickled, sent through the pool's pipe and unpickled by its result thread
+    (~0.4 µs a row of the run's process). `capacity`: the most tokens the task can make (its rows times
+    --max-length); a task that makes more sends them as before."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._memory = os.memfd_create("lengthwise-token-ids", os.MFD_CLOEXEC)
+        os.ftruncate(self._memory, max(capacity, 1) * 4)  # its pages exist once written
+        self.path = f"/proc/{os.getpid()}/fd/{self._memory}"
+        self._closed = weakref.finalize(self, os.close, self._memory)
+
+    def token_ids(self, count: int) -> np.ndarray:
+        """The `count` token ids the worker wrote; the file is closed, its memory freed with the array."""
+        mapped = mmap.mmap(self._memory, max(count, 1) * 4, prot=mmap.PROT_READ,
+                           flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self._closed()
+        return np.frombuffer(mapped, np.int32, count)
+
+    def restore(self, encoded):
+        """A task's EncodedRows with its token ids, whether they came in the slot or with the result."""
+        count = int(encoded.offsets[-1])
+        if len(encoded.token_ids) == count:
+            self._closed()
+            return encoded
+        return dataclasses.replace(encoded, token_ids=self.token_ids(count))
+
+
+def into_slot(path: str, capacity: int, token_ids: np.ndarray) -> np.ndarray:
+    """In a worker: `token_ids` written into the run's slot at `path`, and what the result then carries
+    instead (nothing); more than `capacity` tokens stay in the result."""
+    if not 0 < len(token_ids) <= capacity:
+        return token_ids
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), len(token_ids) * 4) as mapped:
+        np.frombuffer(mapped, np.int32)[:] = token_ids
+    return token_ids[:0]

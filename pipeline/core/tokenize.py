@@ -32,7 +32,7 @@ from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenize
 from pipeline.core.process_memory import keep_freed_memory
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
-from pipeline.core.shared_arrays import ArrayInMemory, as_python, chunk_of
+from pipeline.core.shared_arrays import ArrayInMemory, TokenSlot, as_python, chunk_of, into_slot
 from pipeline.core.textcut import check_text, encode_long_text, has_long_word, text_cut_for, word_limit_for
 
 # texts per pool task: at least the first, so that handing results over (the pool's one manager thread unpickles
@@ -317,6 +317,12 @@ def prompt_content_tokens(tokenizer, spec: TokenizerSpec) -> int:
     return len(encoding.ids) - sum(encoding.special_tokens_mask)
 
 
+def _encode_task(slot: str, capacity: int, texts, ids, pairs) -> EncodedRows:
+    """A worker's task: `encode_texts`, its token ids written into the run's slot (core/shared_arrays.py)."""
+    encoded = encode_texts(texts, ids=ids, pairs=pairs)
+    return dataclasses.replace(encoded, token_ids=into_slot(slot, capacity, encoded.token_ids))
+
+
 def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
     """Join encoded chunks of consecutive rows into one."""
     lengths = np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
@@ -454,12 +460,16 @@ class TokenizerPool:
         if self._executor is None:
             return [encode_texts(texts[i:i + step], ids=None if ids is None else ids[i:i + step],
                                  pairs=None if pairs is None else pairs[i:i + step]) for i in starts]
-        return [self._executor.submit(encode_texts, chunk_of(texts, i, step), None, None,
-                                      None if ids is None else chunk_of(ids, i, step),
-                                      None if pairs is None else chunk_of(pairs, i, step)) for i in starts]
+        slots = [TokenSlot(min(step, len(texts) - i) * self.spec.max_length) for i in starts]
+        return [(self._executor.submit(_encode_task, slot.path, slot.capacity, chunk_of(texts, i, step),
+                                       None if ids is None else chunk_of(ids, i, step),
+                                       None if pairs is None else chunk_of(pairs, i, step)), slot)
+                for i, slot in zip(starts, slots)]
 
     def result(self, pending: list) -> EncodedRows:
-        return concat_encoded([p if self._executor is None else p.result() for p in pending])
+        if self._executor is None:
+            return concat_encoded(pending)
+        return concat_encoded([slot.restore(task.result()) for task, slot in pending])
 
     def close(self) -> None:
         """Stop the workers now; a waiting `result` then fails rather than blocks."""

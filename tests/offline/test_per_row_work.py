@@ -57,3 +57,30 @@ def test_error_statuses_are_each_rows_status_column_wise():
     assert error_statuses(pa.chunked_array([errors[:2], errors[2:]])).to_pylist() == \
         [OK, RETRYABLE_ERROR, PERMANENT_ERROR, RETRYABLE_ERROR, OK]
     assert error_statuses(pa.nulls(3, pa.string())).to_pylist() == [OK] * 3
+
+
+def test_token_ids_come_back_through_a_slot_not_the_pools_pipe(minilm_path):
+    """A task's result carries no token ids: the worker wrote them into the run's slot; the pool's result has
+    the same tokens, row for row, as tokenizing in this process."""
+    spec = load_tokenizer_spec(minilm_path, 32)
+    texts = pa.array([f"row {i} " * (i % 9) if i % 11 else None for i in range(500)])
+    with TokenizerPool(spec, 1, chunk_rows=128) as pool:
+        pending = pool.submit(texts)
+        sent = [task.result() for task, _ in pending]
+        through_slots = pool.result(pending)
+    here = TokenizerPool(spec, 0, chunk_rows=128)
+    expected = here.result(here.submit(texts))
+    assert [len(part.token_ids) for part in sent] == [0, 0, 0, 0]
+    assert sum(int(part.offsets[-1]) for part in sent) == len(expected.token_ids) > 1000
+    assert through_slots.token_ids.tolist() == expected.token_ids.tolist()
+    assert through_slots.offsets.tolist() == expected.offsets.tolist() and through_slots.errors == expected.errors
+
+
+def test_a_slot_too_small_for_a_tasks_tokens_leaves_them_in_the_result():
+    from pipeline.core.shared_arrays import TokenSlot, into_slot
+
+    slot = TokenSlot(capacity=4)
+    assert into_slot(slot.path, slot.capacity, np.arange(5, dtype=np.int32)).tolist() == [0, 1, 2, 3, 4]
+    fits = TokenSlot(capacity=6)
+    assert into_slot(fits.path, fits.capacity, np.arange(5, dtype=np.int32)).tolist() == []
+    assert fits.token_ids(5).tolist() == [0, 1, 2, 3, 4]
