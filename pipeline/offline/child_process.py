@@ -19,6 +19,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import pyarrow as pa
+
 from pipeline.core.process_memory import keep_freed_memory
 
 CLOSE_TIMEOUT_S = 30.0  # a helper told to stop that has not exited by then is killed
@@ -64,6 +66,14 @@ def exit_code(process: subprocess.Popen) -> int | None:
         return process.wait(timeout=5)
     except subprocess.TimeoutExpired:
         return None
+
+
+def ipc_stream_bytes(table: pa.Table | pa.RecordBatch, sink) -> int:
+    """Write `table` (a table or one record batch) to `sink` as an Arrow IPC stream: the bytes written. Tables
+    travel so between the run and its helpers."""
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write(table)
+    return sink.tell()
 
 
 def portable(error: BaseException) -> BaseException:

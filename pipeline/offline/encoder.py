@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.offline.child_process import child_channel, exit_code, portable, start_child, stop_child
+from pipeline.offline.child_process import (child_channel, exit_code, ipc_stream_bytes, portable, start_child,
+                                            stop_child)
 from pipeline.offline.window_memory import SharedRegions, fault_in, is_float_vector, restore_columns
 
 
@@ -69,13 +70,6 @@ class ParquetFile:
             return self.file.tell()
         finally:
             self.file.close()
-
-
-def ipc_stream_bytes(table: pa.Table, sink) -> int:
-    """Write `table` to `sink` as an Arrow IPC stream: the bytes written."""
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.tell()
 
 
 class EncoderDied(RuntimeError):

@@ -28,7 +28,8 @@ from multiprocessing.connection import Connection
 import pyarrow as pa
 
 from pipeline.core.shared_arrays import share
-from pipeline.offline.child_process import child_channel, exit_code, portable, start_child, stop_child
+from pipeline.offline.child_process import (child_channel, exit_code, ipc_stream_bytes, portable, start_child,
+                                            stop_child)
 from pipeline.offline.source import RowBlock, Shard, read_blocks
 
 READER_PROCESS_MIN_ROWS = 100_000  # fewer rows are read in the run's process: a reader's start (~0.4 s of CPU,
@@ -157,21 +158,15 @@ def block_memory(block: RowBlock) -> int:
                **({"pairs": block.pairs} if block.pairs is not None else {}),
                **{f"kept:{name}": values for name, values in block.kept.items()}}
     batch = pa.RecordBatch.from_arrays(list(columns.values()), names=list(columns))
-    size = stream_bytes(batch, pa.MockOutputStream())
+    size = ipc_stream_bytes(batch, pa.MockOutputStream())
     memory = os.memfd_create("lengthwise-shard-block", os.MFD_CLOEXEC)
     try:
         os.ftruncate(memory, size)
-        stream_bytes(batch, pa.FixedSizeBufferWriter(pa.py_buffer(mmap.mmap(memory, size))))  # unmapped when dropped
+        ipc_stream_bytes(batch, pa.FixedSizeBufferWriter(pa.py_buffer(mmap.mmap(memory, size))))  # unmapped when dropped
     except BaseException:
         os.close(memory)
         raise
     return memory
-
-
-def stream_bytes(batch: pa.RecordBatch, sink) -> int:
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.tell()
 
 
 class _ForwardLogs(logging.Handler):
