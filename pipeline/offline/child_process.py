@@ -1,4 +1,5 @@
-"""The run's helper processes (the output encoder, the shard reader): how each starts, stops and tells errors.
+"""The run's helper processes (the output encoder, the shard reader): how each starts, stops and tells errors
+(`HelperProcess`, the run's end of one).
 
 Each is a fresh interpreter (`python -m MODULE FD`, as spawn starts one: never a fork of a process that
 may hold CUDA) talking to the run over one socket: pickled messages on a `Connection`, file descriptors
@@ -49,23 +50,49 @@ def child_channel() -> tuple[Connection, socket.socket]:
     return Connection(os.dup(channel.fileno())), channel
 
 
-def stop_child(process: subprocess.Popen, connection: Connection, channel: socket.socket) -> None:
-    """Close the socket (the child ends its loop and exits) and wait for it; idempotent."""
-    connection.close()
-    channel.close()
-    try:
-        process.wait(timeout=CLOSE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+class HelperProcess:
+    """The run's end of a helper process: the process, the socket file descriptors travel on and a
+    connection on that socket for pickled messages. A subclass names its `MODULE`, its `NAME` and the
+    error (`Died`) that stops the run when the process is gone."""
 
+    MODULE: str
+    NAME: str
+    Died: type[RuntimeError]
 
-def exit_code(process: subprocess.Popen) -> int | None:
-    """The exit code of a child whose socket broke (None: it did not exit within 5 s)."""
-    try:
-        return process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        return None
+    def __init__(self):
+        self.process, self._socket = start_child(self.MODULE)
+        self._connection = Connection(os.dup(self._socket.fileno()))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._connection.send(message)
+        except OSError as error:
+            raise self._died() from error
+
+    def _receive(self) -> tuple:
+        try:
+            return self._connection.recv()
+        except (EOFError, OSError) as error:
+            raise self._died() from error
+
+    def _died(self) -> RuntimeError:
+        """The error of a process whose socket broke, with its exit code (None: not exited within 5 s)."""
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        return self.Died(f"the {self.NAME} process (pid {self.process.pid}) exited with code {code}; the shards not "
+                         "committed are redone by a rerun of the same command")
+
+    def close(self) -> None:
+        """Close the socket (the process ends its loop and exits) and wait for it; idempotent."""
+        self._connection.close()
+        self._socket.close()
+        try:
+            self.process.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def ipc_stream_bytes(table: pa.Table | pa.RecordBatch, sink) -> int:

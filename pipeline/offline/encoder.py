@@ -33,8 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.offline.child_process import (child_channel, exit_code, ipc_stream_bytes, portable, start_child,
-                                            stop_child)
+from pipeline.offline.child_process import HelperProcess, child_channel, ipc_stream_bytes, portable
 from pipeline.offline.window_memory import SharedRegions, fault_in, is_float_vector, restore_columns
 
 
@@ -77,14 +76,16 @@ class EncoderDied(RuntimeError):
     shards it had not committed."""
 
 
-class OutputEncoder:
-    """The run's handle on its encoder process; safe to share between threads."""
+class OutputEncoder(HelperProcess):
+    """The run's handle on its encoder process; safe to share between threads. `close` stops it once its
+    files are closed or removed."""
 
+    MODULE, NAME = "pipeline.offline.encoder", "output encoder"
+    Died = EncoderDied
     shares_memory = hasattr(os, "memfd_create")  # `shared_zeros` (Linux); elsewhere windows keep their own memory
 
     def __init__(self):
-        self.process, self._socket = start_child("pipeline.offline.encoder")  # descriptors travel on the socket
-        self._connection = Connection(os.dup(self._socket.fileno()))
+        super().__init__()  # window memory's descriptors travel on the socket (`shared_zeros`)
         self._broken: dict[str, BaseException] = {}  # path → the error its write met, told ahead of its close
         self._lock = threading.Lock()
         self._buffer: pa.Buffer | None = None  # the last table's IPC stream (`_serialized`)
@@ -158,7 +159,7 @@ class OutputEncoder:
                         raise value
                     return value
 
-    def _send(self, message: tuple, data: memoryview | None = None) -> None:
+    def _send(self, message: tuple, data: memoryview | None = None) -> None:  # window memory and tables too
         try:
             while self._shared.forgotten:  # window memory this process freed: the encoder unmaps it too
                 self._connection.send(("forget", self._shared.forgotten.pop()))
@@ -169,22 +170,10 @@ class OutputEncoder:
             raise self._died() from error
 
     def _receive(self) -> tuple:
-        try:
-            message = self._connection.recv()
-        except (EOFError, OSError) as error:
-            raise self._died() from error
+        message = super()._receive()
         if message[0] == "broken":
             self._broken[message[1]] = message[2]
         return message
-
-    def _died(self) -> EncoderDied:
-        return EncoderDied(f"the output encoder process (pid {self.process.pid}) exited with code "
-                           f"{exit_code(self.process)}; the shards not committed are redone by a rerun of the same "
-                           "command")
-
-    def close(self) -> None:
-        """Stop the process (its files are closed or removed by now); idempotent."""
-        stop_child(self.process, self._connection, self._socket)
 
 
 def serve(connection: Connection, channel: socket.socket) -> None:

@@ -28,8 +28,7 @@ from multiprocessing.connection import Connection
 import pyarrow as pa
 
 from pipeline.core.shared_arrays import share
-from pipeline.offline.child_process import (child_channel, exit_code, ipc_stream_bytes, portable, start_child,
-                                            stop_child)
+from pipeline.offline.child_process import HelperProcess, child_channel, ipc_stream_bytes, portable
 from pipeline.offline.source import RowBlock, Shard, read_blocks
 
 READER_PROCESS_MIN_ROWS = 100_000  # fewer rows are read in the run's process: a reader's start (~0.4 s of CPU,
@@ -41,14 +40,15 @@ class ReaderDied(RuntimeError):
     it had not committed."""
 
 
-class ShardReader:
+class ShardReader(HelperProcess):
     """The run's handle on one reader process; one stream of blocks at a time (`blocks`)."""
 
+    MODULE, NAME = "pipeline.offline.reader", "shard reader"
+    Died = ReaderDied
     available = hasattr(os, "memfd_create")  # Linux; elsewhere the run's process reads
 
     def __init__(self):
-        self.process, self._socket = start_child("pipeline.offline.reader")  # block memory travels on the socket
-        self._connection = Connection(os.dup(self._socket.fileno()))
+        super().__init__()  # block memory's descriptors travel on the socket
         self.idle = True  # no stream begun and not ended: reusable for the next one
 
     def blocks(self, shards: Sequence[Shard], id_column: str, text_column: str, block_rows: int,
@@ -94,26 +94,6 @@ class ShardReader:
                         errors=columns.pop("errors", None), pairs=columns.pop("pairs", None),
                         kept={name.removeprefix("kept:"): values for name, values in columns.items()})
 
-    def _send(self, message: tuple) -> None:
-        try:
-            self._connection.send(message)
-        except OSError as error:
-            raise self._died() from error
-
-    def _receive(self) -> tuple:
-        try:
-            return self._connection.recv()
-        except (EOFError, OSError) as error:
-            raise self._died() from error
-
-    def _died(self) -> ReaderDied:
-        return ReaderDied(f"the shard reader process (pid {self.process.pid}) exited with code "
-                          f"{exit_code(self.process)}; the shards not committed are redone by a rerun of the same "
-                          "command")
-
-    def close(self) -> None:
-        """Stop the process; idempotent."""
-        stop_child(self.process, self._connection, self._socket)
 
 
 class ShardReaders:
