@@ -15,10 +15,9 @@ from __future__ import annotations
 import pyarrow as pa
 
 
-def keep_freed_memory() -> str:
+def keep_freed_memory() -> None:
     """Make the system allocator this process's default Arrow pool (for every allocation from now on;
-    buffers already made keep theirs); returns its name."""
+    buffers already made keep theirs)."""
     pool = pa.system_memory_pool()
     if pa.default_memory_pool().backend_name != pool.backend_name:
         pa.set_memory_pool(pool)
-    return pool.backend_name

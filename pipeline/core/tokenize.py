@@ -189,8 +189,8 @@ def encode_texts(texts: Sequence | pa.Array | ArrayInMemory, tokenizer=None, spe
     process's, set by _init_worker; the online batcher passes its own). A long text is
     tokenized from a prefix that keeps the same tokens (pipeline/core/textcut.py). Arrow
     arrays (or where they lie in shared memory) become Python values here, in the worker; with
-    `ids`, the rows' hashes are computed here too (`EncodedRows.hashes`). With `pairs` (a pair job's), each row is its
-    text and its pair, encoded as one sequence (`encode_pair_rows`)."""
+    `ids`, the rows' hashes are computed here too (`EncodedRows.hashes`). With `pairs` (a pair
+    job's), each row is its text and its pair, encoded as one sequence (`encode_pair_rows`)."""
     started = time.perf_counter()
     whole = _worker_whole_tokenizer if spec is None else None  # a spec of the caller's: its own, below
     tokenizer, spec = tokenizer or _worker_tokenizer, spec or _worker_spec
