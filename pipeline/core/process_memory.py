@@ -1,5 +1,5 @@
-"""A process that streams rows keeps the memory it frees for the next block: Arrow's pool is the system
-allocator.
+"""A process that streams rows keeps the memory it frees for the next block, and takes fresh memory
+without asking the kernel for huge pages.
 
 A run reads, converts and drops blocks of tens of MB all night. pyarrow's default pool on Linux
 (mimalloc) hands freed memory back to the kernel soon after a block is dropped and takes it again for
@@ -8,6 +8,14 @@ reading 128,000 short texts cost it 2.5 µs a row with mimalloc (1.9 of it syste
 system allocator or jemalloc; 50,000 long reviews, 8.7 with mimalloc, 3.6 with jemalloc and 3.1 with
 the system allocator (`benchmarks/host_rate.py`'s pipeline, 2-core Zen 4 EPYC). The system
 allocator is in every pyarrow build.
+
+numpy asks for transparent huge pages (madvise) on every array of 4 MiB or more, such as a window's
+token ids. Under the common `defrag: madvise` setting each first touch of such memory then waits for
+the kernel to compact memory into a free 2 MiB page; where it finds none (a long-running host, a VM)
+it falls back to a 4 KiB page after the wait: writing a fresh 14 MB array took 40 ms instead of 9 on a
+2-core AVX2 EPYC VM that granted no huge page, and the run's process spent 0.4-0.5 µs a row less
+without the advice (host_rate.py, 128,000 rows). Where huge pages are granted the advice saves
+little on memory that is written once and read once.
 """
 
 from __future__ import annotations
@@ -15,9 +23,20 @@ from __future__ import annotations
 import pyarrow as pa
 
 
-def keep_freed_memory() -> None:
+def prepare_streaming_memory() -> None:
     """Make the system allocator this process's default Arrow pool (for every allocation from now on;
-    buffers already made keep theirs)."""
+    buffers already made keep theirs) and turn numpy's huge-page advice off."""
     pool = pa.system_memory_pool()
     if pa.default_memory_pool().backend_name != pool.backend_name:
         pa.set_memory_pool(pool)
+    set_huge_page_advice = getattr(numpy_multiarray(), "_set_madvise_hugepage", None)  # the switch behind
+    if set_huge_page_advice is not None:  # NUMPY_MADVISE_HUGEPAGE=0, which numpy reads only at its import
+        set_huge_page_advice(False)
+
+
+def numpy_multiarray():
+    try:
+        from numpy._core import multiarray  # numpy 2
+    except ImportError:
+        from numpy.core import multiarray
+    return multiarray

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenizer
-from pipeline.core.process_memory import keep_freed_memory
+from pipeline.core.process_memory import prepare_streaming_memory
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
 from pipeline.core.shared_arrays import ArrayInMemory, TokenSlot, as_python, chunk_of, into_slot
@@ -152,7 +152,7 @@ def _init_worker(spec: TokenizerSpec, in_worker: bool = True) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallelism comes from the pool
         threading.Thread(target=_exit_with_parent, name="lengthwise-parent-watch", daemon=True).start()
-        keep_freed_memory()  # it converts each task's Arrow texts (pipeline/core/process_memory.py)
+        prepare_streaming_memory()  # it converts each task's Arrow texts (pipeline/core/process_memory.py)
     from tokenizers import Tokenizer
 
     _worker_tokenizer = Tokenizer.from_str(spec.tokenizer_json)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.core.process_memory import keep_freed_memory
+from pipeline.core.process_memory import prepare_streaming_memory
 
 CLOSE_TIMEOUT_S = 30.0  # a helper told to stop that has not exited by then is killed
 
@@ -45,7 +45,7 @@ def child_channel() -> tuple[Connection, socket.socket]:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), name="lengthwise-parent-watch",
                      daemon=True).start()
-    keep_freed_memory()
+    prepare_streaming_memory()
     channel = socket.socket(fileno=int(sys.argv[1]))
     return Connection(os.dup(channel.fileno())), channel
 

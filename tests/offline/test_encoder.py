@@ -16,6 +16,7 @@ import pytest
 
 import pipeline.offline.sink as sink_module
 from pipeline.core.errors import StorageError, as_storage_error
+from pipeline.core.process_memory import numpy_multiarray
 from pipeline.offline.encoder import EncoderDied, OutputEncoder
 from pipeline.offline.window_memory import SharedRegions
 from pipeline.offline.windows import OutputArrays
@@ -59,10 +60,13 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
     monkeypatch.setattr(pq, "ParquetWriter", recording_writer)
     monkeypatch.setattr(SharedRegions, "by_reference", recording_by_reference)
     pa.set_memory_pool(pa.mimalloc_memory_pool())  # pyarrow's default on Linux, which gives freed blocks back
+    multiarray = numpy_multiarray()
+    multiarray._set_madvise_hugepage(True)  # numpy's default
     output, summary = run_to_table(tmp_path, "encoder", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
                                    max_length=32)
     assert [e.process.pid != os.getpid() and e.process.returncode for e in encoders] == [0]
     assert pa.default_memory_pool().backend_name == "system"  # the run's process keeps what it frees
+    assert multiarray._set_madvise_hugepage(False) is False  # and asks for no huge pages
     assert opened_here == []  # the outputs' Parquet writers were all in the encoder process
     assert output["id"].to_pylist() == rows_with_bad_ones["id"].to_pylist() and summary["rows"] == 200
     assert summary["error_rows"] == 4
