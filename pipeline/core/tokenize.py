@@ -32,6 +32,7 @@ from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenize
 from pipeline.core.process_memory import prepare_streaming_memory
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
+from pipeline.core.semaphores import release_semaphore_names
 from pipeline.core.shared_arrays import ArrayInMemory, TokenSlot, as_python, chunk_of, into_slot
 from pipeline.core.textcut import check_text, encode_long_text, has_long_word, text_cut_for, word_limit_for
 
@@ -323,12 +324,20 @@ def _encode_task(slot: str, capacity: int, texts, ids, pairs) -> EncodedRows:
     return dataclasses.replace(encoded, token_ids=into_slot(slot, capacity, encoded.token_ids))
 
 
-def concat_encoded(parts: Sequence[EncodedRows]) -> EncodedRows:
-    """Join encoded chunks of consecutive rows into one."""
-    lengths = np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
+def concat_encoded(parts: Sequence[EncodedRows], slots: Sequence[TokenSlot] = ()) -> EncodedRows:
+    """Join encoded chunks of consecutive rows into one (a part's token ids read from its slot, if given)."""
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate([p.lengths for p in parts]) if parts else [])])
+    token_ids, start = np.empty(int(offsets[-1]), np.int32), 0
+    for part, slot in itertools.zip_longest(parts, slots):
+        end = start + int(part.offsets[-1])
+        if slot is None:
+            token_ids[start:end] = part.token_ids
+        else:
+            slot.copy_into(part, token_ids[start:end])
+        start = end
     return EncodedRows(
-        token_ids=np.concatenate([p.token_ids for p in parts]) if parts else np.zeros(0, np.int32),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+        token_ids=token_ids,
+        offsets=offsets,
         truncated=np.concatenate([p.truncated for p in parts]) if parts else np.zeros(0, bool),
         errors=list(itertools.chain.from_iterable(p.errors for p in parts)),
         encode_s=sum(p.encode_s for p in parts),
@@ -359,42 +368,12 @@ def _worker_ready(spec_path: str, workers: int, timeout_s: float) -> bool:
     return _worker_tokenizer is not None
 
 
-def release_semaphore_names(executor: ProcessPoolExecutor) -> int:
-    """Unlink the names of the pool's queue semaphores once every worker has opened them (they
-    work on by handle, as a fork context's do) and take them off the resource tracker, so that a
-    run killed later (SIGKILL, the OOM killer) leaves nothing in /dev/shm and the tracker prints no
-    "There appear to be N leaked semaphore objects" into its log. Returns how many."""
-    from _multiprocessing import sem_unlink
-    from multiprocessing import resource_tracker, util
-    from multiprocessing.synchronize import SemLock
-
-    try:  # Python's internals (3.10-3.13); elsewhere the names stay, as before, and the run goes on
-        names = {item._semlock.name for queue in (executor._call_queue, executor._result_queue)
-                 for item in vars(queue).values() if isinstance(item, SemLock) and item._semlock.name is not None}
-        finalizers = {f._args[0]: f for f in list(util._finalizer_registry.values())
-                      if getattr(f, "_callback", None) is SemLock._cleanup and f._args and f._args[0] in names}
-    except AttributeError:
-        return 0
-    released = 0
-    for name in names:
-        try:
-            sem_unlink(name)
-        except OSError:
-            continue  # left as it was: its finalizer and the tracker still clean it up
-        if name in finalizers:
-            finalizers[name].cancel()  # its unlink at exit is done, here
-        resource_tracker.unregister(name, "semaphore")
-        released += 1
-    return released
-
-
 class TokenizerPool:
     """A pool of tokenizer processes (spawned, never forked); workers=0 tokenizes in-process.
 
     `submit` returns at once so tokenizing the next window overlaps the model running on
     the current one; `result` waits for it. A worker that dies (OOM killer, crash) fails
-    the waiting `result` with BrokenProcessPool instead of hanging the run.
-    """
+    the waiting `result` with BrokenProcessPool instead of hanging the run."""
 
     def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, wait: bool = True):
@@ -402,8 +381,7 @@ class TokenizerPool:
         caller loads the model; `ready()` (or the first `submit`) then sees them up."""
         self.spec = spec
         self.chunk_rows, self.workers = chunk_rows, workers  # chunk_rows None: chunk_rows_for each submit
-        self._executor = None
-        self._spec_file = None
+        self._executor, self._spec_file = None, None
         self._starting = None  # (readiness futures, start time, timeout) until seen up
         if workers > 0:
             self._spec_file = write_spec_file(spec)
@@ -469,7 +447,7 @@ class TokenizerPool:
     def result(self, pending: list) -> EncodedRows:
         if self._executor is None:
             return concat_encoded(pending)
-        return concat_encoded([slot.restore(task.result()) for task, slot in pending])
+        return concat_encoded([task.result() for task, _ in pending], [slot for _, slot in pending])
 
     def close(self) -> None:
         """Stop the workers now; a waiting `result` then fails rather than blocks."""

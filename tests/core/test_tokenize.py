@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec, release_semaphore_names
+from pipeline.core.semaphores import release_semaphore_names
+from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec
 
 TEXTS = ["A short one.", "word " * 400, None, "   ", "Ünïcödé and emoji 🙂 text", "", "last row"]
 

@@ -78,9 +78,18 @@ def test_token_ids_come_back_through_a_slot_not_the_pools_pipe(minilm_path):
 
 def test_a_slot_too_small_for_a_tasks_tokens_leaves_them_in_the_result():
     from pipeline.core.shared_arrays import TokenSlot, into_slot
+    from pipeline.core.tokenize import EncodedRows
+
+    def task_of(token_ids):  # a task's result of one row of 5 tokens, its ids with it or not
+        return EncodedRows(token_ids, np.array([0, 5]), np.zeros(1, bool), [None], 0.0)
 
     slot = TokenSlot(capacity=4)
-    assert into_slot(slot.path, slot.capacity, np.arange(5, dtype=np.int32)).tolist() == [0, 1, 2, 3, 4]
+    left = into_slot(slot.path, slot.capacity, np.arange(5, dtype=np.int32))
+    assert left.tolist() == [0, 1, 2, 3, 4]
+    out = np.zeros(7, np.int32)
+    slot.copy_into(task_of(left), out[1:6])
     fits = TokenSlot(capacity=6)
-    assert into_slot(fits.path, fits.capacity, np.arange(5, dtype=np.int32)).tolist() == []
-    assert fits.token_ids(5).tolist() == [0, 1, 2, 3, 4]
+    assert into_slot(fits.path, fits.capacity, np.arange(5, dtype=np.int32) + 10).tolist() == []
+    into_window = np.zeros(7, np.int32)
+    fits.copy_into(task_of(np.zeros(0, np.int32)), into_window[1:6])  # read from the slot into its place
+    assert out.tolist() == [0, 0, 1, 2, 3, 4, 0] and into_window.tolist() == [0, 10, 11, 12, 13, 14, 0]
