@@ -267,6 +267,13 @@ def test_first_of_each_text_maps_duplicates_to_their_first_eligible_copy():
     eligible = np.array([False, True, True, True, True, True, True])  # row 0 had an error: not a source
     assert first_of_each_text(hashes, eligible).tolist() == [0, 1, 2, 3, 1, 2, 6]
     assert first_of_each_text(np.zeros(0, np.int64), np.zeros(0, bool)).tolist() == []
+    rng = np.random.default_rng(3)  # many rows, few texts: each row's source is its text's first eligible row
+    hashes, eligible = rng.integers(-2**63, 2**63 - 1, 40)[rng.integers(0, 40, 5_000)], rng.random(5_000) < 0.8
+    first_eligible = {}
+    for row in np.flatnonzero(eligible):
+        first_eligible.setdefault(int(hashes[row]), int(row))
+    expected = [first_eligible[int(h)] if ok else row for row, (h, ok) in enumerate(zip(hashes, eligible))]
+    assert first_of_each_text(hashes, eligible).tolist() == expected
 
 
 @pytest.mark.slow
