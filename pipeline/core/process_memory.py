@@ -35,6 +35,7 @@ def prepare_streaming_memory() -> None:
 
 
 def numpy_multiarray():
+    """numpy's `multiarray` module, where its huge-page switch is (numpy 2 moved it)."""
     try:
         from numpy._core import multiarray  # numpy 2
     except ImportError:

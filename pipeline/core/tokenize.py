@@ -326,7 +326,8 @@ def _encode_task(slot: str, capacity: int, texts, ids, pairs) -> EncodedRows:
 
 def concat_encoded(parts: Sequence[EncodedRows], slots: Sequence[TokenSlot] = ()) -> EncodedRows:
     """Join encoded chunks of consecutive rows into one (a part's token ids read from its slot, if given)."""
-    offsets = np.concatenate([[0], np.cumsum(np.concatenate([p.lengths for p in parts]) if parts else [])])
+    lengths = np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
     token_ids, start = np.empty(int(offsets[-1]), np.int32), 0
     for part, slot in itertools.zip_longest(parts, slots):
         end = start + int(part.offsets[-1])
@@ -373,7 +374,8 @@ class TokenizerPool:
 
     `submit` returns at once so tokenizing the next window overlaps the model running on
     the current one; `result` waits for it. A worker that dies (OOM killer, crash) fails
-    the waiting `result` with BrokenProcessPool instead of hanging the run."""
+    the waiting `result` with BrokenProcessPool instead of hanging the run.
+    """
 
     def __init__(self, spec: TokenizerSpec, workers: int, chunk_rows: int | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, wait: bool = True):
@@ -381,7 +383,8 @@ class TokenizerPool:
         caller loads the model; `ready()` (or the first `submit`) then sees them up."""
         self.spec = spec
         self.chunk_rows, self.workers = chunk_rows, workers  # chunk_rows None: chunk_rows_for each submit
-        self._executor, self._spec_file = None, None
+        self._executor = None
+        self._spec_file = None
         self._starting = None  # (readiness futures, start time, timeout) until seen up
         if workers > 0:
             self._spec_file = write_spec_file(spec)
