@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.core.forward import collate, prefetch
+from pipeline.core.forward import collate, finite_rows, prefetch
 from pipeline.core.device import keep_freed_host_memory, resolve_device, resolve_dtype
 from pipeline.core.errors import UsageError
 
@@ -40,6 +40,20 @@ def test_collate_equals_padding_each_row_by_hand(seed):
         assert mask[index].tolist() == [1] * lengths[row] + [0] * pad
         assert types[index].tolist() == type_ids[real].tolist() + [0] * pad
     assert ids.dtype == mask.dtype == types.dtype == np.int64
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_finite_rows_equals_checking_each_row(seed):
+    """Differential: nan, +inf and -inf at random places of two outputs (or none), against a row-by-row check."""
+    rng = np.random.default_rng(seed)
+    outputs = {"embedding": rng.normal(size=(30, 8)).astype(np.float32),
+               "scores": rng.normal(size=(30, 2, 3)).astype(np.float32)}
+    for values in outputs.values():
+        flat = values.reshape(-1)
+        flat[rng.integers(0, len(flat), seed)] = rng.choice([np.nan, np.inf, -np.inf], seed)
+    expected = [all(np.isfinite(values[row]).all() for values in outputs.values()) for row in range(30)]
+    assert finite_rows(outputs).tolist() == expected
+    assert finite_rows({"embedding": np.zeros((0, 4), np.float32)}).tolist() == []
 
 
 def test_prefetch_keeps_order_and_stays_at_most_depth_ahead():
