@@ -252,18 +252,11 @@ class HostCopy:
 
 def finite_rows(outputs: dict[str, np.ndarray]) -> np.ndarray:
     """Rows whose every output value is finite: a nan or inf (overflow in half precision, a
-    broken model) becomes the row's error instead of a valid-looking result. A batch's smallest and
-    largest values are finite only if all are (a nan or inf is one of them): that is checked first,
-    and row by row only where it fails (the device loop spent 0.17 µs a row on a 384-float embedding
-    row by row, 2-core AVX2 EPYC)."""
+    broken model) becomes the row's error instead of a valid-looking result."""
     finite = None
     for values in outputs.values():
-        if not values.size or (np.isfinite(values.min()) and np.isfinite(values.max())):
-            continue
         row_finite = np.isfinite(values.reshape(len(values), -1)).all(axis=1)
         finite = row_finite if finite is None else finite & row_finite
-    if finite is None:
-        return np.ones(len(next(iter(outputs.values()))) if outputs else 0, dtype=bool)
     return finite
 
 
