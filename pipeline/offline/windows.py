@@ -65,6 +65,7 @@ class Window:
     blocks: list[RowBlock]
     encoded: EncodedRows
     outputs: dict[str, np.ndarray] = field(default_factory=dict)  # by position in `scored`
+    stored: dict[str, np.ndarray] = field(default_factory=dict, init=False)  # by output: positions of `scored` stored
     valid: np.ndarray = field(init=False)  # rows that tokenized and go to the model (or their segments do)
     tokenize_errors: int = field(init=False)  # rows that never reach the model (reused ones too)
     scored: EncodedRows = field(init=False)  # what runs: the rows, then their segments
@@ -80,7 +81,9 @@ class Window:
             else np.zeros(0, bool)
         for row in np.flatnonzero(reused):  # --reuse: their text was dropped; they take yesterday's result
             self.encoded.errors[row] = None
-        self.valid = np.array([error is None for error in self.encoded.errors], dtype=bool) & ~reused
+        errors = self.encoded.errors  # no error at all, the usual case, is counted in C (1 ns a row, not 25)
+        self.valid = ~reused if errors.count(None) == len(errors) else \
+            np.array([error is None for error in errors], dtype=bool) & ~reused
         self.tokenize_errors = int((~self.valid).sum())
         segments = self.encoded.segments
         self.scored, self.segment_counts = self.encoded, None
@@ -131,11 +134,13 @@ class Window:
         `fold(segment outputs, where each row's segments start, their token counts)`, which
         may add `best_segment` (row, label → the segment that decided it): that becomes `spans`,
         the character span of the text behind each label's output (all the text for a row that fit)."""
+        self._zero_unstored(start, end)
         outputs = {name: values[start:end] for name, values in self.outputs.items()}
         if self.segment_counts is None or not outputs:
             return outputs
         segments = self.encoded.segments
         first, last = np.searchsorted(segments.row, [start, end])
+        self._zero_unstored(self.num_rows + first, self.num_rows + last)
         rows, starts = segment_groups(segments.row[first:last])
         folded = fold({name: values[self.num_rows + first:self.num_rows + last]
                        for name, values in self.outputs.items()}, starts, segments.lengths[first:last])
@@ -150,6 +155,14 @@ class Window:
             spans[rows - start] = segments.spans[first + best]
             outputs[name.removesuffix("best_segment") + "spans"] = spans
         return outputs
+
+    def _zero_unstored(self, start: int, end: int) -> None:
+        """Outputs at positions start:end of `scored` that were never stored (a row that did not run, or
+        failed) read as zeros: the arrays come from earlier windows as they were left (`OutputArrays`)."""
+        for name, values in self.outputs.items():
+            unstored = start + np.flatnonzero(~self.stored[name][start:end])
+            if len(unstored):
+                values[unstored] = 0
 
     @property
     def num_rows(self) -> int:
@@ -173,8 +186,9 @@ class Window:
             return 0
         rows = start + np.flatnonzero(self.duplicate_of[start:end] != np.arange(start, end))
         firsts = self.duplicate_of[rows]
-        for values in self.outputs.values():
+        for name, values in self.outputs.items():
             values[rows] = values[firsts]
+            self.stored[name][rows] = self.stored[name][firsts]
         ran = self.valid[firsts]
         self.valid[rows] = ran
         for row, first in zip(rows[~ran].tolist(), firsts[~ran].tolist()):
@@ -186,11 +200,13 @@ class Window:
         for name, values in batch_outputs.items():
             if name not in self.outputs:
                 self.outputs[name] = OUTPUT_ARRAYS.take((len(self.scored), *values.shape[1:]), values.dtype)
+                self.stored[name] = np.zeros(len(self.scored), dtype=bool)
             self.outputs[name][rows] = values
+            self.stored[name][rows] = True
 
     def release_outputs(self) -> None:
         """Every row is written: the outputs' arrays go to the next windows."""
-        outputs, self.outputs = self.outputs, {}
+        outputs, self.outputs, self.stored = self.outputs, {}, {}
         OUTPUT_ARRAYS.give_back(outputs.values())
 
 
@@ -214,13 +230,14 @@ def zeroed_array(shape: tuple, dtype: np.dtype) -> np.ndarray:
 
 
 class OutputArrays:
-    """Zeroed arrays for windows' outputs, kept from one window to the next. A window's outputs
-    are ~1.5 KB a row (a 384-float embedding): a new array is faulted in as batches are stored,
-    which cost the device loop ten times the copy itself; `allocate` makes new ones (a run with an
-    encoder process sets its `shared_zeros`, faulted in by that process). Zeroing one already
-    mapped costs a fraction of the copy. At most `keep` arrays of each shape wait, so what is
-    kept stays within the windows in flight; an array made by an earlier allocator is not kept (see
-    `allocate`)."""
+    """Arrays for windows' outputs, kept from one window to the next. A window's outputs are ~1.5 KB
+    a row (a 384-float embedding): a new array is faulted in as batches are stored, which cost the
+    device loop ten times the copy itself; `allocate` makes new ones, zeroed (a run with an encoder
+    process sets its `shared_zeros`, faulted in by that process). One taken again holds the last
+    window's values: the window zeroes the rows it did not store when they are read
+    (`Window.row_outputs`), not the whole array (0.1 µs a row of the device loop). At most `keep`
+    arrays of each shape wait, so what is kept stays within the windows in flight; an array made by an
+    earlier allocator is not kept (see `allocate`)."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
@@ -254,8 +271,6 @@ class OutputArrays:
             with self._lock:
                 if allocate is self._allocate:
                     self._made.add(id(array))
-            return array
-        array.fill(0)
         return array
 
     def give_back(self, arrays: Iterable[np.ndarray]) -> None:

@@ -153,16 +153,47 @@ def test_the_encoder_exits_with_its_parent_and_leaves_no_file_open(tmp_path, sto
         time.sleep(0.05)
 
 
-def test_output_arrays_come_back_zeroed_and_no_more_are_kept_than_asked():
+def test_output_arrays_come_back_as_left_and_no_more_are_kept_than_asked():
     arrays = OutputArrays(keep=1)
     first = arrays.take((4, 3), np.float32)
+    assert not first.any()  # a new one is zeroed
     first[:] = 7
     second = arrays.take((4, 3), np.float32)
     arrays.give_back([first, second])
     again = arrays.take((4, 3), np.float32)
-    assert again is first and not again.any()  # the kept one, zeroed
+    assert again is first and (again == 7).all()  # the kept one, as the last window left it
     assert arrays.take((4, 3), np.float32) is not second  # only one was kept
     assert arrays.take((5, 3), np.float32).shape == (5, 3)
+
+
+def test_a_window_reads_zeros_where_it_stored_nothing_in_an_array_a_window_before_it_filled(monkeypatch):
+    """Rows that did not run (an error, a failed row; a model that did not run them) read as zeros, not as
+    the outputs an earlier window left in the kept array; a duplicate takes its first copy's."""
+    from pipeline.core.tokenize import EncodedRows
+    from pipeline.offline import windows
+    from pipeline.offline.source import RowBlock
+
+    monkeypatch.setattr(windows, "OUTPUT_ARRAYS", OutputArrays(keep=1))
+
+    def window(rows: int) -> windows.Window:
+        block = RowBlock(0, 0, pa.array(range(rows)), pa.array(["x"] * rows), True)
+        return windows.Window([block], EncodedRows(np.zeros(rows, np.int32), np.arange(rows + 1),
+                                                   np.zeros(rows, bool), [None] * rows, 0.0))
+
+    earlier = window(6)
+    earlier.store(np.arange(6), {"embedding": np.full((6, 2), 9, np.float32), "score": np.full(6, 5, np.float32)})
+    kept = earlier.outputs["embedding"]
+    earlier.release_outputs()
+    later = window(6)
+    later.store(np.array([4, 1]), {"embedding": np.array([[1, 2], [3, 4]], np.float32),
+                                   "score": np.array([7, 8], np.float32)})
+    later.store(np.array([2]), {"embedding": np.array([[5, 6]], np.float32)})  # a model that scores no row
+    later.duplicate_of = np.array([0, 1, 2, 3, 4, 1])
+    assert later.copy_duplicates(0, 6) == 1
+    outputs = later.row_outputs(0, 6, fold=None)
+    assert later.outputs["embedding"] is kept
+    assert outputs["embedding"].tolist() == [[0, 0], [3, 4], [5, 6], [0, 0], [1, 2], [3, 4]]
+    assert outputs["score"].tolist() == [0, 8, 0, 0, 7, 8]
 
 
 def test_output_arrays_kept_from_another_allocator_are_not_handed_out():
