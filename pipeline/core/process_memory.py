@@ -16,22 +16,61 @@ it falls back to a 4 KiB page after the wait: writing a fresh 14 MB array took 4
 2-core AVX2 EPYC VM that granted no huge page, and the run's process spent ~0.3-0.5 µs a row less
 without the advice (host_rate.py, 128,000 rows, five alternated runs each: a median of 3.28 against
 2.73). Where huge pages are granted the advice saves little on memory that is written once and read once.
+
+Tokenizer workers and helper processes exist only to stream and keep the setting; the run's own process
+holds it while a run lasts (`STREAMING_MEMORY`) and gets back what it had after.
 """
 
 from __future__ import annotations
 
+import threading
+
 import pyarrow as pa
 
 
-def prepare_streaming_memory() -> None:
+def prepare_streaming_memory() -> tuple[pa.MemoryPool, bool | None]:
     """Make the system allocator this process's default Arrow pool (for every allocation from now on;
-    buffers already made keep theirs) and turn numpy's huge-page advice off."""
+    buffers already made keep theirs) and turn numpy's huge-page advice off. Returns what it found:
+    the pool and the advice (None: this numpy has no switch)."""
+    found = pa.default_memory_pool()
     pool = pa.system_memory_pool()
-    if pa.default_memory_pool().backend_name != pool.backend_name:
+    if found.backend_name != pool.backend_name:
         pa.set_memory_pool(pool)
     set_huge_page_advice = getattr(numpy_multiarray(), "_set_madvise_hugepage", None)  # the switch behind
-    if set_huge_page_advice is not None:  # NUMPY_MADVISE_HUGEPAGE=0, which numpy reads only at its import
-        set_huge_page_advice(False)
+    # NUMPY_MADVISE_HUGEPAGE=0, which numpy reads only at its import
+    return found, None if set_huge_page_advice is None else bool(set_huge_page_advice(False))
+
+
+class StreamingMemory:
+    """`prepare_streaming_memory` for the run's own process, for as long as a run holds it: the first
+    hold keeps what it found and the last release puts it back, so that a process that calls
+    `pipeline.api.run` (a notebook, an Airflow task) keeps its own Arrow pool and numpy advice after the
+    run. Runs may overlap (a Ray actor starts its next shard while one runs)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holds = 0
+        self._found: tuple[pa.MemoryPool, bool | None] | None = None
+
+    def hold(self) -> None:
+        with self._lock:
+            found = prepare_streaming_memory()
+            if self._holds == 0:
+                self._found = found
+            self._holds += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holds -= 1
+            if self._holds == 0 and self._found is not None:
+                pool, advice = self._found
+                pa.set_memory_pool(pool)
+                if advice is not None:
+                    numpy_multiarray()._set_madvise_hugepage(advice)
+                self._found = None
+
+
+STREAMING_MEMORY = StreamingMemory()  # one for the process
 
 
 def numpy_multiarray():

@@ -44,7 +44,7 @@ from pipeline.core.forward import (
     timed,
 )
 from pipeline.core.probe import describe_plan
-from pipeline.core.process_memory import prepare_streaming_memory
+from pipeline.core.process_memory import STREAMING_MEMORY
 from pipeline.core.settings import auto_window_rows, tokenize_workers_for, usable_cores
 from pipeline.core.tokenize import TokenizerPool
 from pipeline.core.unpadded import runs_unpadded
@@ -96,7 +96,6 @@ class ShardRunner:
         run's summary. `keep_pool`: one pool for every `run` until `close` (a Ray actor's, which
         runs shard after shard), started now. `carry`: a change of models (offline/carry.py): the kept
         models' columns carried from the output's earlier shards, the carried rows run by the others only."""
-        prepare_streaming_memory()  # this process streams the shards' rows (pipeline/core/process_memory.py)
         self.config, self.runtime, self.loaded, self.carry = config, runtime, runtime.loaded, carry
         self._started_pool, self.clock, self.keep_pool = pool, clock or SetupClock(), keep_pool
         self.window_rows = config.window_rows or auto_window_rows(runtime.batch.max_batch_rows)
@@ -138,7 +137,16 @@ class ShardRunner:
             started: float, ids: IdTracker | None = None, begun: StartedShards | None = None) -> None:
         """Read, tokenize, batch, forward and write `shards`, adding to `summary`. Time before
         this call (since `started`) counts as setup; `ids` collects the written rows' id hashes;
-        `begun`: the shards' first window, started already (`start`)."""
+        `begun`: the shards' first window, started already (`start`). This process streams the
+        shards' rows meanwhile (pipeline/core/process_memory.py), and is left as it was after."""
+        STREAMING_MEMORY.hold()
+        try:
+            self._run(shards, sink, manifest, summary, started, ids, begun)
+        finally:
+            STREAMING_MEMORY.release()
+
+    def _run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
+             started: float, ids: IdTracker | None, begun: StartedShards | None) -> None:
         times = begun.times if begun else StageTimes()
         self._describe(summary)
         writer = self._window_writer(sink, manifest, shards, times, ids)

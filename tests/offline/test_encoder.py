@@ -36,12 +36,13 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
     """No output file is opened by the run's process; the encoder is a process of its own that has
     exited by the run's end and read the embeddings from the window memory it shares; the outputs
     equal those the run's process encodes itself, cell for cell."""
-    encoders, opened_here = [], []
+    encoders, opened_here, memory_in_run = [], [], []
     real_init, real_writer = OutputEncoder.__init__, pq.ParquetWriter
 
     def recording_init(self):
         real_init(self)
         encoders.append(self)
+        memory_in_run.append((pa.default_memory_pool().backend_name, huge_page_advice()))
 
     def recording_writer(where, schema, *args, **kwargs):
         if "embedding" in schema.names:  # an output's, not the text-hash file's
@@ -65,8 +66,8 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
     output, summary = run_to_table(tmp_path, "encoder", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
                                    max_length=32)
     assert [e.process.pid != os.getpid() and e.process.returncode for e in encoders] == [0]
-    assert pa.default_memory_pool().backend_name == "system"  # the run's process keeps what it frees
-    assert multiarray._set_madvise_hugepage(False) is False  # and asks for no huge pages
+    assert memory_in_run == [("system", False)]  # the run's process keeps what it frees, asks for no huge pages
+    assert pa.default_memory_pool().backend_name == "mimalloc" and huge_page_advice()  # and is left as it was
     assert opened_here == []  # the outputs' Parquet writers were all in the encoder process
     assert output["id"].to_pylist() == rows_with_bad_ones["id"].to_pylist() and summary["rows"] == 200
     assert summary["error_rows"] == 4
@@ -85,6 +86,28 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
     assert windows.equals(windows_here)
     for name in ("part-00000.parquet", "part-00001.parquet"):
         assert (tmp_path / "encoder-out" / name).read_bytes() == (tmp_path / "here-out" / name).read_bytes()
+
+
+def huge_page_advice() -> bool:
+    """Whether numpy asks for huge pages now (its switch returns the setting it replaces)."""
+    switch = numpy_multiarray()._set_madvise_hugepage
+    advice = switch(True)
+    switch(advice)
+    return advice
+
+
+def test_overlapping_runs_hold_streaming_memory_until_the_last_ends_and_then_leave_the_process_as_it_was():
+    from pipeline.core.process_memory import StreamingMemory
+
+    pa.set_memory_pool(pa.mimalloc_memory_pool())
+    numpy_multiarray()._set_madvise_hugepage(True)
+    memory = StreamingMemory()
+    memory.hold()
+    memory.hold()  # a Ray actor's next shard starts while one runs
+    memory.release()
+    assert (pa.default_memory_pool().backend_name, huge_page_advice()) == ("system", False)
+    memory.release()
+    assert (pa.default_memory_pool().backend_name, huge_page_advice()) == ("mimalloc", True)
 
 
 def test_an_encoder_writes_aborts_and_tells_errors_with_their_errno(tmp_path):
