@@ -26,8 +26,9 @@ def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded
     """Padded (rows, padded_length) input ids and attention mask from flat token arrays, and the
     token type ids (0 at padding) where `type_ids` (a pair's, beside `token_ids`) are given. Each
     row's `padded_length` tokens from its start are copied at once (a sliding view of the flat
-    array: no index per token) and what lies past its end is padded over: 0.48 → 0.30 µs a row
-    against gathering each real token (64,000 rows of ~54 tokens, 2-core AVX2 EPYC)."""
+    array: no index per token) and what lies past its end is padded over: 0.58 → 0.29 µs a row
+    alone against gathering each real token (64,000 rows of ~54 tokens, 2-core AVX2 EPYC; in a run,
+    where memory is shared with the tokenizer workers, within noise: docs/performance.md)."""
     starts = offsets[rows]
     lengths = offsets[rows + 1] - starts
     attention_mask = np.arange(padded_length)[None, :] < lengths[:, None]
