@@ -36,9 +36,8 @@ def prepare_streaming_memory() -> tuple[pa.MemoryPool, bool | None]:
     pool = pa.system_memory_pool()
     if found.backend_name != pool.backend_name:
         pa.set_memory_pool(pool)
-    set_huge_page_advice = getattr(numpy_multiarray(), "_set_madvise_hugepage", None)  # the switch behind
-    # NUMPY_MADVISE_HUGEPAGE=0, which numpy reads only at its import
-    return found, None if set_huge_page_advice is None else bool(set_huge_page_advice(False))
+    switch = huge_page_switch()
+    return found, None if switch is None else bool(switch(False))
 
 
 class StreamingMemory:
@@ -66,11 +65,17 @@ class StreamingMemory:
                 pool, advice = self._found
                 pa.set_memory_pool(pool)
                 if advice is not None:
-                    numpy_multiarray()._set_madvise_hugepage(advice)
+                    huge_page_switch()(advice)
                 self._found = None
 
 
 STREAMING_MEMORY = StreamingMemory()  # one for the process
+
+
+def huge_page_switch():
+    """numpy's switch of its huge-page advice (it returns the setting it replaces), or None where this
+    numpy has none: the switch behind NUMPY_MADVISE_HUGEPAGE=0, which numpy reads only at its import."""
+    return getattr(numpy_multiarray(), "_set_madvise_hugepage", None)
 
 
 def numpy_multiarray():

@@ -59,6 +59,14 @@ class TokenizerSpec:
     pair_types: bool = False  # a pair's texts have different token types (BERT): they travel with the batch
 
 
+def rows_without_error(errors: list) -> np.ndarray:
+    """Per row, whether its error is None. A list without any error, the usual case, is counted in C
+    (1 ns a row, against 25 for a test a row in Python)."""
+    if errors.count(None) == len(errors):
+        return np.ones(len(errors), dtype=bool)
+    return np.array([error is None for error in errors], dtype=bool)
+
+
 @dataclass
 class EncodedRows:
     """Token ids of consecutive rows, flattened; rows with an error have length 0."""
@@ -240,7 +248,7 @@ def encode_pair_rows(tokenizer, whole, spec: TokenizerSpec, texts: list, pairs: 
     checked, checked_pairs = [check_text(value) for value in texts], [check_text(value) for value in pairs]
     errors = [error or (pair_error and f"pair {pair_error}")
               for (_, error), (_, pair_error) in zip(checked, checked_pairs)]
-    good = np.flatnonzero(np.array([error is None for error in errors], dtype=bool))
+    good = np.flatnonzero(rows_without_error(errors))
     encoded = encode_pairs(tokenizer, whole, spec.tokenizer_json, spec.max_length,
                            [prepare_text(spec, checked[row][0]) for row in good],
                            [checked_pairs[row][0].lower() if spec.lowercase else checked_pairs[row][0] for row in good],

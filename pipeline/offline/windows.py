@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from pipeline.core.forward import StageTimes
 from pipeline.core.segments import segment_groups
-from pipeline.core.tokenize import EncodedRows, TokenizerPool
+from pipeline.core.tokenize import EncodedRows, TokenizerPool, rows_without_error
 from pipeline.offline.carry import carried_mask, split_by_carry
 from pipeline.offline.reuse import ReusedRows, hash_rows, row_hashes
 from pipeline.offline.source import RowBlock
@@ -81,9 +81,7 @@ class Window:
             else np.zeros(0, bool)
         for row in np.flatnonzero(reused):  # --reuse: their text was dropped; they take yesterday's result
             self.encoded.errors[row] = None
-        errors = self.encoded.errors  # no error at all, the usual case, is counted in C (1 ns a row, not 25)
-        self.valid = ~reused if errors.count(None) == len(errors) else \
-            np.array([error is None for error in errors], dtype=bool) & ~reused
+        self.valid = rows_without_error(self.encoded.errors) & ~reused
         self.tokenize_errors = int((~self.valid).sum())
         segments = self.encoded.segments
         self.scored, self.segment_counts = self.encoded, None

@@ -362,7 +362,9 @@ def output_records(job, model, request_ids: list, outputs: dict, truncated: list
     error), truncated, error; through the job's own Arrow conversion, so the values match."""
     import pyarrow as pa
 
-    valid = np.array([error is None for error in errors], dtype=bool)
+    from pipeline.core.tokenize import rows_without_error
+
+    valid = rows_without_error(errors)
     if outputs:
         columns = job.to_columns(model, outputs, valid)
     else:

@@ -162,7 +162,7 @@ class SampleWork:
 
 def tokenized_sample(config: RunConfig, shards: list, tokenizer, device_type: str, sample_rows: int) -> SampleWork:
     """Read `sample_rows` of the input and tokenize them on the run's pool (timed once its workers are up)."""
-    from pipeline.core.tokenize import TokenizerPool
+    from pipeline.core.tokenize import TokenizerPool, rows_without_error
     from pipeline.tuning.sweep import read_sample
 
     source = config.source
@@ -173,7 +173,7 @@ def tokenized_sample(config: RunConfig, shards: list, tokenizer, device_type: st
         started = time.perf_counter()
         encoded = pool.result(pool.submit([text for _, text in sample]))
         tokenize_s = time.perf_counter() - started
-    valid = np.array([error is None for error in encoded.errors], dtype=bool)
+    valid = rows_without_error(encoded.errors)
     segments = encoded.segments
     lengths = np.where(valid, scored_tokens_per_row(encoded.lengths, *((segments.row, segments.lengths)
                                                                       if segments is not None else ())), 0)

@@ -26,7 +26,7 @@ from pipeline.core.findings import as_dicts
 from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, run_on_device
 from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, tokenize_workers_for
 from pipeline.tuning.config import SweepConfig
-from pipeline.core.tokenize import EncodedRows
+from pipeline.core.tokenize import EncodedRows, rows_without_error
 from pipeline.core.unpadded import runs_unpadded
 from pipeline.offline.source import Shard, read_blocks
 from pipeline.tuning.diagnosis import diagnose_sweep
@@ -195,7 +195,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
                         source.storage_options)
     with TokenizerPool(spec, tokenize_workers_for(config.tokenize_workers, device.type)) as pool:
         encoded = pool.result(pool.submit(texts))
-    usable = np.flatnonzero([error is None for error in encoded.errors])
+    usable = np.flatnonzero(rows_without_error(encoded.errors))
     if len(usable) < len(texts):
         log.info(f"sweep: {len(texts) - len(usable)} sampled rows have no usable text (null, empty, not a string); "
             "they are left out")

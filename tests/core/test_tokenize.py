@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pipeline.core.semaphores import release_semaphore_names
-from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec
+from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec, rows_without_error
 
 TEXTS = ["A short one.", "word " * 400, None, "   ", "Ünïcödé and emoji 🙂 text", "", "last row"]
 
@@ -141,3 +141,9 @@ def test_pool_tasks_spread_each_submit_over_the_workers_within_their_bounds():
     assert chunk_rows_for(8_192, 16) == 256  # never so small that handing results over costs much a row
     assert chunk_rows_for(1_000_000, 2) == 2_048
     assert chunk_rows_for(10, 0) == 256
+
+
+def test_rows_without_error_marks_each_row_whose_error_is_none():
+    assert rows_without_error([None, "empty text", None, "not a string"]).tolist() == [True, False, True, False]
+    assert rows_without_error([None] * 3).tolist() == [True] * 3
+    assert rows_without_error([]).tolist() == []

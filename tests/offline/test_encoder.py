@@ -16,7 +16,7 @@ import pytest
 
 import pipeline.offline.sink as sink_module
 from pipeline.core.errors import StorageError, as_storage_error
-from pipeline.core.process_memory import numpy_multiarray
+from pipeline.core.process_memory import huge_page_switch, numpy_multiarray
 from pipeline.offline.encoder import EncoderDied, OutputEncoder
 from pipeline.offline.window_memory import SharedRegions
 from pipeline.offline.windows import OutputArrays
@@ -90,7 +90,7 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
 
 def huge_page_advice() -> bool:
     """Whether numpy asks for huge pages now (its switch returns the setting it replaces)."""
-    switch = numpy_multiarray()._set_madvise_hugepage
+    switch = huge_page_switch()
     advice = switch(True)
     switch(advice)
     return advice
