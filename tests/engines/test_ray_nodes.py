@@ -109,7 +109,12 @@ def two_nodes():
     nodes = [head]
     try:
         head.wait_started()
-        address = (head.temp_dir / "ray_current_cluster").read_text().strip()  # IP:PORT of its GCS
+        cluster_file = head.temp_dir / "ray_current_cluster"  # IP:PORT of its GCS, written around "started"
+        deadline = time.monotonic() + 60
+        while not cluster_file.exists():
+            assert time.monotonic() < deadline, f"the head node wrote no {cluster_file.name}"
+            time.sleep(0.2)
+        address = cluster_file.read_text().strip()
         second = Node("second", root, "second-node", f"--address={address}")
         nodes.append(second)
         second.wait_started()
