@@ -8,10 +8,8 @@ per-token Python objects. A text that cannot be tokenized becomes a row error.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
-import glob
 import itertools
 import json
 import multiprocessing
@@ -22,7 +20,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,12 +29,12 @@ from pipeline.core.pairs import carries_pair_types, encode_pairs, whole_tokenize
 from pipeline.core.process_memory import prepare_streaming_memory
 from pipeline.core.row_hashes import HashColumns, concat_hash_columns, hash_columns
 from pipeline.core.segments import RowSegments, concat_segments, empty_segments, split_text
-from pipeline.core.semaphores import release_semaphore_names
-from pipeline.core.shared_arrays import ArrayInMemory, TokenSlot, as_python, chunk_of, into_slot
+from pipeline.core.shared_arrays import ArrayInMemory, InSlot, TokenSlot, as_python, chunk_of, into_slot
 from pipeline.core.textcut import check_text, encode_long_text, has_long_word, text_cut_for, word_limit_for
+from pipeline.core.worker_pool import WorkerPool
 
-# texts per pool task: at least the first, so that handing results over (the pool's one manager thread unpickles
-# each, holding the GIL) costs little a row; at most the second; within that, 4 tasks per worker of each submit
+# texts per pool task: at least the first, so that handing results over (the caller unpickles each, holding the
+# GIL) costs little a row; at most the second; within that, 4 tasks per worker of each submit
 CHUNK_ROWS = (256, 2048)
 
 
@@ -326,16 +323,21 @@ def prompt_content_tokens(tokenizer, spec: TokenizerSpec) -> int:
     return len(encoding.ids) - sum(encoding.special_tokens_mask)
 
 
-def _encode_task(slot: str, capacity: int, texts, ids, pairs) -> EncodedRows:
-    """A worker's task: `encode_texts`, its token ids written into the run's slot (core/shared_arrays.py)."""
+def _encode_task(slot: str, capacity: int, texts, ids, pairs) -> InSlot:
+    """A worker's task: `encode_texts`, written into the run's slot (core/shared_arrays.py); offsets as int32
+    and no cut_tokens where nothing was cut, so there is less to write and read (the caller joins lengths)."""
     encoded = encode_texts(texts, ids=ids, pairs=pairs)
-    return dataclasses.replace(encoded, token_ids=into_slot(slot, capacity, encoded.token_ids))
+    if encoded.offsets[-1] < 2**31:
+        encoded.offsets = encoded.offsets.astype(np.int32)
+    if encoded.cut_tokens is not None and not encoded.cut_tokens.any():
+        encoded.cut_tokens = None
+    return into_slot(slot, capacity, encoded)
 
 
 def concat_encoded(parts: Sequence[EncodedRows], slots: Sequence[TokenSlot] = ()) -> EncodedRows:
     """Join encoded chunks of consecutive rows into one (a part's token ids read from its slot, if given)."""
     lengths = np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     token_ids, start = np.empty(int(offsets[-1]), np.int32), 0
     for part, slot in itertools.zip_longest(parts, slots):
         end = start + int(part.offsets[-1])
@@ -350,7 +352,8 @@ def concat_encoded(parts: Sequence[EncodedRows], slots: Sequence[TokenSlot] = ()
         truncated=np.concatenate([p.truncated for p in parts]) if parts else np.zeros(0, bool),
         errors=list(itertools.chain.from_iterable(p.errors for p in parts)),
         encode_s=sum(p.encode_s for p in parts),
-        cut_tokens=np.concatenate([p.full_lengths - p.lengths for p in parts]) if parts else np.zeros(0, np.int64),
+        cut_tokens=np.concatenate([np.zeros(len(p), np.int64) if p.cut_tokens is None else p.cut_tokens for p in parts])
+        if parts else np.zeros(0, np.int64),
         segments=concat_segments([p.segments for p in parts]) if parts and parts[0].segments is not None else None,
         hashes=concat_hash_columns([p.hashes for p in parts]) if parts and all(p.hashes is not None for p in parts)
         else None,
@@ -365,20 +368,9 @@ class WorkerStartError(RuntimeError):
     """A tokenizer worker could not start; the message says what to change."""
 
 
-def _worker_ready(spec_path: str, workers: int, timeout_s: float) -> bool:
-    """A barrier: this worker says it is up (a file beside the spec) and waits for all `workers`
-    to be, so that each of the `workers` readiness tasks runs in a worker of its own and their
-    results prove that every worker has started (and opened the pool's semaphores)."""
-    with open(f"{spec_path}.up-{os.getpid()}", "w"):
-        pass
-    deadline = time.monotonic() + timeout_s
-    while len(glob.glob(f"{glob.escape(spec_path)}.up-*")) < workers and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return _worker_tokenizer is not None
-
-
 class TokenizerPool:
-    """A pool of tokenizer processes (spawned, never forked); workers=0 tokenizes in-process.
+    """A pool of tokenizer processes (spawned, never forked: `core/worker_pool.py`); workers=0
+    tokenizes in-process.
 
     `submit` returns at once so tokenizing the next window overlaps the model running on
     the current one; `result` waits for it. A worker that dies (OOM killer, crash) fails
@@ -391,15 +383,13 @@ class TokenizerPool:
         caller loads the model; `ready()` (or the first `submit`) then sees them up."""
         self.spec = spec
         self.chunk_rows, self.workers = chunk_rows, workers  # chunk_rows None: chunk_rows_for each submit
-        self._executor = None
+        self._pool: WorkerPool | None = None
         self._spec_file = None
-        self._starting = None  # (readiness futures, start time, timeout) until seen up
+        self._start_timeout_s: float | None = None  # until seen up
         if workers > 0:
             self._spec_file = write_spec_file(spec)
-            self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_init_worker_from_file, initargs=(self._spec_file,))
-            self._starting = ([self._executor.submit(_worker_ready, self._spec_file, workers, start_timeout_s)
-                               for _ in range(workers)], time.monotonic(), start_timeout_s)
+            self._pool = WorkerPool(workers, _init_worker_from_file, (self._spec_file,))
+            self._start_timeout_s = start_timeout_s
             if wait:
                 self.ready()
         else:
@@ -407,37 +397,22 @@ class TokenizerPool:
 
     def ready(self) -> float:
         """Wait until every worker is up (raises WorkerStartError if one cannot start); the
-        seconds waited here."""
-        if self._starting is None:
+        seconds waited here. A worker that exits while starting would otherwise leave the pool
+        waiting forever, and the usual cause is a script without a main guard."""
+        if self._start_timeout_s is None:
             return 0.0
         waited = time.monotonic()
-        starting, self._starting = self._starting, None
-        self._wait_for_workers(*starting)
-        release_semaphore_names(self._executor)  # every worker is up: nothing needs their names or the spec
-        self._remove_spec_file()
+        timeout_s, self._start_timeout_s = self._start_timeout_s, None
+        failure = self._pool.wait_until_up(timeout_s)
+        self._remove_spec_file()  # every worker has read it, or none will
+        if failure is not None:
+            self.close()
+            raise WorkerStartError(
+                f"a tokenizer worker process {failure}. Workers are started with spawn, which runs the main script "
+                f"again in each of them: a script that calls lengthwise must do so under "
+                f"`if __name__ == \"__main__\":` (its error is above); or set tokenize_workers=0 "
+                f"(--tokenize-workers 0) to tokenize in this process")
         return time.monotonic() - waited
-
-    def _wait_for_workers(self, ready: list, started: float, timeout_s: float) -> None:
-        """See the workers come up. One that exits while starting would otherwise leave the
-        pool waiting forever (Python's pool does not notice a worker that dies before it
-        runs), and the usual cause is a script without a main guard."""
-        while True:
-            done, waiting = concurrent.futures.wait(ready, timeout=0.2)
-            broken = any(future.exception() is not None for future in done)  # BrokenProcessPool
-            if not waiting and not broken:
-                return
-            dead = [p.exitcode for p in list((self._executor._processes or {}).values()) if p.exitcode is not None]
-            late = time.monotonic() - started > timeout_s
-            if broken or dead or late:
-                self.close()
-                what = f"did not start in {timeout_s:.0f}s" if late else \
-                    f"exited while starting (exit code {dead[0] if dead else 'unknown'}, " \
-                    f"after {time.monotonic() - started:.1f}s)"
-                raise WorkerStartError(
-                    f"a tokenizer worker process {what}. Workers are started with spawn, which runs the main script "
-                    f"again in each of them: a script that calls lengthwise must do so under "
-                    f"`if __name__ == \"__main__\":` (its error is above); or set tokenize_workers=0 "
-                    f"(--tokenize-workers 0) to tokenize in this process")
 
     def submit(self, texts: Sequence | pa.Array, ids: pa.Array | None = None, pairs: pa.Array | None = None) -> list:
         """Tokenize `texts` (with their `pairs`, a pair job's; and hash the rows, given their `ids`) in
@@ -446,38 +421,32 @@ class TokenizerPool:
         self.ready()
         step = self.chunk_rows or chunk_rows_for(len(texts), self.workers)
         starts = range(0, len(texts), step)
-        if self._executor is None:
+        if self._pool is None:
             return [encode_texts(texts[i:i + step], ids=None if ids is None else ids[i:i + step],
                                  pairs=None if pairs is None else pairs[i:i + step]) for i in starts]
         slots = [TokenSlot(min(step, len(texts) - i) * self.spec.max_length) for i in starts]
-        return [(self._executor.submit(_encode_task, slot.path, slot.capacity, chunk_of(texts, i, step),
-                                       None if ids is None else chunk_of(ids, i, step),
-                                       None if pairs is None else chunk_of(pairs, i, step)), slot)
+        return [(self._pool.submit(_encode_task, slot.path, slot.capacity, chunk_of(texts, i, step),
+                                   None if ids is None else chunk_of(ids, i, step),
+                                   None if pairs is None else chunk_of(pairs, i, step)), slot)
                 for i, slot in zip(starts, slots)]
 
     def result(self, pending: list) -> EncodedRows:
-        if self._executor is None:
+        if self._pool is None:
             return concat_encoded(pending)
-        return concat_encoded([task.result() for task, _ in pending], [slot for _, slot in pending])
+        return concat_encoded([slot.read(self._pool.result(task)) for task, slot in pending],
+                              [slot for _, slot in pending])
 
     def close(self) -> None:
         """Stop the workers now; a waiting `result` then fails rather than blocks."""
         self._remove_spec_file()
-        if self._executor is None:
-            return
-        executor, self._executor = self._executor, None
-        processes = list((executor._processes or {}).values())  # no public terminate before Python 3.14
-        executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.kill()  # workers ignore SIGTERM (see _init_worker)
-        for process in processes:
-            process.join(timeout=5)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def _remove_spec_file(self) -> None:
         if self._spec_file is not None:
-            for path in [self._spec_file, *glob.glob(f"{glob.escape(self._spec_file)}.up-*")]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._spec_file)
             self._spec_file = None
 
     def __enter__(self) -> TokenizerPool:

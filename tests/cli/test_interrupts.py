@@ -128,8 +128,8 @@ def test_a_sigint_inside_a_window_that_spans_shards_keeps_the_shards_finished_be
 @pytest.mark.slow
 def test_a_sigkill_of_the_run_leaves_no_leaked_semaphore_warning_and_no_spec_file(tmp_path, many_rows,
                                                                                   tiny_encoder_path):
-    """The tokenizer pool's semaphore names are unlinked once its workers are up, so the resource
-    tracker that outlives a SIGKILLed run has nothing to warn about in the run's log."""
+    """The tokenizer pool holds no semaphore (core/worker_pool.py) and removes its spec file once its workers
+    are up, so the resource tracker that outlives a SIGKILLed run has nothing to warn about in the run's log."""
     write_shards(tmp_path / "in", many_rows.slice(0, 400), [20] * 20)  # the first commit comes soon
     temporary = tmp_path / "tmp"  # the run's own temp folder: other runs on the machine leave theirs elsewhere
     temporary.mkdir()

@@ -1,13 +1,19 @@
 """The tokenizer pool: same ids as the Hugging Face tokenizer, in-process or on workers."""
 
+import os
+import signal
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.core.semaphores import release_semaphore_names
 from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec, rows_without_error
+from pipeline.core.worker_pool import WorkerError, WorkerPool
 
 TEXTS = ["A short one.", "word " * 400, None, "   ", "Ünïcödé and emoji 🙂 text", "", "last row"]
 
@@ -103,23 +109,60 @@ def test_a_pool_started_without_waiting_comes_up_on_first_use(spec):
     assert encoded.errors == [None, None] and len(encoded) == 2
 
 
-@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="named semaphores live in /dev/shm on Linux")
-def test_once_every_worker_is_up_no_semaphore_name_or_spec_file_is_left_to_leak(spec):
-    """What a SIGKILL of the parent would leave behind is gone as soon as the pool is up; the
-    pool works on through the open handles."""
-    from multiprocessing.synchronize import SemLock
-
+def test_once_every_worker_is_up_no_spec_file_is_left_and_the_run_process_holds_no_pool_thread(spec):
+    """What a SIGKILL of the parent would leave behind is gone as soon as the pool is up; results are read by the
+    caller's own thread (no executor feeder or manager thread), and large tasks and results travel whole."""
+    threads_before = {thread.ident for thread in threading.enumerate()}
     with TokenizerPool(spec, workers=2, wait=False) as pool:
-        queues = (pool._executor._call_queue, pool._executor._result_queue)
-        names = [item._semlock.name for queue in queues for item in vars(queue).values() if isinstance(item, SemLock)]
         spec_file = Path(pool._spec_file)
-        assert len(names) == 5 and all(Path(f"/dev/shm/sem.{name.lstrip('/')}").exists() for name in names)
+        assert spec_file.exists()
         pool.ready()
-        assert not any(Path(f"/dev/shm/sem.{name.lstrip('/')}").exists() for name in names)
-        assert not spec_file.exists() and not list(spec_file.parent.glob(f"{spec_file.name}.up-*"))
-        encoded = pool.result(pool.submit(["one", "two"] * 300))
-        assert release_semaphore_names(pool._executor) == 0  # released once
-    assert len(encoded) == 600 and encoded.errors == [None] * 600
+        assert not spec_file.exists()
+        texts = [f"row {index} " + "word " * 20 for index in range(3000)]  # tasks and results over the inline limit
+        encoded = pool.result(pool.submit(texts, ids=pa.array([f"id-{index}" for index in range(3000)])))
+        assert {thread.ident for thread in threading.enumerate()} == threads_before
+    reference = TokenizerPool(spec, workers=0).result(TokenizerPool(spec, workers=0).submit(texts))
+    assert len(encoded) == 3000 and encoded.errors == [None] * 3000
+    assert np.array_equal(encoded.token_ids, reference.token_ids) and np.array_equal(encoded.offsets, reference.offsets)
+    assert len(encoded.hashes.text_hashes) == 3000
+
+
+def test_a_worker_killed_mid_task_fails_the_waiting_result_instead_of_hanging(spec):
+    with TokenizerPool(spec, workers=2) as pool:
+        worker = pool._pool.processes[0]
+        pending = pool.submit(["word " * 30] * 20000)
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(BrokenProcessPool, match="exit code -9"):
+            pool.result(pending)
+        assert time.monotonic() - started < 30
+        with pytest.raises(BrokenProcessPool):
+            pool.submit(["after"])  # the pool stays broken: the killed worker's task is lost
+        workers = pool._pool
+        pool.close()
+        with pytest.raises(BrokenProcessPool, match="closed"):
+            workers.result(0)
+
+
+def test_an_error_a_task_raises_is_raised_in_the_caller_with_the_workers_traceback():
+    pool = WorkerPool(1, int)  # int(): a set-up that needs nothing
+    try:
+        assert pool.wait_until_up(60) is None
+        good, bad, large = pool.submit(int, "7"), pool.submit(int, "x"), pool.submit(bytes, 100_000)
+        assert pool.result(large) == bytes(100_000) and pool.result(good) == 7  # any order
+        with pytest.raises(ValueError, match="invalid literal") as raised:
+            pool.result(bad)
+        assert isinstance(raised.value.__cause__, WorkerError) and "Traceback" in str(raised.value.__cause__)
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_exits_while_starting_is_reported_with_its_exit_code():
+    pool = WorkerPool(2, os._exit, (3,))
+    try:
+        assert pool.wait_until_up(60).startswith("exited while starting (exit code 3")
+    finally:
+        pool.close()
 
 
 def test_setup_steps_add_up_to_the_setup_time():

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from pipeline.core.row_hashes import hash_columns, id_hash, text_hash
-from pipeline.core.tokenize import TokenizerPool, load_tokenizer_spec
+from pipeline.core.tokenize import TokenizerPool, concat_encoded, load_tokenizer_spec
 from pipeline.offline.reuse import RETRYABLE_ERRORS, error_statuses
 from pipeline.offline.reuse_index import OK, PERMANENT_ERROR, RETRYABLE_ERROR
 
@@ -66,8 +66,8 @@ def test_token_ids_come_back_through_a_slot_not_the_pools_pipe(minilm_path):
     texts = pa.array([f"row {i} " * (i % 9) if i % 11 else None for i in range(500)])
     with TokenizerPool(spec, 1, chunk_rows=128) as pool:
         pending = pool.submit(texts)
-        sent = [task.result() for task, _ in pending]
-        through_slots = pool.result(pending)
+        sent = [slot.read(pool._pool.result(task)) for task, slot in pending]
+        through_slots = concat_encoded(sent, [slot for _, slot in pending])
     here = TokenizerPool(spec, 0, chunk_rows=128)
     expected = here.result(here.submit(texts))
     assert [len(part.token_ids) for part in sent] == [0, 0, 0, 0]
@@ -77,19 +77,21 @@ def test_token_ids_come_back_through_a_slot_not_the_pools_pipe(minilm_path):
 
 
 def test_a_slot_too_small_for_a_tasks_tokens_leaves_them_in_the_result():
-    from pipeline.core.shared_arrays import TokenSlot, into_slot
+    from pipeline.core.shared_arrays import InSlot, TokenSlot, into_slot
     from pipeline.core.tokenize import EncodedRows
 
     def task_of(token_ids):  # a task's result of one row of 5 tokens, its ids with it or not
-        return EncodedRows(token_ids, np.array([0, 5]), np.zeros(1, bool), [None], 0.0)
+        return EncodedRows(token_ids, np.array([0, 5], np.int32), np.zeros(1, bool), ["an error kept"], 0.0)
 
     slot = TokenSlot(capacity=4)
-    left = into_slot(slot.path, slot.capacity, np.arange(5, dtype=np.int32))
-    assert left.tolist() == [0, 1, 2, 3, 4]
+    reply = into_slot(slot.path, slot.capacity, task_of(np.arange(5, dtype=np.int32)))
+    left = slot.read(reply)
+    assert isinstance(reply, InSlot) and reply.offset == 16 and left.token_ids.tolist() == [0, 1, 2, 3, 4]
     out = np.zeros(7, np.int32)
-    slot.copy_into(task_of(left), out[1:6])
+    slot.copy_into(left, out[1:6])
     fits = TokenSlot(capacity=6)
-    assert into_slot(fits.path, fits.capacity, np.arange(5, dtype=np.int32) + 10).tolist() == []
+    read = fits.read(into_slot(fits.path, fits.capacity, task_of(np.arange(5, dtype=np.int32) + 10)))
+    assert read.token_ids.tolist() == [] and read.errors == ["an error kept"] and read.offsets.tolist() == [0, 5]
     into_window = np.zeros(7, np.int32)
-    fits.copy_into(task_of(np.zeros(0, np.int32)), into_window[1:6])  # read from the slot into its place
+    fits.copy_into(read, into_window[1:6])  # read from the slot into its place
     assert out.tolist() == [0, 0, 1, 2, 3, 4, 0] and into_window.tolist() == [0, 10, 11, 12, 13, 14, 0]
