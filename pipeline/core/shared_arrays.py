@@ -1,12 +1,13 @@
 """Memory the run's process and its tokenizer workers both map: a task's texts go to a worker as where they
-lie, its token ids come back through a slot, neither as pickled bytes.
+lie, its token ids and result come back through a slot; only a few bytes a task cross the pool's socket.
 
 A block the shard reader process read (offline/reader.py) is a memory file the run's process maps. Its
 texts went to the tokenizer pool copied into compact buffers and pickled through the pool's pipe (three
 copies of each text and the pool's feeder thread, ~0.5 µs a row of the run's process); a worker now maps
 the same file (`/proc/<run's pid>/fd/<n>`, open while the block lives) and rebuilds the array from it.
-Arrays elsewhere (a run that reads in its own process, --reuse's texts with the reused rows dropped) go
-as before.
+Arrays elsewhere (a run that reads in its own process, --reuse's texts with the reused rows dropped) are
+copied into compact buffers and pickled with the task (a memory file of its own when large,
+core/worker_pool.py).
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ def as_python(values: Sequence | pa.Array | ArrayInMemory | None) -> Sequence | 
 
 
 class TokenSlot:
-    """A memory file of the run's process that a tokenizer worker writes a task's token ids into, so that
-    they come back without being pickled, sent through the pool's pipe and unpickled by its result thread
-    (~0.4 µs a row of the run's process). `capacity`: the most tokens the task can make (its rows times
-    --max-length); a task that makes more sends them as before."""
+    """A memory file of the run's process that a tokenizer worker writes a task's token ids into, and its
+    result after them (`into_slot`), so that neither crosses the pool's socket (core/worker_pool.py) and the
+    ids are read by the kernel straight into their place. `capacity`: the most tokens the task can make (its
+    rows times --max-length); a task that makes more keeps them in its result."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
