@@ -13,7 +13,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from pipeline.core.tokenize import TokenizerPool, check_text, load_tokenizer_spec, rows_without_error
-from pipeline.core.worker_pool import WorkerError, WorkerPool
 
 TEXTS = ["A short one.", "word " * 400, None, "   ", "Ünïcödé and emoji 🙂 text", "", "last row"]
 
@@ -142,27 +141,6 @@ def test_a_worker_killed_mid_task_fails_the_waiting_result_instead_of_hanging(sp
         pool.close()
         with pytest.raises(BrokenProcessPool, match="closed"):
             workers.result(0)
-
-
-def test_an_error_a_task_raises_is_raised_in_the_caller_with_the_workers_traceback():
-    pool = WorkerPool(1, int)  # int(): a set-up that needs nothing
-    try:
-        assert pool.wait_until_up(60) is None
-        good, bad, large = pool.submit(int, "7"), pool.submit(int, "x"), pool.submit(bytes, 100_000)
-        assert pool.result(large) == bytes(100_000) and pool.result(good) == 7  # any order
-        with pytest.raises(ValueError, match="invalid literal") as raised:
-            pool.result(bad)
-        assert isinstance(raised.value.__cause__, WorkerError) and "Traceback" in str(raised.value.__cause__)
-    finally:
-        pool.close()
-
-
-def test_a_worker_that_exits_while_starting_is_reported_with_its_exit_code():
-    pool = WorkerPool(2, os._exit, (3,))
-    try:
-        assert pool.wait_until_up(60).startswith("exited while starting (exit code 3")
-    finally:
-        pool.close()
 
 
 def test_setup_steps_add_up_to_the_setup_time():
