@@ -135,6 +135,7 @@ class WorkerPool:
         self._up = 0
         self._closed = False
         self._broken: str | None = None  # why the pool cannot go on: a worker ended
+        self._ended_exitcode: int | None = None  # that worker's (not the others', which the pool then stops)
         self.processes = [context.Process(target=_serve, args=(tasks_end, results_end, initializer, initargs),
                                           name=f"lengthwise-worker-{index}", daemon=True)
                           for index in range(workers)]
@@ -171,8 +172,7 @@ class WorkerPool:
                 except BrokenProcessPool:
                     if self._closed:
                         raise
-                    dead = [p.exitcode for p in self.processes if p.exitcode is not None]
-                    return f"exited while starting (exit code {dead[0] if dead else 'unknown'}, " \
+                    return f"exited while starting (exit code {self._ended_exitcode}, " \
                            f"after {time.monotonic() - started:.1f}s)"
         return None
 
@@ -237,6 +237,7 @@ class WorkerPool:
         """Worker `ended` has ended: its task is lost, so the pool stops (as Python's executor does) and
         says why."""
         ended.join(timeout=1)
+        self._ended_exitcode = ended.exitcode
         self._broken = (f"a worker process ended unexpectedly (exit code {ended.exitcode}): killed (the OOM "
                         "killer?) or crashed; the pool's tasks are lost")
         for process in self.processes:

@@ -64,8 +64,10 @@ def test_when_one_worker_dies_the_others_are_stopped():
         pool.close()
 
 
-def test_a_worker_that_exits_while_starting_is_reported_with_its_exit_code():
-    pool = WorkerPool(2, os._exit, (3,))
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_worker_that_exits_while_starting_is_reported_with_its_exit_code(workers):
+    """With two, the first to exit is named, not the other the pool then stops (exit code -9)."""
+    pool = WorkerPool(workers, os._exit, (3,))
     try:
         assert pool.wait_until_up(60).startswith("exited while starting (exit code 3")
     finally:
