@@ -7,15 +7,17 @@ docs/performance.md). Here the caller's own thread does both, on two Unix `SOCK_
 that every worker shares: a record is one whole message, read by one worker, so whichever worker is free
 takes the next task and no lock is needed. Each record starts with its task's number and outcome, outside
 the pickle, so a value that cannot be unpickled becomes that task's error. A message larger than
-`INLINE_BYTES` travels as a memory file whose descriptor rides with the record. The sockets' buffers are
-bounded (~210 KB): a caller whose next task does not fit reads results while it waits (they are kept for
-their `result`), so workers blocked handing results back are never waited for forever. A worker that dies
+`INLINE_BYTES` travels as a memory file whose descriptor rides with the record (a few bytes of the
+socket's buffer, while the file holds the message until it is read). The sockets' buffers are bounded
+(~210 KB, a few hundred records): a caller whose next task does not fit reads results while it waits (they
+are kept for their `result`), so workers blocked handing results back are never waited for forever. A worker that dies
 breaks the pool (`BrokenProcessPool`, with its exit code) and the others are stopped; the caller's wait
 watches the workers' sentinels beside the results.
 """
 
 from __future__ import annotations
 
+import array
 import itertools
 import multiprocessing
 import os
@@ -50,10 +52,11 @@ def _record(task: int, succeeded: bool, message: bytes) -> tuple[bytes, int | No
 
 
 def _send(channel: socket.socket, record: bytes, memory: int | None, flags: int = 0) -> None:
+    """`socket.send_fds` is not used: before Python 3.12 it drops its `flags` (MSG_DONTWAIT)."""
     if memory is None:
         channel.send(record, flags)
     else:
-        socket.send_fds(channel, [record], [memory], flags)
+        channel.sendmsg([record], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [memory]))], flags)
 
 
 def send_message(channel: socket.socket, task: int, succeeded: bool, message: bytes) -> None:
@@ -115,8 +118,14 @@ def _serve(tasks: socket.socket, results: socket.socket, initializer, initargs: 
             except Exception as error:  # a value or an error that does not pickle
                 message, succeeded = pickle.dumps((RuntimeError(f"a task's outcome could not be pickled: {error!r}"),
                                                    traceback.format_exc())), False
-            send_message(results, task, succeeded, message)
-    except (EOFError, OSError):  # the caller closed the pool, or died: nothing to hand back to
+            try:
+                send_message(results, task, succeeded, message)
+            except (BrokenPipeError, ConnectionResetError):
+                raise
+            except OSError as error:  # no memory file for a large outcome (EMFILE, ENOSPC): say so, in a small one
+                send_message(results, task, False, pickle.dumps(
+                    (OSError(f"a task's outcome could not be handed back: {error!r}"), traceback.format_exc())))
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the caller closed the pool, or died
         return
 
 
@@ -189,8 +198,10 @@ class WorkerPool:
                 except BlockingIOError:  # the workers have as many tasks as the socket holds
                     with self._lock:
                         self._receive(self._watch_sending, None)
-                except OSError as error:
-                    self._raise_if_broken()
+                except OSError as error:  # every worker has gone (EPIPE, ECONNRESET), and no wait has seen it yet
+                    with self._lock:
+                        self._raise_if_broken()
+                        self._break(self._first_ended())
                     raise BrokenProcessPool(f"the worker pool's task channel failed: {error}") from error
         finally:
             if memory is not None:
@@ -219,7 +230,7 @@ class WorkerPool:
             try:
                 task, succeeded, message = receive_message(self._results)
             except EOFError:  # every worker has gone
-                self._break(self.processes[0])
+                self._break(self._first_ended())
             if task == _UP:
                 self._up += 1
                 return
@@ -232,6 +243,12 @@ class WorkerPool:
         ended = [p for p in self.processes if p.sentinel in ready]
         if ended:
             self._break(ended[0])
+
+    def _first_ended(self) -> multiprocessing.process.BaseProcess:
+        """Once every worker has gone: one that failed (a non-zero exit code) if any."""
+        for process in self.processes:
+            process.join(timeout=1)
+        return next((p for p in self.processes if p.exitcode), self.processes[0])
 
     def _break(self, ended) -> None:
         """Worker `ended` has ended: its task is lost, so the pool stops (as Python's executor does) and

@@ -27,17 +27,20 @@ def test_an_error_a_task_raises_is_raised_in_the_caller_with_the_workers_traceba
     assert isinstance(raised.value.__cause__, WorkerError) and "Traceback" in str(raised.value.__cause__)
 
 
-def test_more_tasks_than_the_sockets_hold_neither_side_waits_forever(one_worker):
+@pytest.mark.parametrize("large", [False, True])
+def test_more_tasks_than_the_sockets_hold_neither_side_waits_forever(one_worker, large):
     """Tasks submitted without reading any result fill both sockets' buffers (~210 KB each): the caller reads
-    results while it waits for room, and keeps them."""
+    results while it waits for room, and keeps them. A task over the inline limit travels as a memory file
+    (its record sent without waiting too: `socket.send_fds` dropped MSG_DONTWAIT before Python 3.12)."""
+    function, args = (len, (b"x" * 20_000,)) if large else (os.getpid, ())
     submitted: list[int] = []
-    submitting = threading.Thread(target=lambda: submitted.extend(one_worker.submit(os.getpid) for _ in range(3000)),
-                                  daemon=True)
+    submitting = threading.Thread(target=lambda: submitted.extend(one_worker.submit(function, *args)
+                                                                  for _ in range(3000)), daemon=True)
     submitting.start()
     submitting.join(120)
     assert not submitting.is_alive(), f"submit blocked after {len(submitted)} tasks"
-    worker = one_worker.processes[0].pid
-    assert [one_worker.result(task) for task in reversed(submitted)] == [worker] * 3000
+    expected = 20_000 if large else one_worker.processes[0].pid
+    assert [one_worker.result(task) for task in reversed(submitted)] == [expected] * 3000
 
 
 def test_a_pool_whose_only_worker_died_is_broken_with_its_exit_code(one_worker):
@@ -46,6 +49,13 @@ def test_a_pool_whose_only_worker_died_is_broken_with_its_exit_code(one_worker):
     time.sleep(1)  # its end of the sockets is closed: the results read as ended, not as a message
     with pytest.raises(BrokenProcessPool, match="exit code -9"):
         one_worker.result(task)
+    with pytest.raises(BrokenProcessPool, match="exit code -9"):
+        one_worker.submit(int, "1")
+
+
+def test_a_submit_that_first_meets_the_dead_pool_names_the_exit_code(one_worker):
+    os.kill(one_worker.processes[0].pid, signal.SIGKILL)
+    one_worker.processes[0].join(10)
     with pytest.raises(BrokenProcessPool, match="exit code -9"):
         one_worker.submit(int, "1")
 
