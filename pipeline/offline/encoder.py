@@ -197,10 +197,10 @@ def serve(connection: Connection, channel: socket.socket) -> None:
         while True:
             try:
                 kind, path, *references = connection.recv()
-            except (EOFError, OSError):
+                data = connection.recv_bytes() if kind == "write" else None
+            except (EOFError, OSError):  # the parent is gone (SIGKILL), even between a table's header and bytes
                 return
             if kind == "write":
-                data = connection.recv_bytes()
                 if path in failed:
                     continue
                 try:
@@ -231,6 +231,8 @@ def serve(connection: Connection, channel: socket.socket) -> None:
                 mapped.pop(path, None)  # unmapped once no table still holds it
             elif kind == "settle":
                 connection.send(("settled", None, None))
+    except (BrokenPipeError, ConnectionResetError):  # the parent went while it was being answered
+        return
     finally:  # the parent is gone or done: nothing it did not close is kept
         for path in list(open_files):
             drop(path)
