@@ -115,16 +115,7 @@ class TokenSlot:
         """The task's result from a worker's `reply` (an `InSlot`: read from the slot; else the result itself)."""
         if not isinstance(reply, InSlot):
             return reply
-        return pickle.loads(self._read(bytearray(reply.size), reply.offset))
-
-    def _read(self, data, offset: int):
-        view, start = memoryview(data), 0
-        while start < len(view):
-            read = os.preadv(self._memory, [view[start:]], offset + start)
-            if read <= 0:
-                raise OSError(f"the token slot ended after {start} of {len(view)} bytes")
-            start += read
-        return data
+        return pickle.loads(read_exactly(self._memory, bytearray(reply.size), reply.offset))
 
     def copy_into(self, encoded, out: np.ndarray) -> None:
         """A task's token ids into `out` (their place in the window's array): read from the slot, or
@@ -135,7 +126,7 @@ class TokenSlot:
             if len(encoded.token_ids) == len(out):
                 out[:] = encoded.token_ids
                 return
-            self._read(out.view(np.uint8), 0)
+            read_exactly(self._memory, out.view(np.uint8), 0)
         finally:
             self._closed()
 
@@ -160,14 +151,26 @@ def into_slot(path: str, capacity: int, result) -> InSlot:
     slot = os.open(path, os.O_RDWR)
     try:
         if fits:
-            _write_all(slot, memoryview(np.ascontiguousarray(token_ids, np.int32)).cast("B"), 0)
-        _write_all(slot, memoryview(data), offset)
+            write_all(slot, memoryview(np.ascontiguousarray(token_ids, np.int32)).cast("B"), 0)
+        write_all(slot, memoryview(data), offset)
     finally:
         os.close(slot)
     return InSlot(offset, len(data))
 
 
-def _write_all(file: int, data: memoryview, offset: int) -> None:
+def write_all(file: int, data: memoryview, offset: int) -> None:
+    """All of `data` into `file` from `offset` (a write may take less than it is given)."""
     written = 0
     while written < len(data):
         written += os.pwrite(file, data[written:], offset + written)
+
+
+def read_exactly(file: int, buffer, offset: int):
+    """`buffer` filled from `file` at `offset`, and returned; OSError if the file ends first."""
+    view, start = memoryview(buffer).cast("B"), 0
+    while start < len(view):
+        read = os.preadv(file, [view[start:]], offset + start)
+        if read <= 0:
+            raise OSError(f"a memory file ended after {start} of {len(view)} bytes")
+        start += read
+    return buffer

@@ -30,6 +30,8 @@ import time
 import traceback
 from concurrent.futures.process import BrokenProcessPool
 
+from pipeline.core.shared_arrays import read_exactly, write_all
+
 INLINE_BYTES = 16 * 1024  # a message up to this size travels in its record; a larger one, in a memory file
 _INLINE, _IN_FILE = b"M", b"F"
 _HEADER = struct.Struct("<cq?")  # how the message travels, its task's number (`_UP`: a worker is up), succeeded
@@ -42,9 +44,7 @@ def _record(task: int, succeeded: bool, message: bytes) -> tuple[bytes, int | No
         return _HEADER.pack(_INLINE, task, succeeded) + message, None
     memory = os.memfd_create("lengthwise-message", os.MFD_CLOEXEC)
     try:
-        view, written = memoryview(message), 0
-        while written < len(view):
-            written += os.write(memory, view[written:])
+        write_all(memory, memoryview(message), 0)
     except BaseException:
         os.close(memory)
         raise
@@ -69,7 +69,7 @@ def send_message(channel: socket.socket, task: int, succeeded: bool, message: by
             os.close(memory)  # a record in flight holds its own reference
 
 
-def receive_message(channel: socket.socket) -> tuple[int, bool, bytes]:
+def receive_message(channel: socket.socket) -> tuple[int, bool, bytes | bytearray]:
     """The next record's (task, succeeded, message); EOFError once every other end has closed."""
     data, descriptors, flags, _ = socket.recv_fds(channel, _HEADER.size + INLINE_BYTES, 1)
     try:
@@ -80,21 +80,10 @@ def receive_message(channel: socket.socket) -> tuple[int, bool, bytes]:
         how, task, succeeded = _HEADER.unpack_from(data)
         if how == _INLINE:
             return task, succeeded, data[_HEADER.size:]
-        return task, succeeded, _read_whole(descriptors[0])
+        return task, succeeded, read_exactly(descriptors[0], bytearray(os.fstat(descriptors[0]).st_size), 0)
     finally:
         for descriptor in descriptors:
             os.close(descriptor)
-
-
-def _read_whole(memory: int) -> bytes:
-    size, chunks, read = os.fstat(memory).st_size, [], 0
-    while read < size:
-        chunk = os.pread(memory, size - read, read)
-        if not chunk:
-            raise OSError(f"a worker pool message ended after {read} of {size} bytes")
-        chunks.append(chunk)
-        read += len(chunk)
-    return b"".join(chunks)
 
 
 class WorkerError(Exception):
@@ -198,11 +187,10 @@ class WorkerPool:
                 except BlockingIOError:  # the workers have as many tasks as the socket holds
                     with self._lock:
                         self._receive(self._watch_sending, None)
-                except OSError as error:  # every worker has gone (EPIPE, ECONNRESET), and no wait has seen it yet
+                except OSError:  # every worker has gone (EPIPE, ECONNRESET), and no wait has seen it yet
                     with self._lock:
                         self._raise_if_broken()
-                        self._break(self._first_ended())
-                    raise BrokenProcessPool(f"the worker pool's task channel failed: {error}") from error
+                        self._break(self._first_ended())  # raises
         finally:
             if memory is not None:
                 os.close(memory)
@@ -252,7 +240,7 @@ class WorkerPool:
 
     def _break(self, ended) -> None:
         """Worker `ended` has ended: its task is lost, so the pool stops (as Python's executor does) and
-        says why."""
+        raises BrokenProcessPool, saying why."""
         ended.join(timeout=1)
         self._ended_exitcode = ended.exitcode
         self._broken = (f"a worker process ended unexpectedly (exit code {ended.exitcode}): killed (the OOM "

@@ -120,7 +120,8 @@ def test_once_every_worker_is_up_no_spec_file_is_left_and_the_run_process_holds_
         texts = [f"row {index} " + "word " * 20 for index in range(3000)]  # tasks and results over the inline limit
         encoded = pool.result(pool.submit(texts, ids=pa.array([f"id-{index}" for index in range(3000)])))
         assert {thread.ident for thread in threading.enumerate()} == threads_before
-    reference = TokenizerPool(spec, workers=0).result(TokenizerPool(spec, workers=0).submit(texts))
+    here = TokenizerPool(spec, workers=0)
+    reference = here.result(here.submit(texts))
     assert len(encoded) == 3000 and encoded.errors == [None] * 3000
     assert np.array_equal(encoded.token_ids, reference.token_ids) and np.array_equal(encoded.offsets, reference.offsets)
     assert len(encoded.hashes.text_hashes) == 3000
