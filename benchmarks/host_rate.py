@@ -20,7 +20,8 @@ pool start, is not counted; the bare side's tokenizer load is not either), and C
 the same span of the main process (each of its threads), of each pool worker, of the output
 encoder process and of the shard reader process, sampled from /proc. The report's rates are the best
 repeat's; its main-process µs a row is the median over the repeats (a VM moves it ±0.5 between runs of
-the same code).
+the same code). `--producer-in-child` also measures an experiment (benchmarks/producer_in_child.py):
+the same run with its windows and batches built by a forked child, reported apart.
 
     .venv/bin/python benchmarks/host_rate.py --rows 128000 --json benchmarks/results/host_rate.json
 """
@@ -139,7 +140,8 @@ class CpuSampler:
                 "main_thread_us_per_row": per_row.get("MainThread", 0.0),
                 "thread_us_per_row": per_row, "pool_worker_us_per_row": workers,
                 "encoder_process_us_per_row": helper_us_per_row("pipeline.offline.encoder"),
-                "reader_process_us_per_row": helper_us_per_row("pipeline.offline.reader")}
+                "reader_process_us_per_row": helper_us_per_row("pipeline.offline.reader"),
+                "forked_producer_us_per_row": helper_us_per_row("host_rate.py")}  # --producer-in-child
 
 
 def cpu_seconds(stat_path: str) -> float | None:
@@ -217,11 +219,15 @@ def model_folder() -> str:
     return default_model_path()
 
 
-def measure_pipeline(inputs: Path, rows: int, max_length: int, workers: int) -> dict:
+def measure_pipeline(inputs: Path, rows: int, max_length: int, workers: int, producer_in_child: bool = False) -> dict:
     from pipeline import api
 
     with tempfile.TemporaryDirectory(prefix="host-rate-") as scratch, CpuSampler() as sampler:
         with_zero_forward(sampler)
+        if producer_in_child:
+            from producer_in_child import patch_runner
+
+            patch_runner()
         started = time.perf_counter()
         summary = api.run(str(inputs), f"{scratch}/out", "embed", model=model_folder(), max_length=max_length,
                           dtype="float32", compile="off", unpad="off", probe=False, max_batch_tokens=65536,
@@ -278,7 +284,10 @@ def main() -> None:
     parser.add_argument("--tokenize-workers", type=int, default=None, help="Default: every usable core.")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--child", choices=["pipeline", "bare"], help=argparse.SUPPRESS)
+    parser.add_argument("--producer-in-child", action="store_true",
+                        help="Also measure the experiment of benchmarks/producer_in_child.py (windows and batches "
+                             "built by a forked child) and report it apart.")
+    parser.add_argument("--child", choices=["pipeline", "bare", "producer-in-child"], help=argparse.SUPPRESS)
     parser.add_argument("--inputs", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     from pipeline.core.settings import usable_cores
@@ -287,16 +296,18 @@ def main() -> None:
     if args.tokenize_workers is None:
         args.tokenize_workers = usable_cores()
     if args.child:
-        figures = (measure_pipeline(args.inputs, args.rows, args.max_length, args.tokenize_workers)
-                   if args.child == "pipeline" else measure_bare(args.inputs, args.rows, args.max_length, 384))
+        figures = (measure_pipeline(args.inputs, args.rows, args.max_length, args.tokenize_workers,
+                                    args.child == "producer-in-child")
+                   if args.child != "bare" else measure_bare(args.inputs, args.rows, args.max_length, 384))
         print(json.dumps(figures))
         return
     with tempfile.TemporaryDirectory(prefix="host-rate-rows-") as scratch:
         args.inputs = Path(scratch) / "in"
         make_rows(args.rows, args.inputs, args.shards)
-        runs: dict[str, list[dict]] = {"pipeline": [], "bare": []}
+        modes = ("bare", "pipeline", *(["producer-in-child"] if args.producer_in_child else []))
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for repeat in range(args.repeats):
-            for mode in ("bare", "pipeline"):
+            for mode in modes:
                 runs[mode].append(run_child(mode, args))
                 print(f"repeat {repeat + 1} {mode:8s} {runs[mode][-1]['rows_per_s']:>8,} rows/s", flush=True)
     best = {mode: max(results, key=lambda r: r["rows_per_s"]) for mode, results in runs.items()}
@@ -306,9 +317,17 @@ def main() -> None:
               "share_of_bare": round(best["pipeline"]["rows_per_s"] / best["bare"]["rows_per_s"], 3),
               "main_process_us_per_row": statistics.median(run["main_process_us_per_row"] for run in runs["pipeline"]),
               "pipeline": best["pipeline"], "bare": best["bare"], "all_runs": runs}
+    if args.producer_in_child:  # an experiment, not the pipeline's figure
+        report["producer_in_child"] = {
+            "main_process_us_per_row": statistics.median(run["main_process_us_per_row"]
+                                                         for run in runs["producer-in-child"]),
+            "best": best["producer-in-child"]}
     print(json.dumps({key: report[key] for key in ("rows_per_s", "bare_rows_per_s", "share_of_bare",
                                                    "main_process_us_per_row")}, indent=1))
     print(json.dumps(best["pipeline"]["thread_us_per_row"], indent=1))
+    if args.producer_in_child:
+        print(json.dumps({"producer_in_child": report["producer_in_child"]["main_process_us_per_row"],
+                          **best["producer-in-child"]["thread_us_per_row"]}, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -40,3 +40,31 @@ def test_the_harness_runs_the_real_pipeline_with_a_forward_of_zeros(tmp_path, sa
     figures = host_rate.measure_pipeline(tmp_path / "in", 200, 128, 1)
     assert sum(forwarded) == 200 - figures["deduplicated_rows"]  # every row the run computes went through zeros
     assert figures["rows_per_s"] > 0 and figures["main_process_us_per_row"] > 0
+
+
+@pytest.mark.slow
+def test_the_producer_in_child_experiment_hands_over_the_same_batches(tmp_path, sample_table, monkeypatch):
+    """`--producer-in-child` (benchmarks/producer_in_child.py) measures a design by moving the producer into a
+    forked child: its figures mean something only if the device loop gets the very batches it gets in-process."""
+    import pipeline.engines.runner_setup as runner_setup
+    import pipeline.offline.runner as runner
+
+    host_rate = load_host_rate()
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    batches: dict[bool, list] = {}
+    zero_forward = host_rate.ZeroForwardJob.forward
+    write_shards(tmp_path / "in", sample_table.select(["id", "text"]).slice(0, 300), [120, 100, 80])
+    for in_child in (False, True):
+        recorded = batches.setdefault(in_child, [])
+
+        def forward(job, model, input_ids, attention_mask, *args, recorded=recorded, **kwargs):
+            recorded.append((tuple(input_ids.shape), input_ids.numpy().tobytes(), attention_mask.numpy().tobytes()))
+            return zero_forward(job, model, input_ids, attention_mask, *args, **kwargs)
+
+        with monkeypatch.context() as patches:  # what the harness replaces is put back after each run
+            patches.setattr(runner_setup, "open_chosen_models", runner_setup.open_chosen_models)
+            patches.setattr(runner, "batches_of", runner.batches_of)
+            patches.setattr(runner.SetupClock, "breakdown", runner.SetupClock.breakdown)
+            patches.setattr(host_rate.ZeroForwardJob, "forward", forward)
+            host_rate.measure_pipeline(tmp_path / "in", 300, 128, 1, producer_in_child=in_child)
+    assert len(batches[False]) > 1 and sorted(batches[True]) == sorted(batches[False])
