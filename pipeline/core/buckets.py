@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.core.memory import MemoryPlan
 
 BUCKET_STEP = 8  # padded lengths are multiples of 8: tensor-core friendly, few distinct shapes
 
@@ -100,3 +104,27 @@ def fill_under_padding(own_padded: np.ndarray, max_padding: float) -> int:
 def padding_efficiency(real_tokens: int, padded_tokens: int) -> float:
     """Share of the computed tokens that were real text (1.0 means no padding)."""
     return real_tokens / padded_tokens if padded_tokens else 1.0
+
+
+NO_ROW_LIMIT = int(np.iinfo(np.int64).max)
+
+
+class BatchLimits:
+    """Rows per padded length from the memory plan, lowered for the rest of the run whenever a
+    batch runs out of memory. Read by the planner thread, lowered by the device loop."""
+
+    def __init__(self, plan: MemoryPlan | None):
+        self.plan = plan
+        self.lowered: dict[int, int] = {}  # padded length → rows that ran after a split
+
+    def rows_for(self, padded_length: int) -> int:
+        """The plan's rows, and after an out-of-memory split at length L that left R rows, no more
+        padded tokens than L × R at any length: a shorter batch that kept the full token budget
+        failed again at every new length, and a longer one needs more memory per row."""
+        rows = self.plan.rows_for(padded_length) if self.plan else NO_ROW_LIMIT
+        for length, lowered_rows in list(self.lowered.items()):
+            rows = min(rows, max(1, length * lowered_rows // padded_length))
+        return rows
+
+    def lower(self, padded_length: int, rows: int) -> None:
+        self.lowered[padded_length] = min(rows, self.lowered.get(padded_length, rows))

@@ -1,5 +1,5 @@
-"""The shared forward: collate rows into padded batches, prefetch them on a thread, run the one
-device loop (`run_on_device`, halving a batch on out-of-memory) and read results back."""
+"""The shared forward: send collated batches (core/collate.py) to the device, prefetch them on a thread,
+run the one device loop (`run_on_device`, halving a batch on out-of-memory) and read results back."""
 
 from __future__ import annotations
 
@@ -13,67 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
-from pipeline.core.buckets import bucket_bounds, plan_batches
+from pipeline.core.buckets import BatchLimits
+from pipeline.core.clock import StageTimes, timed
+from pipeline.core.collate import collated_batches
 from pipeline.core.device import is_out_of_memory, padding_multiple, release_cached_memory
-from pipeline.core.memory import MemoryPlan
 from pipeline.core.tokenize import EncodedRows
-
-
-def collate(token_ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, padded_length: int,
-            pad_token_id: int, type_ids: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """Padded (rows, padded_length) input ids and attention mask from flat token arrays, and the
-    token type ids (0 at padding) where `type_ids` (a pair's, beside `token_ids`) are given. Each
-    row's `padded_length` tokens from its start are copied at once (a sliding view of the flat
-    array: no index per token) and what lies past its end is padded over: 0.58 → 0.29 µs a row
-    alone against gathering each real token (64,000 rows of ~54 tokens, 2-core AVX2 EPYC; in a run,
-    where memory is shared with the tokenizer workers, within noise: docs/performance.md)."""
-    starts = offsets[rows]
-    lengths = offsets[rows + 1] - starts
-    attention_mask = np.arange(padded_length)[None, :] < lengths[:, None]
-    input_ids = padded_rows(token_ids, starts, lengths, padded_length, attention_mask, pad_token_id)
-    if type_ids is None:
-        return input_ids, attention_mask.astype(np.int64)
-    return input_ids, attention_mask.astype(np.int64), padded_rows(type_ids, starts, lengths, padded_length,
-                                                                   attention_mask, 0)
-
-
-def padded_rows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, padded_length: int,
-                real: np.ndarray, pad: int) -> np.ndarray:
-    """(rows, padded_length) int64: each row's `lengths` values from `starts` in `values`, then `pad`
-    (`real`: the mask of the real positions). A row whose window would run past the array's end
-    (the last few) is copied on its own."""
-    out = np.empty(real.shape, np.int64)
-    whole = starts + padded_length <= len(values)
-    if whole.all():
-        out[...] = sliding_window_view(values, padded_length)[starts]
-    elif whole.any():
-        out[whole] = sliding_window_view(values, padded_length)[starts[whole]]
-    for index in np.flatnonzero(~whole):
-        start, length = int(starts[index]), int(lengths[index])
-        out[index, :length] = values[start:start + length]
-    np.copyto(out, pad, where=~real)
-    return out
-
-
-def packed_layout(lengths: np.ndarray, padded_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """The unpadded forward's layout of right-padded rows of `lengths`, built on the host so that
-    the device is never asked for it (a sync): each real token's position in the flat
-    (rows × padded_length) batch (int64, row by row) and each row's offset in the packed tokens
-    ((rows + 1,) int32: 0, l0, l0 + l1, …)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    row_of_token = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    positions = np.arange(int(offsets[-1]), dtype=np.int64) - offsets[:-1][row_of_token]
-    return row_of_token * padded_length + positions, offsets
-
-
-def has_padding(lengths: np.ndarray, padded_length: int) -> bool:
-    """Whether a batch of rows of `lengths` padded to `padded_length` holds any padding: known on
-    the host, so the device never has to be asked (a sync) whether its mask may be dropped."""
-    return bool((np.asarray(lengths) < padded_length).any())
 
 
 class DeviceFeeder:
@@ -293,50 +238,19 @@ class ReadyBatch:
     models: tuple[str, ...] | None = None  # several models: the ones that run these rows (None: every one)
 
 
-class BatchLimits:
-    """Rows per padded length from the memory plan, lowered for the rest of the run whenever a
-    batch runs out of memory. Read by the planner thread, lowered by the device loop."""
-
-    def __init__(self, plan: MemoryPlan | None):
-        self.plan = plan
-        self.lowered: dict[int, int] = {}  # padded length → rows that ran after a split
-
-    def rows_for(self, padded_length: int) -> int:
-        """The plan's rows, and after an out-of-memory split at length L that left R rows, no more
-        padded tokens than L × R at any length: a shorter batch that kept the full token budget
-        failed again at every new length, and a longer one needs more memory per row."""
-        rows = self.plan.rows_for(padded_length) if self.plan else np.iinfo(np.int64).max
-        for length, lowered_rows in list(self.lowered.items()):
-            rows = min(rows, max(1, length * lowered_rows // padded_length))
-        return rows
-
-    def lower(self, padded_length: int, rows: int) -> None:
-        self.lowered[padded_length] = min(rows, self.lowered.get(padded_length, rows))
-
-
 def collate_batches(encoded: EncodedRows, rows: np.ndarray, max_batch_tokens: int | None, max_batch_rows: int,
                     max_length: int, limits: BatchLimits, pad_token_id: int, feeder: DeviceFeeder,
                     times: StageTimes | None = None, window: object = None,
                     packed: bool = False) -> Iterator[ReadyBatch]:
-    """Plan `rows` of `encoded` into batches (longest first, padded to the device's multiple)
-    and collate each for the device; `packed`: with its packed layout (`packed_layout`), for a
-    model that runs padded batches unpadded."""
-    lengths = encoded.lengths[rows]
-    bounds = bucket_bounds(max_length, padding_multiple(feeder.device))
-    for batch in plan_batches(lengths, max_batch_tokens, max_batch_rows, bounds, limits.rows_for):
-        entered = time.perf_counter()
-        picked = rows[batch.rows]
-        arrays = collate(encoded.token_ids, encoded.offsets, picked, batch.padded_length, pad_token_id,
-                         encoded.type_ids)
-        batch_lengths = lengths[batch.rows]
-        padded = has_padding(batch_lengths, batch.padded_length)
-        if packed and padded:
-            arrays += packed_layout(batch_lengths, batch.padded_length)
-        tensors, copied = feeder.send(*arrays)
-        ready = ReadyBatch(picked, batch.padded_length, tensors, copied, int(batch_lengths.sum()), batch.padded_tokens,
-                           window, entered, padded, encoded.type_ids is not None)
+    """`collated_batches` (core/collate.py) padded to the multiple of `feeder`'s device, each sent on its
+    way there; `times.collate` counts both."""
+    for batch in collated_batches(encoded, rows, max_batch_tokens, max_batch_rows, max_length, limits, pad_token_id,
+                                  padding_multiple(feeder.device), packed):
+        tensors, copied = feeder.send(*batch.arrays)
+        ready = ReadyBatch(batch.rows, batch.padded_length, tensors, copied, batch.real_tokens, batch.padded_tokens,
+                           window, batch.entered, batch.padded, batch.typed)
         if times is not None:
-            times.collate += time.perf_counter() - entered
+            times.collate += time.perf_counter() - batch.entered
         yield ready
 
 
@@ -411,30 +325,3 @@ def device_timer_start(device: torch.device):
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
-
-
-@dataclass
-class StageTimes:
-    """Seconds per stage. read/tokenize/collate overlap the device; wait is the device idle."""
-
-    setup: float = 0.0  # listing shards, loading tokenizer and model
-    read: float = 0.0
-    tokenize: float = 0.0  # summed over worker processes
-    collate: float = 0.0
-    wait_for_batch: float = 0.0
-    forward: float = 0.0
-    write: float = 0.0
-
-
-def timed(items: Iterable, times: StageTimes, stage: str) -> Iterator:
-    """Yield from `items`, adding the time spent producing each item to `times.<stage>`."""
-    iterator = iter(items)
-    while True:
-        started = time.perf_counter()
-        try:
-            item = next(iterator)
-        except StopIteration:
-            return
-        finally:
-            setattr(times, stage, getattr(times, stage) + time.perf_counter() - started)
-        yield item

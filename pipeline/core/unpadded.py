@@ -91,7 +91,7 @@ def attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
 
 def runs_unpadded(model) -> bool:
     """Whether `settle_unpad` gave `model` an unpadded forward: its padded batches then travel with
-    their packed layout (`pipeline.core.forward.packed_layout`)."""
+    their packed layout (`pipeline.core.collate.packed_layout`)."""
     return getattr(model, "unpadded", None) is not None
 
 

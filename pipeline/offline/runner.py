@@ -34,15 +34,8 @@ from pipeline.core.buckets import padding_efficiency
 from pipeline.core.clock import SetupClock
 from pipeline.core.device import dtype_name, peak_rss_bytes
 from pipeline.core.errors import UsageError
-from pipeline.core.forward import (
-    DeviceFeeder,
-    ReadyBatch,
-    StageTimes,
-    collate_batches,
-    finite_rows,
-    run_on_device,
-    timed,
-)
+from pipeline.core.clock import StageTimes, timed
+from pipeline.core.forward import DeviceFeeder, ReadyBatch, collate_batches, finite_rows, run_on_device
 from pipeline.core.probe import describe_plan
 from pipeline.core.process_memory import STREAMING_MEMORY
 from pipeline.core.settings import auto_window_rows, tokenize_workers_for, usable_cores

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.core.errors import StorageError, UsageError, as_storage_error
-from pipeline.core.forward import StageTimes
+from pipeline.core.clock import StageTimes
 from pipeline.core.retry import retry_transient
 from pipeline.offline.encoder import OutputEncoder, ParquetFile
 from pipeline.offline.locations import shown_path

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.forward import StageTimes
+from pipeline.core.clock import StageTimes
 from pipeline.core.segments import segment_groups
 from pipeline.core.tokenize import EncodedRows, TokenizerPool, rows_without_error
 from pipeline.offline.carry import carried_mask, split_by_carry

@@ -278,7 +278,8 @@ class DynamicBatcher:
 
         import torch
 
-        from pipeline.core.forward import HostCopy, collate, forward_splitting_on_oom, has_padding
+        from pipeline.core.collate import collate, has_padding
+        from pipeline.core.forward import HostCopy, forward_splitting_on_oom
 
         started = time.perf_counter()
         padded_length = batch_padded_length(batch)

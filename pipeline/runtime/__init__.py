@@ -15,7 +15,7 @@ from typing import Protocol
 
 from pipeline.core.batch_setting import resolve_batch_setting, saved_recommendations, sweep_reference
 from pipeline.core.clock import SetupClock
-from pipeline.core.forward import BatchLimits
+from pipeline.core.buckets import BatchLimits
 from pipeline.core.memory import MemoryPlan
 from pipeline.core.probe import memory_plan_for
 from pipeline.core.settings import BATCH_LIMITS, BatchSettings, CacheSettings, ModelSettings, RuntimeNeeds

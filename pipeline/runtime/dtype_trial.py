@@ -105,7 +105,7 @@ def input_trial_batches(texts: Callable[[], list[str]], spec: Callable[[], Token
     lengths (`spread_over_lengths`) in TRIAL_BATCHES batches by length; None without any text."""
     from tokenizers import Tokenizer
 
-    from pipeline.core.forward import collate
+    from pipeline.core.collate import collate
     from pipeline.core.tokenize import encode_texts
 
     sample = texts()

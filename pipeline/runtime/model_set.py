@@ -16,7 +16,7 @@ from jobs.model_set import ModelSet, ModelSetJob
 from pipeline.core.compile import CompileChoice
 from pipeline.core.device import dtype_name
 from pipeline.core.errors import UsageError
-from pipeline.core.forward import BatchLimits
+from pipeline.core.buckets import BatchLimits
 from pipeline.core.probe import describe_plan
 from pipeline.core.settings import BatchSettings, LongRowSettings, ModelSettings
 from pipeline.core.tokenize import TokenizerSpec

@@ -186,7 +186,7 @@ def warm_up_process(runtime, batcher_config, texts: Sequence[str], config: Onlin
 def fresh_limits(runtime):
     """`runtime` with its memory plan's limits as planned: each level starts from the plan, not from what an
     out-of-memory split of an earlier level lowered."""
-    from pipeline.core.forward import BatchLimits
+    from pipeline.core.buckets import BatchLimits
 
     return dataclasses.replace(runtime, limits=BatchLimits(runtime.plan))
 

@@ -23,7 +23,9 @@ from pipeline.core.buckets import padding_efficiency
 from pipeline.core.device import is_out_of_memory, measure_peak_bytes, peak_rss_bytes, reset_peak_rss
 from pipeline.core.errors import UsageError
 from pipeline.core.findings import as_dicts
-from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, run_on_device
+from pipeline.core.buckets import BatchLimits
+from pipeline.core.clock import StageTimes
+from pipeline.core.forward import DeviceFeeder, collate_batches, run_on_device
 from pipeline.core.settings import SWEEP_VARIES, VARIED_SETTINGS, tokenize_workers_for
 from pipeline.tuning.config import SweepConfig
 from pipeline.core.tokenize import EncodedRows, rows_without_error

@@ -113,7 +113,9 @@ def test_a_batch_without_padding_runs_without_a_mask_and_gives_the_same_outputs(
 def test_the_collate_tells_which_batches_hold_padding():
     import numpy as np
 
-    from pipeline.core.forward import BatchLimits, DeviceFeeder, collate_batches, has_padding
+    from pipeline.core.buckets import BatchLimits
+    from pipeline.core.collate import has_padding
+    from pipeline.core.forward import DeviceFeeder, collate_batches
     from pipeline.core.tokenize import EncodedRows
 
     lengths = np.array([6, 6, 6, 3])

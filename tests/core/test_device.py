@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.core.forward import collate, finite_rows, prefetch
+from pipeline.core.collate import collate
+from pipeline.core.forward import finite_rows, prefetch
 from pipeline.core.device import keep_freed_host_memory, resolve_device, resolve_dtype
 from pipeline.core.errors import UsageError
 

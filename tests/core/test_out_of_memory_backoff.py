@@ -85,7 +85,7 @@ def test_outputs_equal_an_unconstrained_run_and_splits_are_reported(tmp_path, oo
 
 
 def test_a_lowered_limit_caps_the_padded_tokens_of_every_length():
-    from pipeline.core.forward import BatchLimits
+    from pipeline.core.buckets import BatchLimits
 
     limits = BatchLimits(None)
     limits.lower(256, 4)  # 1,024 padded tokens ran at length 256

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from pipeline.core.errors import UsageError
-from pipeline.core.forward import collate
+from pipeline.core.collate import collate
 from pipeline.core.pairs import longest_first
 from pipeline.core.row_hashes import hash_columns, pair_hash, text_hash
 from pipeline.core.tokenize import encode_texts, load_tokenizer_spec

@@ -20,7 +20,10 @@ from pipeline.offline.config import RunConfig
 from pipeline.runtime.choice import choose_model
 from pipeline.runtime.compile_decision import settle_compile
 from pipeline.runtime.model import load_model
-from pipeline.core.forward import BatchLimits, DeviceFeeder, StageTimes, collate_batches, packed_layout, run_on_device
+from pipeline.core.buckets import BatchLimits
+from pipeline.core.clock import StageTimes
+from pipeline.core.collate import packed_layout
+from pipeline.core.forward import DeviceFeeder, collate_batches, run_on_device
 from pipeline.core.tokenize import EncodedRows
 from pipeline.core.unpadded import PackedBatch, cumulative_lengths, runs_unpadded, settle_unpad
 from tests.conftest import SAMPLE_DIR, TOKENIZER_FILES

@@ -21,7 +21,7 @@ from pipeline.online.config import BatcherConfig
 from pipeline.core.settings import BatchSettings, ModelSettings
 from pipeline.runtime import Runtime
 from pipeline.runtime.model import load_model
-from pipeline.core.forward import BatchLimits
+from pipeline.core.buckets import BatchLimits
 from tests.conftest import read_outputs, write_shards
 from tests.core.test_out_of_memory_backoff import OutOfMemoryAbove
 

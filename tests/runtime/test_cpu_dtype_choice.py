@@ -15,7 +15,8 @@ from pipeline.core.device import native_bf16_feature, padding_multiple
 from pipeline.core.settings import ModelSettings
 from pipeline.runtime.choice import choose_model
 from pipeline.runtime.dtype_trial import pick_cpu_dtype
-from pipeline.core.forward import BatchLimits, collate_batches
+from pipeline.core.buckets import BatchLimits
+from pipeline.core.forward import collate_batches
 from pipeline.core.tokenize import EncodedRows
 
 
