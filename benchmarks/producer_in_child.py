@@ -2,9 +2,10 @@
 the windows and batches were built by another process (docs/performance.md, "What a feeder process
 would leave on the run's process").
 
-It patches the shard runner so that everything its prefetch thread produces (reading, windows,
-the tokenizer pool's results, dedupe, planning, collate: `runner.batches_of` over the tokenized
-windows) runs in a child forked when the run starts. The child hands the run's process:
+It patches the shard runner so that everything its prefetch thread produces on the host (reading,
+windows, the tokenizer pool's results, dedupe, planning, collate: `collated_parts` over the tokenized
+windows) runs in a child forked when the run starts; the run's process only sends each batch to the
+device (`sent_to_device`). The child hands the run's process:
 
 - each window once, pickled without what the run's process never reads again (its token ids and
   texts), with the first item of it;
@@ -49,27 +50,25 @@ def lean_window(window):
     return lean
 
 
-def produce(work, channel: Connection, ring: np.ndarray) -> None:
-    """In the child: each item of `work` to the run's process, batches through the ring."""
-    from pipeline.core.forward import ReadyBatch
+def produce(items, channel: Connection, ring: np.ndarray) -> None:
+    """In the child: each of `items` (`collated_parts`) to the run's process, batches through the ring."""
+    from pipeline.offline.windows import WindowBatch
 
     last, sent, received = None, 0, 0
-    for item in work:
+    for item in items:
         window = item.window  # a window's items come together: a new one never returns to an earlier one
         lean = None if window is last else lean_window(window)
         last = window
-        if isinstance(item, ReadyBatch):
+        if isinstance(item, WindowBatch):
             while received < sent - (SLOTS - LAG):
                 received = int.from_bytes(channel.recv_bytes(), "little")
             offset, arrays = (sent % SLOTS) * SLOT_BYTES, []
-            for tensor in item.tensors:
-                values = tensor.numpy()
-                ring[offset:offset + values.nbytes] = values.reshape(-1).view(np.uint8)
+            for values in item.batch.arrays:
+                ring[offset:offset + values.nbytes] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
                 arrays.append((offset, values.dtype.str, values.shape))
                 offset += values.nbytes
             sent += 1
-            message = ("batch", lean, item.rows, item.padded_length, arrays, item.real_tokens,
-                       item.padded_tokens, item.entered, item.padded, item.typed, item.models)
+            message = ("batch", lean, dataclasses.replace(item.batch, arrays=arrays), item.models)
         else:
             message = ("part", lean, item.first_block, item.end_block, item.start_row, item.end_row)
         channel.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -81,10 +80,9 @@ def produce(work, channel: Connection, ring: np.ndarray) -> None:
         pass
 
 
-def producer_in_child(work, feeder):
-    """`work`'s items, produced by a forked child."""
-    from pipeline.core.forward import ReadyBatch
-    from pipeline.offline.windows import WindowPart
+def producer_in_child(items):
+    """`items`' batches and parts, produced by a forked child."""
+    from pipeline.offline.windows import WindowBatch, WindowPart
 
     memory = mmap.mmap(-1, SLOTS * SLOT_BYTES, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
     ring = np.frombuffer(memory, np.uint8)
@@ -95,7 +93,7 @@ def producer_in_child(work, feeder):
         ours.close()
         code = 0
         try:
-            produce(work, Connection(theirs.detach()), ring)
+            produce(items, Connection(theirs.detach()), ring)
         except BaseException:
             import traceback
 
@@ -114,14 +112,12 @@ def producer_in_child(work, feeder):
             if message[0] == "part":
                 yield WindowPart(window, *message[2:])
                 continue
-            rows, padded_length, arrays, real, padded_tokens, entered, padded, typed, models = message[2:]
+            batch, models = message[2:]
             received += 1
             channel.send_bytes(received.to_bytes(8, "little"))
-            views = [np.frombuffer(memory, np.dtype(kind), int(np.prod(shape)), offset).reshape(shape)
-                     for offset, kind, shape in arrays]
-            tensors, copied = feeder.send(*views)
-            yield ReadyBatch(rows, padded_length, tensors, copied, real, padded_tokens, window, entered, padded, typed,
-                             models)
+            views = tuple(np.frombuffer(memory, np.dtype(kind), int(np.prod(shape)), offset).reshape(shape)
+                          for offset, kind, shape in batch.arrays)
+            yield WindowBatch(dataclasses.replace(batch, arrays=views), window, models)
     finally:
         channel.close()
         _, status = os.waitpid(child, 0)
@@ -133,10 +129,9 @@ def patch_runner() -> None:
     """Make the shard runner's batches come from `producer_in_child`."""
     import pipeline.offline.runner as runner
 
-    batches_of = runner.batches_of
+    collated_parts = runner.collated_parts
 
-    def batches_from_child(windows, window_rows, runtime, pad_token_id, feeder, times, computed=None):
-        return producer_in_child(batches_of(windows, window_rows, runtime, pad_token_id, feeder, times, computed),
-                                 feeder)
+    def parts_from_child(windows, packing, limits, computed=None):
+        return producer_in_child(collated_parts(windows, packing, limits, computed))
 
-    runner.batches_of = batches_from_child
+    runner.collated_parts = parts_from_child

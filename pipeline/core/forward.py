@@ -16,7 +16,7 @@ import torch
 
 from pipeline.core.buckets import BatchLimits
 from pipeline.core.clock import StageTimes, timed
-from pipeline.core.collate import collated_batches
+from pipeline.core.collate import CollatedBatch, collated_batches
 from pipeline.core.device import is_out_of_memory, padding_multiple, release_cached_memory
 from pipeline.core.tokenize import EncodedRows
 
@@ -240,18 +240,23 @@ class ReadyBatch:
 
 def collate_batches(encoded: EncodedRows, rows: np.ndarray, max_batch_tokens: int | None, max_batch_rows: int,
                     max_length: int, limits: BatchLimits, pad_token_id: int, feeder: DeviceFeeder,
-                    times: StageTimes | None = None, window: object = None,
-                    packed: bool = False) -> Iterator[ReadyBatch]:
+                    times: StageTimes | None = None, packed: bool = False) -> Iterator[ReadyBatch]:
     """`collated_batches` (core/collate.py) padded to the multiple of `feeder`'s device, each sent on its
-    way there; `times.collate` counts both."""
+    way there (`sent`)."""
     for batch in collated_batches(encoded, rows, max_batch_tokens, max_batch_rows, max_length, limits, pad_token_id,
                                   padding_multiple(feeder.device), packed):
-        tensors, copied = feeder.send(*batch.arrays)
-        ready = ReadyBatch(batch.rows, batch.padded_length, tensors, copied, batch.real_tokens, batch.padded_tokens,
-                           window, batch.entered, batch.padded, batch.typed)
-        if times is not None:
-            times.collate += time.perf_counter() - batch.entered
-        yield ready
+        yield sent(batch, feeder, times)
+
+
+def sent(batch: CollatedBatch, feeder: DeviceFeeder, times: StageTimes | None = None, window: object = None,
+         models: tuple[str, ...] | None = None) -> ReadyBatch:
+    """A collated batch on its way to `feeder`'s device; `times.collate` counts its collate and this."""
+    tensors, copied = feeder.send(*batch.arrays)
+    ready = ReadyBatch(batch.rows, batch.padded_length, tensors, copied, batch.real_tokens, batch.padded_tokens,
+                       window, batch.entered, batch.padded, batch.typed, models)
+    if times is not None:
+        times.collate += time.perf_counter() - batch.entered
+    return ready
 
 
 def run_on_device(items: Iterable, job, model: torch.nn.Module, device: torch.device, feeder: DeviceFeeder,

@@ -32,10 +32,10 @@ from tqdm import tqdm
 
 from pipeline.core.buckets import padding_efficiency
 from pipeline.core.clock import SetupClock
-from pipeline.core.device import dtype_name, peak_rss_bytes
+from pipeline.core.device import dtype_name, padding_multiple, peak_rss_bytes
 from pipeline.core.errors import UsageError
 from pipeline.core.clock import StageTimes, timed
-from pipeline.core.forward import DeviceFeeder, ReadyBatch, collate_batches, finite_rows, run_on_device
+from pipeline.core.forward import DeviceFeeder, ReadyBatch, finite_rows, run_on_device, sent
 from pipeline.core.probe import describe_plan
 from pipeline.core.process_memory import STREAMING_MEMORY
 from pipeline.core.settings import auto_window_rows, tokenize_workers_for, usable_cores
@@ -54,13 +54,15 @@ from pipeline.offline.source import RowBlock, Shard
 from pipeline.offline.summary import IdTracker, RunSummary, low_reuse_warning
 from pipeline.offline.windows import (
     OUTPUT_ARRAYS,
+    BatchPacking,
     Window,
+    WindowBatch,
     WindowPart,
+    collated_parts,
     dedupe_windows,
     group_into_windows,
     submit_window,
     tokenize_windows,
-    window_parts,
     zeroed_array,
 )
 
@@ -151,9 +153,9 @@ class ShardRunner:
             with contextlib.nullcontext(pool) if self.keep_pool else pool:
                 self._end_setup(pool, times, started, summary)
                 feeder = DeviceFeeder(self.loaded.choice.device)
-                work = batches_of(self._encoded_windows(pool, shards, times, begun), self.window_rows, self.runtime,
-                                  self.loaded.tokenizer.pad_token_id, feeder, times,
-                                  self.carry and self.carry.computed)
+                work = sent_to_device(collated_parts(self._encoded_windows(pool, shards, times, begun),
+                                                     self._batch_packing(), self.runtime.limits,
+                                                     self.carry and self.carry.computed), feeder, times)
                 self._compute(work, feeder, background, progress, summary, times)
             background.close()
         except BaseException:
@@ -163,6 +165,12 @@ class ShardRunner:
         finally:
             self._end_run(background, progress, writer, summary)
         self._add_rates(summary, times, time.perf_counter() - started)
+
+    def _batch_packing(self) -> BatchPacking:
+        runtime = self.runtime
+        return BatchPacking(self.window_rows, runtime.batch.max_batch_tokens, runtime.batch.max_batch_rows,
+                            runtime.max_length, self.loaded.tokenizer.pad_token_id,
+                            padding_multiple(self.loaded.choice.device), runs_unpadded(self.loaded.model))
 
     def _window_writer(self, sink: ShardSink, manifest: RunManifest, shards: list[Shard], times: StageTimes,
                        ids: IdTracker | None) -> WindowWriter:
@@ -365,26 +373,12 @@ def check_kept_columns(keep_columns, job_columns: list[str], split_columns: list
                          "input")
 
 
-PART_OF_WINDOW = 8  # a window spanning shards is cut at shard ends into parts of at least 1/8 of its rows
-
-
-def batches_of(windows: Iterable[Window], window_rows: int, runtime: Runtime, pad_token_id: int,
-               feeder: DeviceFeeder, times: StageTimes,
-               computed: tuple[str, ...] | None = None) -> Iterator[ReadyBatch | WindowPart]:
-    """Each window part's valid rows as collated batches, then the part itself: its rows are
-    done, so it can be written and the shard it ends committed. `computed`: a change of models, whose
-    carried rows run in batches of their own, by these models only (none: they do not run)."""
-    for window in windows:
-        for part in window_parts(window, max(1, window_rows // PART_OF_WINDOW)):
-            for rows, models in window.rows_by_models(part.start_row, part.end_row, computed):
-                if models == ():
-                    continue
-                for batch in collate_batches(window.scored, rows, runtime.batch.max_batch_tokens,
-                                             runtime.batch.max_batch_rows, runtime.max_length, runtime.limits,
-                                             pad_token_id, feeder, times, window, runs_unpadded(runtime.loaded.model)):
-                    batch.models = models
-                    yield batch
-            yield part
+def sent_to_device(items: Iterable[WindowBatch | WindowPart], feeder: DeviceFeeder,
+                   times: StageTimes) -> Iterator[ReadyBatch | WindowPart]:
+    """The producer's batches on their way to the device (on the prefetch thread, so the copy overlaps the
+    forward), its parts as they come."""
+    for item in items:
+        yield item if isinstance(item, WindowPart) else sent(item.batch, feeder, times, item.window, item.models)
 
 
 def record_batch(item: ReadyBatch, result, summary: RunSummary) -> int:

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from pipeline.core.buckets import BatchLimits
 from pipeline.core.clock import StageTimes
+from pipeline.core.collate import CollatedBatch, collated_batches
 from pipeline.core.segments import segment_groups
 from pipeline.core.tokenize import EncodedRows, TokenizerPool, rows_without_error
 from pipeline.offline.carry import carried_mask, split_by_carry
@@ -341,6 +343,49 @@ def window_parts(window: Window, min_rows: int) -> list[WindowPart]:
     parts.append(WindowPart(window, first, len(window.blocks), start, row))
     return parts
 
+
+PART_OF_WINDOW = 8  # a window spanning shards is cut at shard ends into parts of at least 1/8 of its rows
+
+
+@dataclass(frozen=True)
+class BatchPacking:
+    """What packing a run's batches takes of its runtime: the limits, the device's padding multiple and
+    whether the model runs padded batches unpadded (their packed layout is collated too)."""
+
+    window_rows: int
+    max_batch_tokens: int | None
+    max_batch_rows: int
+    max_length: int
+    pad_token_id: int
+    padding_multiple: int
+    packed: bool
+
+
+@dataclass
+class WindowBatch:
+    """A collated batch of a window's rows on the host, and the models that run it (None: every one)."""
+
+    batch: CollatedBatch
+    window: Window
+    models: tuple[str, ...] | None
+
+
+def collated_parts(windows: Iterable[Window], packing: BatchPacking, limits: BatchLimits,
+                   computed: tuple[str, ...] | None = None) -> Iterator[WindowBatch | WindowPart]:
+    """Each window part's valid rows as collated batches, then the part itself: its rows are done once
+    its batches are, so it can be written and the shard it ends committed. `computed`: a change of models,
+    whose carried rows run in batches of their own, by these models only (none: they do not run). All on
+    the host, without torch: the device's side sends each batch (core/forward.py `sent`)."""
+    for window in windows:
+        for part in window_parts(window, max(1, packing.window_rows // PART_OF_WINDOW)):
+            for rows, models in window.rows_by_models(part.start_row, part.end_row, computed):
+                if models == ():
+                    continue
+                for batch in collated_batches(window.scored, rows, packing.max_batch_tokens, packing.max_batch_rows,
+                                              packing.max_length, limits, packing.pad_token_id,
+                                              packing.padding_multiple, packing.packed):
+                    yield WindowBatch(batch, window, models)
+            yield part
 
 def submit_window(pool: TokenizerPool, blocks: list[RowBlock]) -> tuple[list[RowBlock], list]:
     """Hand a window's texts to the tokenizer pool, with the ids of the blocks --reuse has not hashed

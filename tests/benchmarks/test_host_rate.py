@@ -63,7 +63,7 @@ def test_the_producer_in_child_experiment_hands_over_the_same_batches(tmp_path, 
 
         with monkeypatch.context() as patches:  # what the harness replaces is put back after each run
             patches.setattr(runner_setup, "open_chosen_models", runner_setup.open_chosen_models)
-            patches.setattr(runner, "batches_of", runner.batches_of)
+            patches.setattr(runner, "collated_parts", runner.collated_parts)
             patches.setattr(runner.SetupClock, "breakdown", runner.SetupClock.breakdown)
             patches.setattr(host_rate.ZeroForwardJob, "forward", forward)
             host_rate.measure_pipeline(tmp_path / "in", 300, 128, 1, producer_in_child=in_child)
