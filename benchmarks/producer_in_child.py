@@ -63,6 +63,9 @@ def produce(items, channel: Connection, ring: np.ndarray) -> None:
             while received < sent - (SLOTS - LAG):
                 received = int.from_bytes(channel.recv_bytes(), "little")
             offset, arrays = (sent % SLOTS) * SLOT_BYTES, []
+            if sum(values.nbytes for values in item.batch.arrays) > SLOT_BYTES:  # it would run into the next slot
+                raise ValueError(f"a batch of {item.batch.padded_tokens:,} padded tokens does not fit a ring slot "
+                                 f"({SLOT_BYTES:,} bytes): host_rate's 65,536-token batches do")
             for values in item.batch.arrays:
                 ring[offset:offset + values.nbytes] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
                 arrays.append((offset, values.dtype.str, values.shape))

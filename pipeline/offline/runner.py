@@ -31,10 +31,9 @@ import torch
 from tqdm import tqdm
 
 from pipeline.core.buckets import padding_efficiency
-from pipeline.core.clock import SetupClock
+from pipeline.core.clock import SetupClock, StageTimes, timed
 from pipeline.core.device import dtype_name, padding_multiple, peak_rss_bytes
 from pipeline.core.errors import UsageError
-from pipeline.core.clock import StageTimes, timed
 from pipeline.core.forward import DeviceFeeder, ReadyBatch, finite_rows, run_on_device, sent
 from pipeline.core.probe import describe_plan
 from pipeline.core.process_memory import STREAMING_MEMORY
@@ -167,6 +166,7 @@ class ShardRunner:
         self._add_rates(summary, times, time.perf_counter() - started)
 
     def _batch_packing(self) -> BatchPacking:
+        """What packing this run's batches takes of its runtime, model and device (`collated_parts`)."""
         runtime = self.runtime
         return BatchPacking(self.window_rows, runtime.batch.max_batch_tokens, runtime.batch.max_batch_rows,
                             runtime.max_length, self.loaded.tokenizer.pad_token_id,

@@ -387,6 +387,7 @@ def collated_parts(windows: Iterable[Window], packing: BatchPacking, limits: Bat
                     yield WindowBatch(batch, window, models)
             yield part
 
+
 def submit_window(pool: TokenizerPool, blocks: list[RowBlock]) -> tuple[list[RowBlock], list]:
     """Hand a window's texts to the tokenizer pool, with the ids of the blocks --reuse has not hashed
     (the workers hash those rows too): the window and its pending handles."""

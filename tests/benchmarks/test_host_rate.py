@@ -22,15 +22,21 @@ def load_host_rate():
     return module
 
 
-@pytest.mark.slow
-def test_the_harness_runs_the_real_pipeline_with_a_forward_of_zeros(tmp_path, sample_table, monkeypatch):
+def put_back_what_the_harness_replaces(patches: pytest.MonkeyPatch) -> None:
+    """The runner functions host_rate.py (and its --producer-in-child experiment) replace, restored when `patches`
+    is undone."""
     import pipeline.engines.runner_setup as runner_setup
     import pipeline.offline.runner as runner
 
+    patches.setattr(runner_setup, "open_chosen_models", runner_setup.open_chosen_models)
+    patches.setattr(runner, "collated_parts", runner.collated_parts)
+    patches.setattr(runner.SetupClock, "breakdown", runner.SetupClock.breakdown)
+
+
+@pytest.mark.slow
+def test_the_harness_runs_the_real_pipeline_with_a_forward_of_zeros(tmp_path, sample_table, monkeypatch):
     host_rate = load_host_rate()
-    # what the harness replaces is put back after the test
-    monkeypatch.setattr(runner_setup, "open_chosen_models", runner_setup.open_chosen_models)
-    monkeypatch.setattr(runner.SetupClock, "breakdown", runner.SetupClock.breakdown)
+    put_back_what_the_harness_replaces(monkeypatch)
     forwarded = []
     zero_forward = host_rate.ZeroForwardJob.forward
     monkeypatch.setattr(host_rate.ZeroForwardJob, "forward",
@@ -46,9 +52,6 @@ def test_the_harness_runs_the_real_pipeline_with_a_forward_of_zeros(tmp_path, sa
 def test_the_producer_in_child_experiment_hands_over_the_same_batches(tmp_path, sample_table, monkeypatch):
     """`--producer-in-child` (benchmarks/producer_in_child.py) measures a design by moving the producer into a
     forked child: its figures mean something only if the device loop gets the very batches it gets in-process."""
-    import pipeline.engines.runner_setup as runner_setup
-    import pipeline.offline.runner as runner
-
     host_rate = load_host_rate()
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     batches: dict[bool, list] = {}
@@ -61,10 +64,8 @@ def test_the_producer_in_child_experiment_hands_over_the_same_batches(tmp_path, 
             recorded.append((tuple(input_ids.shape), input_ids.numpy().tobytes(), attention_mask.numpy().tobytes()))
             return zero_forward(job, model, input_ids, attention_mask, *args, **kwargs)
 
-        with monkeypatch.context() as patches:  # what the harness replaces is put back after each run
-            patches.setattr(runner_setup, "open_chosen_models", runner_setup.open_chosen_models)
-            patches.setattr(runner, "collated_parts", runner.collated_parts)
-            patches.setattr(runner.SetupClock, "breakdown", runner.SetupClock.breakdown)
+        with monkeypatch.context() as patches:  # put back after each run, so the second does not wrap the first
+            put_back_what_the_harness_replaces(patches)
             patches.setattr(host_rate.ZeroForwardJob, "forward", forward)
             host_rate.measure_pipeline(tmp_path / "in", 300, 128, 1, producer_in_child=in_child)
     assert len(batches[False]) > 1 and sorted(batches[True]) == sorted(batches[False])
