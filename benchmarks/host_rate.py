@@ -7,8 +7,10 @@ measures the host alone, on any CPU:
 - **pipeline**: the real `lengthwise run` (`pipeline.api.run`: listing, reading, windows,
   dedupe, the tokenizer pool, buckets, collate, the device loop, the writer, commits), with the
   device step replaced by one that returns zeros of the job's output shape. That replacement is a
-  harness of this file alone: no flag reaches it. The pool is sized as on a GPU host whose device
-  step needs no core: every usable core (`--tokenize-workers`).
+  harness of this file alone: no flag reaches it. As on a GPU host, the batches are built by a feeder
+  process (offline/feeder.py) and the pool is sized for a device step that needs no core: every usable
+  core (`--tokenize-workers`). `--in-process-producer` also measures the run with its batches built in
+  its own process, as a CPU run builds them, reported apart.
 - **bare**: pyarrow reads each shard's text column, the fast tokenizer's own `encode_batch`
   (Rust, on every core) tokenizes it, and a zstd Parquet write stores the id and a float32
   column of the job's output width.
@@ -17,11 +19,10 @@ Both run on the same rows (distinct texts: two random tweets of ../shared/data/t
 civil-comment-like, ~54 tokens), each in a fresh process, interleaved over --repeats. The
 figures: rows/s from the first row read to the last commit (the pipeline's setup, model load and
 pool start, is not counted; the bare side's tokenizer load is not either), and CPU µs per row over
-the same span of the main process (each of its threads), of each pool worker, of the output
-encoder process and of the shard reader process, sampled from /proc. The report's rates are the best
+the same span of the main process (each of its threads), of the feeder process, of each pool worker, of the
+output encoder process and of the shard reader process, sampled from /proc. The report's rates are the best
 repeat's; its main-process µs a row is the median over the repeats (a VM moves it ±0.5 between runs of
-the same code). `--producer-in-child` also measures an experiment (benchmarks/producer_in_child.py):
-the same run with its windows and batches built by a forked child, reported apart.
+the same code).
 
     .venv/bin/python benchmarks/host_rate.py --rows 128000 --json benchmarks/results/host_rate.json
 """
@@ -77,9 +78,9 @@ def make_rows(rows: int, folder: Path, shards: int, seed: int = 0) -> None:
 
 
 class CpuSampler:
-    """CPU seconds of this process's threads (by Python name) and of its child processes, read
-    from /proc every `interval_s`: threads and pool workers that end before the run does keep
-    the last value seen."""
+    """CPU seconds of this process's threads (by Python name) and of the processes below it (children and
+    theirs: the feeder's pool workers and readers), read from /proc every `interval_s`: threads and processes
+    that end before the run does keep the last value seen."""
 
     def __init__(self, interval_s: float = 0.25):
         self.interval_s, self.threads, self.children = interval_s, {}, {}
@@ -107,13 +108,19 @@ class CpuSampler:
             seconds = cpu_seconds(task)
             if seconds is not None and tid != self._thread.native_id:  # by id: the last sample runs after it ended
                 self.threads[(tid, names.get(tid, f"thread {tid}"))] = seconds
-        for pid in glob.glob("/proc/self/task/*/children"):  # this process's children, by any of its threads
-            with contextlib.suppress(OSError):
-                for child in Path(pid).read_text().split():
-                    seconds = cpu_seconds(f"/proc/{child}/stat")
+        parents = ["self"]
+        while parents:  # this process's children (of any of its threads), then theirs
+            children = []
+            for listing in (path for parent in parents for path in glob.glob(f"/proc/{parent}/task/*/children")):
+                with contextlib.suppress(OSError):
+                    children += Path(listing).read_text().split()
+            for child in children:
+                seconds = cpu_seconds(f"/proc/{child}/stat")
+                with contextlib.suppress(OSError):
+                    command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
                     if seconds is not None:
-                        command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
                         self.children[(int(child), command)] = seconds
+            parents = children
 
     def start_measuring(self) -> None:
         """From here on is measured: the CPU spent before (imports, model load, workers starting) is not."""
@@ -141,7 +148,7 @@ class CpuSampler:
                 "thread_us_per_row": per_row, "pool_worker_us_per_row": workers,
                 "encoder_process_us_per_row": helper_us_per_row("pipeline.offline.encoder"),
                 "reader_process_us_per_row": helper_us_per_row("pipeline.offline.reader"),
-                "forked_producer_us_per_row": helper_us_per_row("host_rate.py")}  # --producer-in-child
+                "feeder_process_us_per_row": helper_us_per_row("pipeline.offline.feeder")}
 
 
 def cpu_seconds(stat_path: str) -> float | None:
@@ -219,15 +226,15 @@ def model_folder() -> str:
     return default_model_path()
 
 
-def measure_pipeline(inputs: Path, rows: int, max_length: int, workers: int, producer_in_child: bool = False) -> dict:
+def measure_pipeline(inputs: Path, rows: int, max_length: int, workers: int, feeder_process: bool = True) -> dict:
+    """The run's figures; `feeder_process`: its batches built by a feeder process, as on a GPU host (else in its
+    own process, as on a CPU)."""
     from pipeline import api
+    from pipeline.offline import feeder
 
     with tempfile.TemporaryDirectory(prefix="host-rate-") as scratch, CpuSampler() as sampler:
         with_zero_forward(sampler)
-        if producer_in_child:
-            from producer_in_child import patch_runner
-
-            patch_runner()
+        feeder.uses_feeder_process = lambda device_type: feeder_process
         started = time.perf_counter()
         summary = api.run(str(inputs), f"{scratch}/out", "embed", model=model_folder(), max_length=max_length,
                           dtype="float32", compile="off", unpad="off", probe=False, max_batch_tokens=65536,
@@ -284,10 +291,10 @@ def main() -> None:
     parser.add_argument("--tokenize-workers", type=int, default=None, help="Default: every usable core.")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--producer-in-child", action="store_true",
-                        help="Also measure the experiment of benchmarks/producer_in_child.py (windows and batches "
-                             "built by a forked child) and report it apart.")
-    parser.add_argument("--child", choices=["pipeline", "bare", "producer-in-child"], help=argparse.SUPPRESS)
+    parser.add_argument("--in-process-producer", action="store_true",
+                        help="Also measure the run with its batches built in its own process (as a CPU run builds "
+                             "them) and report it apart.")
+    parser.add_argument("--child", choices=["pipeline", "bare", "in-process-producer"], help=argparse.SUPPRESS)
     parser.add_argument("--inputs", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     from pipeline.core.settings import usable_cores
@@ -297,14 +304,14 @@ def main() -> None:
         args.tokenize_workers = usable_cores()
     if args.child:
         figures = (measure_pipeline(args.inputs, args.rows, args.max_length, args.tokenize_workers,
-                                    args.child == "producer-in-child")
+                                    args.child == "pipeline")
                    if args.child != "bare" else measure_bare(args.inputs, args.rows, args.max_length, 384))
         print(json.dumps(figures))
         return
     with tempfile.TemporaryDirectory(prefix="host-rate-rows-") as scratch:
         args.inputs = Path(scratch) / "in"
         make_rows(args.rows, args.inputs, args.shards)
-        modes = ("bare", "pipeline", *(["producer-in-child"] if args.producer_in_child else []))
+        modes = ("bare", "pipeline", *(["in-process-producer"] if args.in_process_producer else []))
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for repeat in range(args.repeats):
             for mode in modes:
@@ -317,17 +324,17 @@ def main() -> None:
               "share_of_bare": round(best["pipeline"]["rows_per_s"] / best["bare"]["rows_per_s"], 3),
               "main_process_us_per_row": statistics.median(run["main_process_us_per_row"] for run in runs["pipeline"]),
               "pipeline": best["pipeline"], "bare": best["bare"], "all_runs": runs}
-    if args.producer_in_child:  # an experiment, not the pipeline's figure
-        report["producer_in_child"] = {
+    if args.in_process_producer:  # a CPU run's way, beside the GPU host's
+        report["in_process_producer"] = {
             "main_process_us_per_row": statistics.median(run["main_process_us_per_row"]
-                                                         for run in runs["producer-in-child"]),
-            "best": best["producer-in-child"]}
+                                                         for run in runs["in-process-producer"]),
+            "best": best["in-process-producer"]}
     print(json.dumps({key: report[key] for key in ("rows_per_s", "bare_rows_per_s", "share_of_bare",
                                                    "main_process_us_per_row")}, indent=1))
     print(json.dumps(best["pipeline"]["thread_us_per_row"], indent=1))
-    if args.producer_in_child:
-        print(json.dumps({"producer_in_child": report["producer_in_child"]["main_process_us_per_row"],
-                          **best["producer-in-child"]["thread_us_per_row"]}, indent=1))
+    if args.in_process_producer:
+        print(json.dumps({"in_process_producer": report["in_process_producer"]["main_process_us_per_row"],
+                          **best["in-process-producer"]["thread_us_per_row"]}, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -67,6 +67,7 @@ def test_the_layers_are_few_and_no_module_is_over_500_lines():
 
 @pytest.mark.parametrize("module", ["pipeline.core.buckets", "pipeline.core.clock", "pipeline.core.memory", "pipeline.core.units",
                                     "pipeline.core.collate", "pipeline.offline.windows",  # what builds batches
+                                    "pipeline.offline.producer", "pipeline.offline.feeder",  # and where
                                     "pipeline.core.findings", "pipeline.offline.diagnosis",
                                     "pipeline.offline.manifest", "pipeline.tuning.diagnosis", "pipeline.tuning.levels",
                                     "pipeline.online.rules", "pipeline.online.batcher", "pipeline.cli",

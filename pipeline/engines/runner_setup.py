@@ -1,5 +1,6 @@
 """Opening a shard runner: the one setup a local run and a Ray actor share, for one model or several (docs/jobs.md
-"Several models, one pass"). The tokenizer pool starts first, so that its processes come up while the models load;
+"Several models, one pass"). The producer and its tokenizer pool start first (offline/producer.py; on CUDA in a
+feeder process), so that their processes come up while the models load;
 the models are opened as `plan` opens them (`open_chosen_models`)."""
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ from typing import NamedTuple
 
 from pipeline.core.clock import SetupClock
 from pipeline.core.settings import tokenize_workers_for
-from pipeline.core.tokenize import TokenizerPool
 from pipeline.offline.carry import Carry
 from pipeline.offline.config import RunConfig
+from pipeline.offline.feeder import producer_for
 from pipeline.offline.model_set_setup import one_model_set, open_chosen_models
 from pipeline.offline.runner import ShardRunner
 from pipeline.runtime import InputRows
@@ -31,12 +32,12 @@ def open_shard_runner(config: RunConfig, choice: ModelChoice | ModelSetChoice, r
     every `run` (an actor's); `carry`: a change of models (offline/carry.py)."""
     with clock.step("tokenizer"):
         models = choice if config.models else one_model_set(config, choice)
-        pool = TokenizerPool(models.tokenizer, tokenize_workers_for(config.tokenize_workers, choice.device.type),
-                             wait=False)
+        producer = producer_for(models.tokenizer, tokenize_workers_for(config.tokenize_workers, choice.device.type),
+                                choice.device.type, keep_pool)
     try:
         opened = open_chosen_models(config, models, rows, clock)
-        runner = ShardRunner(opened.config, opened.runtime, pool, clock, keep_pool=keep_pool, carry=carry)
+        runner = ShardRunner(opened.config, opened.runtime, producer, clock, carry=carry)
     except BaseException:
-        pool.close()
+        producer.close()
         raise
     return OpenedRunner(runner, opened.config, opened.settled())

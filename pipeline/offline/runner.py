@@ -8,21 +8,19 @@ bottom to see the whole flow:
 An engine (`pipeline/engines/`) claims the output and loads the model once; a `ShardRunner`
 then turns a list of input shards into committed output shards and a summary. Every engine
 (this process, one indexed worker of N, a Ray actor) calls a ShardRunner; only the hand-out
-of shards differs. Reading, tokenizing, planning and collating run on a background thread
-(tokenizing on worker processes) while `run_on_device` (`core/forward.py`), the one device
-loop that `run` and `sweep` share, keeps the device busy.
+of shards differs. Reading, tokenizing, planning and collating are the producer's (offline/producer.py:
+on a background thread of this process, tokenizing on worker processes; on CUDA all of it in a feeder
+process, offline/feeder.py) while `run_on_device` (`core/forward.py`), the one device loop that `run`
+and `sweep` share, keeps the device busy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import sys
-import threading
 import time
-import weakref
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -31,101 +29,55 @@ import torch
 from tqdm import tqdm
 
 from pipeline.core.buckets import padding_efficiency
-from pipeline.core.clock import SetupClock, StageTimes, timed
+from pipeline.core.clock import SetupClock, StageTimes
 from pipeline.core.device import dtype_name, padding_multiple, peak_rss_bytes
 from pipeline.core.errors import UsageError
 from pipeline.core.forward import DeviceFeeder, ReadyBatch, finite_rows, run_on_device, sent
 from pipeline.core.probe import describe_plan
 from pipeline.core.process_memory import STREAMING_MEMORY
-from pipeline.core.settings import auto_window_rows, tokenize_workers_for, usable_cores
-from pipeline.core.tokenize import TokenizerPool
+from pipeline.core.settings import auto_window_rows, usable_cores
 from pipeline.core.unpadded import runs_unpadded
 from pipeline.runtime import Runtime
 from pipeline.runtime.model_set import settled_models
 from pipeline.offline.config import RunConfig
 from pipeline.offline.encoder import OutputEncoder
 from pipeline.offline.manifest import RunManifest
-from pipeline.offline.carry import Carry, kept_columns, mark_carried
-from pipeline.offline.reuse import PreviousOutput, mark_reused
+from pipeline.offline.carry import Carry, kept_columns
 from pipeline.offline.sink import BackgroundWriter, ShardSink, WindowWriter
-from pipeline.offline.reader import ShardReaders
-from pipeline.offline.source import RowBlock, Shard
+from pipeline.offline.source import Shard
 from pipeline.offline.summary import IdTracker, RunSummary, low_reuse_warning
-from pipeline.offline.windows import (
-    OUTPUT_ARRAYS,
-    BatchPacking,
-    Window,
-    WindowBatch,
-    WindowPart,
-    collated_parts,
-    dedupe_windows,
-    group_into_windows,
-    submit_window,
-    tokenize_windows,
-    zeroed_array,
-)
+from pipeline.offline.feeder import FeederProcess
+from pipeline.offline.producer import BatchProducer, ProducerSpec, StartedShards
+from pipeline.offline.windows import OUTPUT_ARRAYS, BatchPacking, WindowBatch, WindowPart, zeroed_array
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class StartedShards:
-    """Shards whose first window is read and with the tokenizer pool before their `run` begins
-    (`ShardRunner.start`): a Ray actor starts its next shard so while the current one runs."""
-    times: StageTimes  # the run's stage times, the first window's read included
-    windows: Iterator[list[RowBlock]]  # the windows after the first
-    first: tuple[list[RowBlock], list] | None  # the first window and its pool handles; None: no rows
-    pool: TokenizerPool  # the pool that holds `first`
-    started_at: float  # time.time() when `start` began
 
 
 class ShardRunner:
     """One loaded model on one device, with its batch setting and memory plan settled once;
     `run` may be called for several lists of shards (a Ray actor gets them one by one)."""
 
-    def __init__(self, config: RunConfig, runtime: Runtime, pool: TokenizerPool | None = None,
-                 clock: SetupClock | None = None, keep_pool: bool = False, carry: Carry | None = None):
-        """`runtime`: the model and batch limits (`open_runtime`); `pool`: a tokenizer pool already
-        started for the first `run` (it closes it); `clock`: the setup steps so far, for the first
-        run's summary. `keep_pool`: one pool for every `run` until `close` (a Ray actor's, which
-        runs shard after shard), started now. `carry`: a change of models (offline/carry.py): the kept
-        models' columns carried from the output's earlier shards, the carried rows run by the others only."""
+    def __init__(self, config: RunConfig, runtime: Runtime, producer: BatchProducer | FeederProcess,
+                 clock: SetupClock | None = None, carry: Carry | None = None):
+        """`runtime`: the model and batch limits (`open_runtime`); `producer`: what builds the batches, its
+        tokenizer pool started already (offline/producer.py: here, or in a feeder process on CUDA; it closes with
+        this runner); `clock`: the setup steps so far, for the first run's summary. `carry`: a change of models
+        (offline/carry.py): the kept models' columns carried from the output's earlier shards, the carried rows
+        run by the others only."""
         self.config, self.runtime, self.loaded, self.carry = config, runtime, runtime.loaded, carry
-        self._started_pool, self.clock, self.keep_pool = pool, clock or SetupClock(), keep_pool
+        self.producer, self.clock = producer, clock or SetupClock()
         self.window_rows = config.window_rows or auto_window_rows(runtime.batch.max_batch_rows)
-        self.tokenize_workers = tokenize_workers_for(config.tokenize_workers, self.loaded.choice.device.type)
-        self._previous: PreviousOutput | None = None
-        self._previous_lock = threading.Lock()  # a Ray actor's next shard starts while the current one runs
+        self.tokenize_workers = producer.workers
         self._encoder: OutputEncoder | None = None  # the process that encodes local outputs (kept like the pool)
-        self._readers = ShardReaders()  # the processes that read the shards (kept like the pool)
-        check_kept_columns(config.keep_columns, self.loaded.job.output_schema(self.loaded.model).names,
-                           [f.name for f in self._split_fields()])
-        if keep_pool and self._started_pool is None:
-            self._started_pool = TokenizerPool(self.loaded.tokenizer, self.tokenize_workers, wait=False)
+        output_names = self.loaded.job.output_schema(self.loaded.model).names
+        check_kept_columns(config.keep_columns, output_names, [f.name for f in self._split_fields()])
+        carried = kept_columns([*output_names, *(f.name for f in self._split_fields())], carry.kept) if carry else ()
+        producer.configure(ProducerSpec(config, self._batch_packing(), runtime.limits, carry, tuple(carried)))
 
     def start(self, shards: list[Shard]) -> StartedShards:
-        """Read the first window of `shards` and hand it to the kept tokenizer pool (`keep_pool`) now,
-        for a later `run(shards, …, begun=…)`; safe while another `run` of this runner goes on."""
-        started_at, times = time.time(), StageTimes()
-        pool = self._started_pool or TokenizerPool(self.loaded.tokenizer, self.tokenize_workers, wait=False)
-        self._started_pool = pool
-        windows = self._windows(shards, times)
-        first = next(windows, None)
-        return StartedShards(times, windows, first and submit_window(pool, first), pool, started_at)
-
-    def _windows(self, shards: list[Shard], times: StageTimes) -> Iterator[list[RowBlock]]:
-        """The shards' rows in windows of row blocks, with --reuse's rows marked."""
-        config = self.config
-        source = config.source
-        blocks = timed(self._readers.blocks(shards, source.id_column, source.text_column, self.window_rows,
-                                            source.storage_options, config.keep_columns, source.pair_column),
-                       times, "read")
-        grouped = group_into_windows(blocks, self.window_rows)
-        if self.carry is not None:
-            columns = kept_columns([*self.loaded.job.output_schema(self.loaded.model).names,
-                                    *(f.name for f in self._split_fields())], self.carry.kept)
-            return mark_carried(grouped, self._previous_output(), self.carry, columns)
-        return mark_reused(grouped, self._previous_output()) if config.reuse else grouped
+        """Read the first window of `shards` and hand it to the kept tokenizer pool now, for a later
+        `run(shards, …, begun=…)`; safe while another `run` of this runner goes on."""
+        return self.producer.start(shards)
 
     def run(self, shards: list[Shard], sink: ShardSink, manifest: RunManifest, summary: RunSummary,
             started: float, ids: IdTracker | None = None, begun: StartedShards | None = None) -> None:
@@ -146,23 +98,17 @@ class ShardRunner:
         writer = self._window_writer(sink, manifest, shards, times, ids)
         background = BackgroundWriter(writer)
         progress = self._progress_bar(shards)
-        pool = self._take_pool()
-        sink.encoder = self._encoder_for(sink)
+        failed = True
         try:
-            with contextlib.nullcontext(pool) if self.keep_pool else pool:
-                self._end_setup(pool, times, started, summary)
-                feeder = DeviceFeeder(self.loaded.choice.device)
-                work = sent_to_device(collated_parts(self._encoded_windows(pool, shards, times, begun),
-                                                     self._batch_packing(), self.runtime.limits,
-                                                     self.carry and self.carry.computed), feeder, times)
-                self._compute(work, feeder, background, progress, summary, times)
+            sink.encoder = self._encoder_for(sink)
+            self._end_setup(times, started, summary)
+            feeder = DeviceFeeder(self.loaded.choice.device)
+            work = sent_to_device(self.producer.items(shards, times, begun), feeder, times)
+            self._compute(work, feeder, background, progress, summary, times)
             background.close()
-        except BaseException:
-            if self.keep_pool:  # the pool of a run that failed may be broken: the next run starts its own
-                self._close_pool()
-            raise
+            failed = False
         finally:
-            self._end_run(background, progress, writer, summary)
+            self._end_run(background, progress, writer, summary, failed)
         self._add_rates(summary, times, time.perf_counter() - started)
 
     def _batch_packing(self) -> BatchPacking:
@@ -186,18 +132,11 @@ class ShardRunner:
         return tqdm(total=sum(shard.num_rows for shard in shards), unit="rows", file=sys.stderr,
                     disable=not self.config.progress, dynamic_ncols=True, smoothing=0.1)
 
-    def _take_pool(self) -> TokenizerPool:
-        """The tokenizer pool started before this run (by the engine, `start` or `keep_pool`), else a new one;
-        kept for the next run only with `keep_pool`."""
-        pool = self._started_pool or TokenizerPool(self.loaded.tokenizer, self.tokenize_workers, wait=False)
-        self._started_pool = pool if self.keep_pool else None
-        return pool
-
-    def _end_setup(self, pool: TokenizerPool, times: StageTimes, started: float, summary: RunSummary) -> None:
+    def _end_setup(self, times: StageTimes, started: float, summary: RunSummary) -> None:
         """The setup ends once the tokenizer pool is up: its time and steps go to the summary."""
         import_arrow_conversions()
         with self.clock.step("tokenizer pool"):  # only the wait for processes not yet up
-            pool.ready()
+            self.producer.ready()
         times.setup = time.perf_counter() - started
         summary.setup_steps = self.clock.breakdown(times.setup)
         self.clock = SetupClock()  # a later run (a Ray actor's next shard) starts its own
@@ -227,15 +166,17 @@ class ShardRunner:
         # a shard that failed to read is seen here; one whose commit failed, up to two parts later
         return bool(self.config.fail_fast and (background.failures or any(b.failure for b in part.blocks)))
 
-    def _end_run(self, background: BackgroundWriter, progress: tqdm, writer: WindowWriter,
-                 summary: RunSummary) -> None:
-        """After the run, ended or failed: every window handed on written, the shards finished."""
+    def _end_run(self, background: BackgroundWriter, progress: tqdm, writer: WindowWriter, summary: RunSummary,
+                 failed: bool) -> None:
+        """After the run, ended or failed: every window handed on written, the shards finished; the producer's
+        processes, and the encoder's, kept for the next run only if the producer keeps its pool."""
         background.close(raise_error=False)  # on an error: the windows already handed on are still written
         progress.close()
-        writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
-        if self._started_pool is None:  # not kept, or failed: the encoder and readers go with the pool
-            self._close_encoder()
-            self._readers.close()
+        try:
+            writer.finish(summary)  # on an error too: nothing partial stays, failed shards are marked
+        finally:
+            if not self.producer.end_run(failed):
+                self._close_encoder()
         self._warn_of_low_reuse(summary)
 
     def _describe(self, summary: RunSummary) -> None:
@@ -251,20 +192,10 @@ class ShardRunner:
         summary.settings = diagnosis_settings(self.runtime, self.window_rows, self.tokenize_workers)
         summary.sweep_reference = self.runtime.sweep_reference
 
-    def _encoded_windows(self, pool: TokenizerPool, shards: list[Shard], times: StageTimes,
-                         begun: StartedShards | None) -> Iterator[Window]:
-        """The shards' windows as the pool tokenizes them (`begun`: the first already submitted), deduplicated."""
-        if begun is None:
-            windows = tokenize_windows(pool, self._windows(shards, times), times)
-        else:  # a pool replaced since (a failed run stops its own) gets the first window again
-            first = begun.first if begun.pool is pool or not begun.first else submit_window(pool, begun.first[0])
-            windows = tokenize_windows(pool, begun.windows, times, first)
-        return dedupe_windows(windows) if self.config.dedupe else windows
-
     def _warn_of_low_reuse(self, summary: RunSummary) -> None:
-        if self.config.reuse and self._previous is not None:
+        if self.config.reuse and self.producer.previous_rows is not None:
             summary.reuse_warning = low_reuse_warning(summary.rows, summary.reused_rows, summary.reuse,
-                                                      self._previous.index.rows, self.config.reuse)
+                                                      self.producer.previous_rows, self.config.reuse)
             if summary.reuse_warning:
                 log.warning(summary.reuse_warning)
 
@@ -284,23 +215,6 @@ class ShardRunner:
 
     __call__ = run  # an engine's ShardsRunner (pipeline/engines/claim.py)
 
-    def _previous_output(self) -> PreviousOutput:
-        """--reuse: yesterday's output and its index, built once for every `run` of this runner (a Ray
-        actor's shards share it); removed when the runner goes."""
-        with self._previous_lock:
-            return self._index_previous_output() if self._previous is None else self._previous
-
-    def _index_previous_output(self) -> PreviousOutput:
-        started = time.perf_counter()
-        config, carry = self.config, self.carry
-        source = config.output if carry is not None else config.reuse  # a change of models: the output's own
-        self._previous = PreviousOutput(source, config.source.storage_options, config.keep_columns,
-                                        made_with=carry and carry.made_with)
-        weakref.finalize(self, self._previous.close)
-        log.info(f"{'carrying kept models from' if carry else '--reuse:'} indexed {self._previous.index.rows:,} rows "
-                 f"of {len(self._previous.stems)} shard(s) of {source} in {time.perf_counter() - started:.2f}s")
-        return self._previous
-
     def _encoder_for(self, sink: ShardSink) -> OutputEncoder | None:
         """The encoder process for a local output (started now, or the one kept from a run before);
         None for an object store or memory, encoded in this process."""
@@ -318,16 +232,9 @@ class ShardRunner:
             self._encoder = None
 
     def close(self) -> None:
-        """Stop the tokenizer pool, the encoder and the reader processes kept for every run (`keep_pool`), or a
-        pool started for a `run` that never came (the claim failed)."""
-        self._close_pool()
+        """Stop the producer (its tokenizer pool and reader processes, or its feeder process) and the encoder."""
+        self.producer.close()
         self._close_encoder()
-        self._readers.close()
-
-    def _close_pool(self) -> None:
-        if self._started_pool is not None:
-            self._started_pool.close()
-            self._started_pool = None
 
     def _columns_of(self, outputs: dict, valid: np.ndarray, rows: int) -> dict:
         job, model = self.loaded.job, self.loaded.model

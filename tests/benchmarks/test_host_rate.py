@@ -23,14 +23,15 @@ def load_host_rate():
 
 
 def put_back_what_the_harness_replaces(patches: pytest.MonkeyPatch) -> None:
-    """The runner functions host_rate.py (and its --producer-in-child experiment) replace, restored when `patches`
-    is undone."""
+    """What host_rate.py replaces (the runner's setup, the choice of a feeder process), restored when `patches` is
+    undone."""
     import pipeline.engines.runner_setup as runner_setup
     import pipeline.offline.runner as runner
+    from pipeline.offline import feeder
 
     patches.setattr(runner_setup, "open_chosen_models", runner_setup.open_chosen_models)
-    patches.setattr(runner, "collated_parts", runner.collated_parts)
     patches.setattr(runner.SetupClock, "breakdown", runner.SetupClock.breakdown)
+    patches.setattr(feeder, "uses_feeder_process", feeder.uses_feeder_process)
 
 
 @pytest.mark.slow
@@ -49,16 +50,20 @@ def test_the_harness_runs_the_real_pipeline_with_a_forward_of_zeros(tmp_path, sa
 
 
 @pytest.mark.slow
-def test_the_producer_in_child_experiment_hands_over_the_same_batches(tmp_path, sample_table, monkeypatch):
-    """`--producer-in-child` (benchmarks/producer_in_child.py) measures a design by moving the producer into a
-    forked child: its figures mean something only if the device loop gets the very batches it gets in-process."""
+def test_the_feeder_process_hands_the_device_loop_the_batches_a_cpu_run_builds(tmp_path, sample_table, monkeypatch):
+    """host_rate's pipeline runs as on a GPU host, its batches from a feeder process (offline/feeder.py), and
+    `--in-process-producer` as on a CPU: the device loop gets the very same batches either way."""
+    from pipeline.offline import feeder
+
     host_rate = load_host_rate()
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     batches: dict[bool, list] = {}
+    feeders = []
     zero_forward = host_rate.ZeroForwardJob.forward
+    start_feeder = feeder._Feeder.__init__
+    monkeypatch.setattr(feeder._Feeder, "__init__", lambda process: start_feeder(process) or feeders.append(process))
     write_shards(tmp_path / "in", sample_table.select(["id", "text"]).slice(0, 300), [120, 100, 80])
-    for in_child in (False, True):
-        recorded = batches.setdefault(in_child, [])
+    for feeder_process in (False, True):
+        recorded = batches.setdefault(feeder_process, [])
 
         def forward(job, model, input_ids, attention_mask, *args, recorded=recorded, **kwargs):
             recorded.append((tuple(input_ids.shape), input_ids.numpy().tobytes(), attention_mask.numpy().tobytes()))
@@ -67,5 +72,6 @@ def test_the_producer_in_child_experiment_hands_over_the_same_batches(tmp_path, 
         with monkeypatch.context() as patches:  # put back after each run, so the second does not wrap the first
             put_back_what_the_harness_replaces(patches)
             patches.setattr(host_rate.ZeroForwardJob, "forward", forward)
-            host_rate.measure_pipeline(tmp_path / "in", 300, 128, 1, producer_in_child=in_child)
-    assert len(batches[False]) > 1 and sorted(batches[True]) == sorted(batches[False])
+            host_rate.measure_pipeline(tmp_path / "in", 300, 128, 1, feeder_process=feeder_process)
+        assert len(feeders) == int(feeder_process)
+    assert len(batches[False]) > 1 and batches[True] == batches[False]
