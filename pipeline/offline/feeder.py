@@ -239,11 +239,12 @@ def add_times(times: StageTimes, more: StageTimes) -> None:
 
 
 def lean_window(window: Window) -> Window:
-    """A copy of `window` without what the run's process never reads: token ids and texts (and a pair's texts),
-    kept only for a block whose rows were not hashed (its text-hash file hashes them there)."""
+    """A copy of `window` without what the run's process never reads: token ids, the workers' hashes, and texts (and
+    a pair's texts), kept only for a block whose rows were not hashed (its text-hash file hashes them there)."""
     lean = copy.copy(window)
     no_tokens = np.zeros(0, np.int32)
-    lean.encoded = dataclasses.replace(window.encoded, token_ids=no_tokens, type_ids=None)
+    lean.encoded = dataclasses.replace(window.encoded, token_ids=no_tokens, type_ids=None, hashes=None)  # the
+    # hashes are the blocks' (`reuse.hashes`) by now
     lean.scored = lean.encoded if window.scored is window.encoded else dataclasses.replace(
         window.scored, token_ids=no_tokens, type_ids=None)
     if window.encoded.segments is not None:
