@@ -17,8 +17,9 @@ run before it is done), the rows a padded length was
 lowered to after running out of memory (later batches are planned with it), and a Ray actor's next shards to start
 while the current ones run.
 
-Messages, run → feeder: ("open", tokenizer, workers, keep_pool), ("configure", spec), ("ready",),
-("start", number, shards), ("run", number or None, shards), ("freed", batches), ("lowered", {length: rows}).
+Messages, run → feeder: ("open", tokenizer, workers, keep_pool, log level), ("configure", spec), ("ready",),
+("start", number, shards), ("forget", number), ("run", number or None, shards), ("freed", batches),
+("lowered", {length: rows}).
 Feeder → run: ("ready",), ("log", logger, level, message), ("window", window), ("ring", slot_bytes, slots) with the
 memory file's descriptor after it, ("batch", batch, models), ("part", bounds…), ("end", times, index rows),
 ("error", exception, times, index rows).
@@ -26,6 +27,8 @@ memory file's descriptor after it, ("batch", batch, models), ("part", bounds…)
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -35,6 +38,7 @@ import socket
 import subprocess
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -95,15 +99,21 @@ class FeederProcess:
         self._ring: tuple[mmap.mmap, int] | None = None  # the process's ring, as mapped here, and its slot size
         self._lock = threading.RLock()  # a Ray actor's `start` comes from a thread of its own
         self._started = 0  # shards started so far (`start`), numbered for the process
+        self._not_run: dict[int, weakref.finalize] = {}  # started shards not run yet: the feeder forgets them if
+        # their StartedShards goes unused
         self._in_sync = True  # every message of the last stream was read: the process can take the next run
         self._up()  # its tokenizer workers start now, while the model loads
 
     def _up(self) -> _Feeder:
-        """The process, started (again) if there is none."""
+        """The process, started (again) if there is none or it died between runs (a Ray actor's next shard
+        then starts on a new one rather than failing too)."""
         with self._lock:
+            if self._process is not None and self._in_sync and self._process.process.poll() is not None:
+                self._stop(quickly=True)
             if self._process is None:
                 self._process = _Feeder()
-                self._send(("open", self.tokenizer, self.workers, self.keep_pool))
+                self._send(("open", self.tokenizer, self.workers, self.keep_pool,
+                        logging.getLogger("pipeline").getEffectiveLevel()))
                 if self.spec is not None:
                     self._send(("configure", self.spec))
             return self._process
@@ -141,14 +151,28 @@ class FeederProcess:
             process = self._up()
             self._started += 1
             number = self._started
-            process._send(("start", number, list(shards)))
-        return StartedShards(StageTimes(), None, None, (process, number), started_at)
+            try:
+                process._send(("start", number, list(shards)))
+            except FeederDied:  # it died with the run going on, which stops on it: the shards start at their run
+                return StartedShards(StageTimes(), None, None, (None, number), started_at)
+        started = StartedShards(StageTimes(), None, None, (process, number), started_at)
+        self._not_run[number] = weakref.finalize(started, self._forget, process, number)
+        return started
+
+    def _forget(self, process: _Feeder, number: int) -> None:
+        with self._lock:
+            self._not_run.pop(number, None)
+            if process is self._process:
+                with contextlib.suppress(FeederDied):
+                    self._send(("forget", number))
 
     def items(self, shards: list[Shard], times: StageTimes,
               begun: StartedShards | None = None) -> Iterator[WindowBatch | WindowPart]:
         """The run's batches and window parts, as the process builds them (after `ready`)."""
         process = self._process
         number = begun.pool[1] if begun is not None and begun.pool[0] is process else None  # else: started again
+        if begun is not None and begun.pool[1] in self._not_run:
+            self._not_run.pop(begun.pool[1]).detach()
         self._in_sync = False
         self._send(("run", number, list(shards)))
         depth = max(1, self.spec.config.prefetch_batches) + 1  # items the prefetch queue and the device loop hold
@@ -206,6 +230,8 @@ class FeederProcess:
         with self._lock:
             process, self._process, self._ring, self._in_sync = self._process, None, None, True
         if quickly:
+            with contextlib.suppress(OSError):  # wakes a prefetch thread still waiting on the socket
+                process._socket.shutdown(socket.SHUT_RDWR)
             process._connection.close()
             process._socket.close()
             try:
@@ -223,14 +249,16 @@ def batch_out(batch: CollatedBatch, arrays: tuple) -> tuple:
     """What the run's process needs to take `batch` back from the ring, its arrays placed there (`arrays`: the
     offset, dtype and shape of each): plain values, quick to unpickle (the rows as bytes)."""
     return (batch.rows.tobytes(), batch.rows.dtype.str, batch.padded_length, arrays, batch.real_tokens,
-            batch.padded_tokens, batch.entered, batch.padded, batch.typed)
+            batch.padded_tokens, batch.padded, batch.typed)
 
 
-def batch_in(memory: mmap.mmap, rows: bytes, rows_dtype: str, padded_length: int, arrays: tuple,
-             *rest) -> CollatedBatch:
-    """The batch `batch_out` described, its arrays as views of the ring's `memory`."""
+def batch_in(memory: mmap.mmap, rows: bytes, rows_dtype: str, padded_length: int, arrays: tuple, real_tokens: int,
+             padded_tokens: int, padded: bool, typed: bool) -> CollatedBatch:
+    """The batch `batch_out` described, its arrays as views of the ring's `memory`; entered now (the collate stage
+    counts the feeder's collate, and here only the send)."""
     views = tuple(np.frombuffer(memory, kind, count, offset).reshape(shape) for offset, kind, count, shape in arrays)
-    return CollatedBatch(np.frombuffer(rows, rows_dtype), padded_length, views, *rest)
+    return CollatedBatch(np.frombuffer(rows, rows_dtype), padded_length, views, real_tokens, padded_tokens,
+                         time.perf_counter(), padded, typed)
 
 
 def add_times(times: StageTimes, more: StageTimes) -> None:
@@ -321,7 +349,8 @@ class Feeding:
         self.connection, self.channel = connection, channel
         self.lock = threading.Lock()  # log lines may come from the producer's threads
         self.producer: BatchProducer | None = None
-        self.started: dict[int, StartedShards | BaseException] = {}
+        self.started: dict[int, concurrent.futures.Future] = {}  # `start`'s, by number: read on a thread of its own
+        self.starting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lengthwise-start")
         self.ring: Ring | None = None
 
     def send(self, message: tuple) -> None:
@@ -344,7 +373,9 @@ class Feeding:
     def handle(self, message: tuple) -> None:
         kind, *arguments = message
         if kind == "open":
-            self.producer = BatchProducer(*arguments)
+            *producer_arguments, level = arguments
+            logging.getLogger("pipeline").setLevel(level)  # the run's: --verbose reaches the feeder's lines too
+            self.producer = BatchProducer(*producer_arguments)
         elif kind == "configure":
             self.producer.configure(arguments[0])
             self.ring = Ring(max(1, arguments[0].config.prefetch_batches) + 1 + SPARE_SLOTS, self._send_ring)
@@ -354,13 +385,12 @@ class Feeding:
                 self.send(("ready",))
             except Exception as error:
                 self.send(("error", portable(error)))
-        elif kind == "start":
-            try:
-                self.started[arguments[0]] = self.producer.start(arguments[1])
-            except Exception as error:  # told at the shards' run
-                self.started[arguments[0]] = error
+        elif kind == "start":  # the first window read beside the stream going on; an error is told at the run
+            self.started[arguments[0]] = self.starting.submit(self.producer.start, arguments[1])
         elif kind == "run":
             self.stream(*arguments)
+        elif kind == "forget":
+            self.forget(arguments[0])
         elif kind == "freed":
             self.ring.free(arguments[0])
         elif kind == "lowered":
@@ -375,21 +405,27 @@ class Feeding:
     def _wait(self) -> None:
         self.handle(self.connection.recv())
 
+    def forget(self, number: int) -> None:
+        """Shards started whose run will never come (a Ray actor's call failed before it): their reading stops
+        once their first window is read."""
+        started = self.started.pop(number, None)
+        if started is not None:
+            started.add_done_callback(lambda done: done.exception() is None and done.result().windows.close())
+
     def stream(self, number: int | None, shards: list[Shard]) -> None:
         """One run's batches and parts, then its end (or its error), with its stage times."""
-        begun = self.started.pop(number, None) if number is not None else None
-        times = begun.times if isinstance(begun, StartedShards) else StageTimes()
-        producer = self.producer
+        producer, times = self.producer, StageTimes()
         self.ring.begin_run()
         try:
-            if isinstance(begun, BaseException):
-                raise begun
+            begun = self.started.pop(number).result() if number in self.started else None
+            times = begun.times if begun is not None else times
             last = None
             for item in producer.items(shards, times, begun):
                 if item.window is not last:
                     self.send(("window", lean_window(item.window)))
                     last = item.window
                 if isinstance(item, WindowBatch):
+                    times.collate += time.perf_counter() - item.batch.entered
                     self.send(("batch", self.ring.place(item.batch, self._wait), item.models))
                 else:
                     self.send(("part", item.first_block, item.end_block, item.start_row, item.end_row))
@@ -406,7 +442,6 @@ def main() -> None:
     feeding = Feeding(connection, channel)
     forward = _ForwardLogs(feeding.send)
     logging.getLogger("pipeline").addHandler(forward)
-    logging.getLogger("pipeline").setLevel(logging.INFO)
     try:
         feeding.serve()
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the run's process left in the middle of a stream
