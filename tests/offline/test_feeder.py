@@ -51,6 +51,7 @@ SETTINGS = {"several windows and shards, split into segments": dict(window_rows=
             "two tokenizer workers, one batch a row": dict(tokenize_workers=2, max_batch_rows=1, window_rows=100)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_a_run_fed_by_a_feeder_process_writes_cell_for_cell_what_a_run_fed_here_does(
         tmp_path, sample_table, tiny_encoder_path, monkeypatch, setting):
@@ -69,6 +70,7 @@ def test_a_run_fed_by_a_feeder_process_writes_cell_for_cell_what_a_run_fed_here_
     assert list(summary["setup_steps"]) == list(expected_summary["setup_steps"])
 
 
+@pytest.mark.slow
 def test_reuse_through_a_feeder_copies_yesterdays_results_and_logs_its_index_once(
         tmp_path, sample_table, tiny_encoder_path, monkeypatch, caplog):
     table = rows_with_repeats_and_long_ones(sample_table)
@@ -85,6 +87,7 @@ def test_reuse_through_a_feeder_copies_yesterdays_results_and_logs_its_index_onc
     assert len(indexed) == 1 and indexed[0].name == "pipeline.offline.producer"
 
 
+@pytest.mark.slow
 def test_a_killed_feeder_stops_the_run_with_its_name_and_a_rerun_writes_every_row(
         tmp_path, sample_table, tiny_encoder_path, monkeypatch):
     from pipeline.engines.local import run_job
@@ -184,6 +187,7 @@ def test_shards_started_while_a_run_goes_on_are_run_from_their_first_window_once
         process.close()
 
 
+@pytest.mark.slow
 def test_the_feeder_and_its_workers_exit_when_the_runs_process_is_killed(tmp_path, tiny_encoder_path):
     script = textwrap.dedent(f"""
         import os, signal, sys, time
@@ -191,7 +195,7 @@ def test_the_feeder_and_its_workers_exit_when_the_runs_process_is_killed(tmp_pat
         from pipeline.core.tokenize import load_tokenizer_spec
         from pipeline.offline.feeder import FeederProcess
         process = FeederProcess(load_tokenizer_spec({tiny_encoder_path!r}, 32), 2)
-        time.sleep(5)  # its two tokenizer workers up
+        process.ready()  # its two tokenizer workers up
         pid = process._process.process.pid
         print(pid, *children_of(pid), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -240,3 +244,42 @@ def test_a_kept_feeder_that_died_between_runs_is_started_again_for_the_next(tmp_
     finally:
         process.close()
 
+
+
+FED_LENGTHWISE = ("import sys; from pipeline.offline import feeder; feeder.uses_feeder_process = lambda device_type: "
+                  "True; sys.argv[0] = 'lengthwise'; from pipeline.cli import main; main()")  # as on CUDA: a feeder
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_run_fed_by_a_feeder_exits_143_takes_its_processes_and_a_rerun_finishes(
+        tmp_path, sample_table, tiny_encoder_path):
+    import psutil
+
+    from tests.conftest import run_in_this_process
+
+    table = pa.concat_tables([pa.table({"id": [f"{k}/{i}" for i in sample_table["id"].to_pylist()],
+                                        "text": sample_table["text"]}) for k in range(2)])
+    write_shards(tmp_path / "in", table, [table.num_rows // 6] * 5 + [table.num_rows - 5 * (table.num_rows // 6)])
+    arguments = ["run", "--input", str(tmp_path / "in"), "--model", tiny_encoder_path, "--max-length", "64",
+                 "--max-batch-rows", "1", "--window-rows", "100", "--no-progress", "--no-probe",
+                 "--tokenize-workers", "1"]
+    run_in_this_process(["lengthwise", *arguments, "--output", str(tmp_path / "whole")])
+    process = subprocess.Popen([sys.executable, "-c", FED_LENGTHWISE, *arguments, "--output", str(tmp_path / "out")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    markers = tmp_path / "out" / ".lengthwise" / "shards"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (markers.exists() and any(markers.iterdir())):
+        time.sleep(0.05)
+    helpers = psutil.Process(process.pid).children(recursive=True)
+    assert any("pipeline.offline.feeder" in " ".join(p.cmdline()) for p in helpers)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert "interrupted by SIGTERM" in stderr
+    _, left = psutil.wait_procs(helpers, timeout=20)
+    assert not left, f"left running: {[p.cmdline() for p in left]}"
+    assert not list((tmp_path / "out").glob(".*.tmp"))
+    run_in_this_process(["lengthwise", *arguments, "--output", str(tmp_path / "out")])
+    written = {p.name: pa.parquet.read_table(p) for p in sorted((tmp_path / "out").glob("*.parquet"))}
+    whole = {p.name: pa.parquet.read_table(p) for p in sorted((tmp_path / "whole").glob("*.parquet"))}
+    assert list(written) == list(whole) and all(written[name].equals(whole[name]) for name in whole)
