@@ -21,7 +21,8 @@ Messages, run → feeder: ("open", tokenizer, workers, keep_pool, log level), ("
 ("start", number, shards), ("forget", number), ("run", number or None, shards), ("freed", batches),
 ("lowered", {length: rows}).
 Feeder → run: ("ready",), ("log", logger, level, message), ("window", window), ("ring", slot_bytes, slots) with the
-memory file's descriptor after it, ("batch", batch, models), ("part", bounds…), ("end", times, index rows),
+memory file's descriptor after it, ("batch", batch, models), ("part", bounds…, times and index rows so far),
+("end", times, index rows),
 ("error", exception, times, index rows).
 """
 
@@ -178,34 +179,38 @@ class FeederProcess:
         depth = max(1, self.spec.config.prefetch_batches) + 1  # items the prefetch queue and the device loop hold
         window, batches, taken, freed = None, 0, deque(), 0
         limits, told = self.spec.limits, {}
-        while True:
-            message = self._receive()
-            kind = message[0]
-            if kind == "window":
-                window = message[1]
-                continue
-            if kind == "ring":
-                self._ring = self._map_ring(*message[1:])
-                continue
-            if kind in ("end", "error"):
-                self._in_sync = True
-                add_times(times, message[-2])
-                self.previous_rows = message[-1]
-                if kind == "error":
-                    raise message[1]
-                return
-            if kind == "batch":
-                batches += 1
-                yield WindowBatch(batch_in(self._ring[0], *message[1]), window, message[2])
-            else:
-                yield WindowPart(window, *message[1:])
-            taken.append(batches)  # the batches up to this item; their slots free once `depth` items follow it
-            if len(taken) > depth and taken.popleft() >= freed + FREED_EVERY:
-                freed += FREED_EVERY
-                self._send(("freed", freed))
-            if limits.lowered != told:
-                told = dict(limits.lowered)
-                self._send(("lowered", told))
+        feeders_times = StageTimes()  # the latest the feeder told: added once, at the end or when the run leaves
+        try:
+            while True:
+                message = self._receive()
+                kind = message[0]
+                if kind == "window":
+                    window = message[1]
+                    continue
+                if kind == "ring":
+                    self._ring = self._map_ring(*message[1:])
+                    continue
+                if kind != "batch":
+                    feeders_times, self.previous_rows = message[-2:]
+                if kind in ("end", "error"):
+                    self._in_sync = True
+                    if kind == "error":
+                        raise message[1]
+                    return
+                if kind == "batch":
+                    batches += 1
+                    yield WindowBatch(batch_in(self._ring[0], *message[1]), window, message[2])
+                else:
+                    yield WindowPart(window, *message[1:5])
+                taken.append(batches)  # the batches up to this item; their slots free once `depth` items follow it
+                if len(taken) > depth and taken.popleft() >= freed + FREED_EVERY:
+                    freed += FREED_EVERY
+                    self._send(("freed", freed))
+                if limits.lowered != told:
+                    told = dict(limits.lowered)
+                    self._send(("lowered", told))
+        finally:  # a run that leaves early (--fail-fast, an error) keeps what the feeder had read and tokenized
+            add_times(times, feeders_times)
 
     def _map_ring(self, slot_bytes: int, slots: int) -> tuple[mmap.mmap, int]:
         """The ring the process just made: mapped here (each batch's views keep the mapping), with its slot size."""
@@ -428,7 +433,8 @@ class Feeding:
                     times.collate += time.perf_counter() - item.batch.entered
                     self.send(("batch", self.ring.place(item.batch, self._wait), item.models))
                 else:
-                    self.send(("part", item.first_block, item.end_block, item.start_row, item.end_row))
+                    self.send(("part", item.first_block, item.end_block, item.start_row, item.end_row, times,
+                               producer.previous_rows))
                 self._handle_waiting()
             producer.end_run(failed=False)
             self.send(("end", times, producer.previous_rows))

@@ -16,6 +16,7 @@ and `sweep` share, keeps the device busy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -104,7 +105,11 @@ class ShardRunner:
             self._end_setup(times, started, summary)
             feeder = DeviceFeeder(self.loaded.choice.device)
             work = sent_to_device(self.producer.items(shards, times, begun), feeder, times)
-            self._compute(work, feeder, background, progress, summary, times)
+            try:
+                self._compute(work, feeder, background, progress, summary, times)
+            finally:  # a run left early (--fail-fast, an error) ends its producer's batches now, their times counted
+                with contextlib.suppress(ValueError):  # unless a producer stuck past the prefetch's join still runs it
+                    work.close()
             background.close()
             failed = False
         finally:

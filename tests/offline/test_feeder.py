@@ -227,6 +227,7 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_kept_feeder_that_died_between_runs_is_started_again_for_the_next(tmp_path, tiny_encoder_path):
     process, _, shards = fed(tmp_path, tiny_encoder_path, 300, keep_pool=True)
     try:
@@ -283,3 +284,20 @@ def test_sigterm_to_a_run_fed_by_a_feeder_exits_143_takes_its_processes_and_a_re
     written = {p.name: pa.parquet.read_table(p) for p in sorted((tmp_path / "out").glob("*.parquet"))}
     whole = {p.name: pa.parquet.read_table(p) for p in sorted((tmp_path / "whole").glob("*.parquet"))}
     assert list(written) == list(whole) and all(written[name].equals(whole[name]) for name in whole)
+
+
+@pytest.mark.slow
+def test_a_fail_fast_run_fed_by_a_feeder_keeps_the_feeders_stage_times(tmp_path, sample_table, tiny_encoder_path,
+                                                                       monkeypatch):
+    from pipeline.engines.local import run_job
+
+    write_shards(tmp_path / "in", rows_with_repeats_and_long_ones(sample_table).drop_columns(["lang"]),
+                 [100, 100, 100])
+    (tmp_path / "in" / "part-00001.parquet").write_bytes(b"not parquet at all")  # the run stops at it
+    started = feeders(monkeypatch)
+    config = RunConfig.of(input=(str(tmp_path / "in"),), output=str(tmp_path / "out"), progress=False,
+                          model=tiny_encoder_path, max_length=32, window_rows=50, tokenize_workers=0,
+                          fail_fast=True)
+    summary = run_job(config)
+    assert len(started) == 1 and summary.failed_shards and summary.rows < 300  # left before the end
+    assert summary.stage_s["read"] > 0 and summary.stage_s["tokenize"] > 0  # the feeder's, told with each part
