@@ -8,22 +8,22 @@ the tokenizer pool and --reuse's index, and hands the run's process what its pre
 - each window once, before its first batch, without what the run's process never reads (token ids, texts);
 - each collated batch as where it lies in a ring of shared memory (the run's process takes views, no copy), with
   its rows: the ring is a memory file of `slots` equal slots, replaced by a larger one when a batch does not fit;
-- each window part as its bounds; the run's stage times, --reuse's index size and any error (raised with its
-  type: a usage error stays exit 2, a storage error exit 4) at the stream's end; the producer's log lines.
+- each window part as its bounds, with the stage times and --reuse's index size so far (a run that leaves early
+  keeps them); any error at the stream's end, raised with its type (a usage error stays exit 2, a storage error
+  exit 4); the producer's log lines, at the run's log level.
 
 The run's process tells it which ring slots are free again (a batch is done with its slot once `prefetch_batches`
-+ 1 items after it have been taken: the prefetch queue holds at most that many; a run begins once every batch of the
-run before it is done), the rows a padded length was
-lowered to after running out of memory (later batches are planned with it), and a Ray actor's next shards to start
-while the current ones run.
++ 1 items after it have been taken: the prefetch queue holds at most that many; a run begins once every batch of
+the run before it is done), the rows a padded length was lowered to after running out of memory (later batches are
+planned with it), and a Ray actor's next shards to start while the current ones run (read on a thread of the
+feeder's own), or to forget.
 
 Messages, run → feeder: ("open", tokenizer, workers, keep_pool, log level), ("configure", spec), ("ready",),
 ("start", number, shards), ("forget", number), ("run", number or None, shards), ("freed", batches),
 ("lowered", {length: rows}).
 Feeder → run: ("ready",), ("log", logger, level, message), ("window", window), ("ring", slot_bytes, slots) with the
 memory file's descriptor after it, ("batch", batch, models), ("part", bounds…, times and index rows so far),
-("end", times, index rows),
-("error", exception, times, index rows).
+("end", times, index rows), ("error", exception, times, index rows).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class FeederProcess:
             if self._process is None:
                 self._process = _Feeder()
                 self._send(("open", self.tokenizer, self.workers, self.keep_pool,
-                        logging.getLogger("pipeline").getEffectiveLevel()))
+                            logging.getLogger("pipeline").getEffectiveLevel()))
                 if self.spec is not None:
                     self._send(("configure", self.spec))
             return self._process
