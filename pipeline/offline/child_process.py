@@ -4,11 +4,13 @@
 Each is a fresh interpreter (`python -m MODULE FD`, as spawn starts one: never a fork of a process that
 may hold CUDA) talking to the run over one socket: pickled messages on a `Connection`, file descriptors
 beside them. It ignores Ctrl-C and SIGTERM (its parent decides how to stop) and exits when its parent
-does, even by SIGKILL: it sees its socket close, or its parent change.
+does, even by SIGKILL: it sees its socket close, or its parent change. Its log lines travel as ("log", logger,
+level, message) messages (`ForwardLogs`), logged by the run's process as it receives them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -70,10 +72,23 @@ class HelperProcess:
             raise self._died() from error
 
     def _receive(self) -> tuple:
+        """The next message that is not a log line: those the process forwarded are logged here, as they come."""
+        while True:
+            try:
+                message = self._connection.recv()
+            except (EOFError, OSError) as error:
+                raise self._died() from error
+            if message[0] != "log":
+                return message
+            logging.getLogger(message[1]).log(message[2], message[3])
+
+    def _receive_descriptor(self) -> int:
+        """The file descriptor the process sent beside its last message (the caller closes it)."""
         try:
-            return self._connection.recv()
-        except (EOFError, OSError) as error:
+            _, (descriptor,), _, _ = socket.recv_fds(self._socket, 1, 1)
+        except OSError as error:
             raise self._died() from error
+        return descriptor
 
     def _died(self) -> RuntimeError:
         """The error of a process whose socket broke, with its exit code (None: not exited within 5 s)."""
@@ -93,6 +108,19 @@ class HelperProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+class ForwardLogs(logging.Handler):
+    """In a helper process: its log lines, sent to the run's process to log (`send`: a locked send where other
+    threads send too); `thread`: only that thread's."""
+
+    def __init__(self, send, thread: int | None = None):
+        super().__init__()
+        self.send, self.thread = send, thread
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.thread is None or record.thread == self.thread:
+            self.send(("log", record.name, record.levelno, record.getMessage()))
 
 
 def ipc_stream_bytes(table: pa.Table | pa.RecordBatch, sink) -> int:

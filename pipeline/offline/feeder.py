@@ -50,7 +50,7 @@ import pyarrow as pa
 from pipeline.core.clock import StageTimes
 from pipeline.core.collate import CollatedBatch
 from pipeline.core.tokenize import TokenizerSpec
-from pipeline.offline.child_process import HelperProcess, child_channel, portable
+from pipeline.offline.child_process import ForwardLogs, HelperProcess, child_channel, portable
 from pipeline.offline.producer import BatchProducer, ProducerSpec, StartedShards
 from pipeline.offline.source import Shard
 from pipeline.offline.windows import Window, WindowBatch, WindowPart
@@ -123,14 +123,6 @@ class FeederProcess:
         with self._lock:
             self._process._send(message)
 
-    def _receive(self) -> tuple:
-        """The next message that is not a log line (those are logged here, by the producer's logger)."""
-        while True:
-            message = self._process._receive()
-            if message[0] != "log":
-                return message
-            logging.getLogger(message[1]).log(message[2], message[3])
-
     def configure(self, spec: ProducerSpec) -> None:
         self.spec = spec
         if self._process is not None:
@@ -140,7 +132,7 @@ class FeederProcess:
         """Wait for the process's tokenizer workers (started again if a run before failed)."""
         self._up()
         self._send(("ready",))
-        message = self._receive()
+        message = self._process._receive()
         if message[0] == "error":
             raise message[1]
 
@@ -182,7 +174,7 @@ class FeederProcess:
         feeders_times = StageTimes()  # the latest the feeder told: added once, at the end or when the run leaves
         try:
             while True:
-                message = self._receive()
+                message = self._process._receive()
                 kind = message[0]
                 if kind == "window":
                     window = message[1]
@@ -214,10 +206,7 @@ class FeederProcess:
 
     def _map_ring(self, slot_bytes: int, slots: int) -> tuple[mmap.mmap, int]:
         """The ring the process just made: mapped here (each batch's views keep the mapping), with its slot size."""
-        try:
-            _, (memory,), _, _ = socket.recv_fds(self._process._socket, 1, 1)
-        except OSError as error:
-            raise self._process._died() from error
+        memory = self._process._receive_descriptor()
         try:
             return mmap.mmap(memory, slot_bytes * slots, flags=mmap.MAP_SHARED), slot_bytes
         finally:
@@ -336,17 +325,6 @@ class Ring:
         self.freed = self.placed  # the old ring's slots are not written again
 
 
-class _ForwardLogs(logging.Handler):
-    """The producer's log lines (--reuse's index, a reader's retries), sent to the run's process to log."""
-
-    def __init__(self, send):
-        super().__init__()
-        self.send = send
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.send(("log", record.name, record.levelno, record.getMessage()))
-
-
 class Feeding:
     """The feeder process's loop: the run's messages in, the producer's batches out."""
 
@@ -446,7 +424,7 @@ class Feeding:
 def main() -> None:
     connection, channel = child_channel()
     feeding = Feeding(connection, channel)
-    forward = _ForwardLogs(feeding.send)
+    forward = ForwardLogs(feeding.send)  # the producer's (--reuse's index, a reader's retries)
     logging.getLogger("pipeline").addHandler(forward)
     try:
         feeding.serve()

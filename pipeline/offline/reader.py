@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 import pyarrow as pa
 
 from pipeline.core.shared_arrays import share
-from pipeline.offline.child_process import HelperProcess, child_channel, ipc_stream_bytes, portable
+from pipeline.offline.child_process import ForwardLogs, HelperProcess, child_channel, ipc_stream_bytes, portable
 from pipeline.offline.source import RowBlock, Shard, read_blocks
 
 READER_PROCESS_MIN_ROWS = 100_000  # fewer rows are read in the run's process: a reader's start (~0.4 s of CPU,
@@ -62,9 +62,6 @@ class ShardReader(HelperProcess):
         while True:
             self._send(("next",))
             message = self._receive()
-            while message[0] == "log":
-                logging.getLogger(message[1]).log(message[2], message[3])
-                message = self._receive()
             if message[0] == "end":
                 self.idle = True
                 return
@@ -78,10 +75,7 @@ class ShardReader(HelperProcess):
         if not has_memory:
             nothing = pa.array([], pa.string())
             return RowBlock(shard_index, first_row, nothing, nothing, is_last_of_shard, failure=failure)
-        try:
-            _, (memory,), _, _ = socket.recv_fds(self._socket, 1, 1)
-        except OSError as error:
-            raise self._died() from error
+        memory = self._receive_descriptor()
         try:
             mapped = mmap.mmap(memory, os.fstat(memory).st_size, prot=mmap.PROT_READ,
                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -149,21 +143,9 @@ def block_memory(block: RowBlock) -> int:
     return memory
 
 
-class _ForwardLogs(logging.Handler):
-    """The reading thread's log lines (a transient error's retry), sent to the run's process to log."""
-
-    def __init__(self, connection: Connection):
-        super().__init__()
-        self.connection, self.thread = connection, threading.get_ident()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.thread == self.thread:
-            self.connection.send(("log", record.name, record.levelno, record.getMessage()))
-
-
 def serve(connection: Connection, channel: socket.socket) -> None:
     """The reader process: stream the blocks asked for until the socket closes."""
-    forward = _ForwardLogs(connection)
+    forward = ForwardLogs(connection.send, threading.get_ident())  # the reading thread's (a transient error's retry)
     logging.getLogger("pipeline").addHandler(forward)
     try:
         _serve(connection, channel)
