@@ -1,6 +1,6 @@
 """Collate: a window's rows planned into batches (core/buckets.py) and gathered into the padded arrays a
 batch is sent as, on the host. Pure numpy, no torch (tests/test_layers.py): what builds batches needs none
-of the device's (core/forward.py sends them; docs/performance.md's feeder process would build them apart)."""
+of the device's (core/forward.py sends them; on CUDA the feeder process, offline/feeder.py, builds them apart)."""
 
 from __future__ import annotations
 

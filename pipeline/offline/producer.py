@@ -165,7 +165,8 @@ class BatchProducer:
 
     def close(self) -> None:
         """Stop the kept pool (or one started for a run that never came: the claim failed) and the readers."""
-        for pool in {id(p): p for p in (self._pool, self._run_pool) if p is not None}.values():
-            pool.close()
+        for pool in (self._pool, self._run_pool):  # the same one when kept: closing is idempotent
+            if pool is not None:
+                pool.close()
         self._pool = self._run_pool = None
         self._readers.close()

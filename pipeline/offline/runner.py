@@ -71,8 +71,9 @@ class ShardRunner:
         self.tokenize_workers = producer.workers
         self._encoder: OutputEncoder | None = None  # the process that encodes local outputs (kept like the pool)
         output_names = self.loaded.job.output_schema(self.loaded.model).names
-        check_kept_columns(config.keep_columns, output_names, [f.name for f in self._split_fields()])
-        carried = kept_columns([*output_names, *(f.name for f in self._split_fields())], carry.kept) if carry else ()
+        split_names = [f.name for f in self._split_fields()]
+        check_kept_columns(config.keep_columns, output_names, split_names)
+        carried = kept_columns([*output_names, *split_names], carry.kept) if carry else ()
         producer.configure(ProducerSpec(config, self._batch_packing(), runtime.limits, carry, tuple(carried)))
 
     def start(self, shards: list[Shard]) -> StartedShards:
