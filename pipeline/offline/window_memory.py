@@ -1,19 +1,30 @@
 """Window output memory that the run's process and its encoder process share (offline/encoder.py).
 
 A window's outputs (a 384-float embedding: ~1.5 KB a row) live in shared memory that the encoder
-process faults in (`fault_in`) and keeps mapped. The run's process then stores into pages already
-there, and hands a float-vector column that lies in that memory to the encoder as a reference
-(`SharedRegions.by_reference`: which memory, where, how long) instead of its bytes: the encoder
-rebuilds the same column from its own mapping (`restore_columns`), so neither process copies the
-values through the socket.
+process faults in (`fault_in`) and keeps mapped. The run's process hands a float-vector column that
+lies in that memory to the encoder as a reference (`SharedRegions.by_reference`: which memory, where,
+how long) instead of its bytes: the encoder rebuilds the same column from its own mapping
+(`restore_columns`), so neither process copies the values through the socket.
+
+Nor does the run's process put a batch's rows in their places (rows of a batch lie scattered over the
+window: a store page by page that cost its device loop 0.3 µs a row, three times a copy in order): it
+copies the batch, as it comes, into a ring of shared memory and tells the encoder process where it goes
+(`PlacingRing`); a thread there places the rows (`place_rows`) and tells each place back. What reads a
+window's outputs here first waits for every place sent (`PlacingRing.wait_placed`).
 """
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
+import select
+import struct
+import sys
 import threading
+import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +57,7 @@ class SharedRegions:
 
     def __init__(self):
         self._regions: dict[int, tuple[int, int]] = {}
+        self._located: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}  # id → (the array, its key and offset)
         self._next_key = 0
         self._key_lock = threading.Lock()
         self.forgotten: list[int] = []
@@ -65,6 +77,20 @@ class SharedRegions:
     def _forget(self, key: int) -> None:  # before the memory is unmapped: no later column can point into it
         self._regions.pop(key, None)
         self.forgotten.append(key)
+
+    def locate(self, array: np.ndarray) -> tuple[int, int] | None:
+        """(key, offset) of `array`'s first byte in a shared region, or None (memory of this process's own);
+        remembered while `array` lives (a window's array is placed into batch after batch)."""
+        known = self._located.get(id(array))
+        if known is not None and known[0]() is array:
+            return known[1]
+        start = array.__array_interface__["data"][0]
+        for key, (address, size) in list(self._regions.items()):
+            if address <= start and start + array.nbytes <= address + size:
+                self._located[id(array)] = (weakref.ref(array, lambda _, at=id(array): self._located.pop(at, None)),
+                                            (key, start - address))
+                return key, start - address
+        return None
 
     def by_reference(self, table: pa.Table) -> tuple[pa.Table, list[ColumnReference]]:
         """`table` with each float-vector column that lies whole in a shared region replaced by its
@@ -122,3 +148,141 @@ def restore_columns(table: pa.Table, references: list[ColumnReference], mapped: 
                                                     mask=None if valid.false_count == 0 else pc.invert(valid))
         table = table.set_column(reference.index, reference.field, vectors)
     return table
+
+
+PLACE_RECORD = struct.Struct("<6q")  # a place: its number, the region's key, the array's offset there, the bytes
+# of one row, the rows, where in the ring they lie (their positions as int64, then their values)
+LANDED = struct.Struct("<q")  # a place's number, told back once its rows are in their places
+RING_BATCHES = 8  # batches the ring holds (of its first batch's bytes), within 4-32 MiB: the placing thread
+RING_BYTES = (4 * 2**20, 32 * 2**20)  # keeps up with the device loop; the run's process maps all of it
+RING_ALIGN = 64
+LANDED_READ_EVERY = 64  # places between two reads of the numbers told back (a pipe holds 8,192 of them)
+
+
+def ring_bytes(batch_bytes: int) -> int:
+    """A placing ring's size for batches of `batch_bytes` (`RING_BATCHES` of them, within `RING_BYTES`)."""
+    return min(RING_BYTES[1], max(RING_BYTES[0], -(-RING_BATCHES * batch_bytes // PAGE_BYTES) * PAGE_BYTES))
+
+
+class PlacingRing:
+    """The run's end of the encoder process's placing thread (`place_rows`). `place` copies a batch's row
+    positions and values into the ring (shared memory this process maps whole: it writes there in order,
+    every page already mapped) and rings the doorbell (a pipe) with where they go; the thread tells each
+    place's number back on another pipe, and its bytes in the ring are then free. Places land in the order
+    sent. `died()` makes the error that stops the run when a pipe breaks (the process is gone)."""
+
+    def __init__(self, ring: np.ndarray, doorbell: int, landed: int, died: Callable[[], BaseException]):
+        self._ring, self._doorbell, self._landed_pipe, self._died = ring, doorbell, landed, died
+        os.set_blocking(landed, False)
+        self._head = self._tail = 0  # ring bytes handed out, and freed, since the start
+        self._sent = self._landed = 0  # places sent, and landed
+        self._ends: collections.deque[tuple[int, int]] = collections.deque()  # (place, its end in ring bytes)
+        self._unread = b""  # a part of a number told back, read before its rest
+        self._lock = threading.Lock()  # the device loop places; the writer waits
+
+    def takes(self, array: np.ndarray) -> bool:
+        """Whether `array`'s rows are small enough for the ring (a few to half of it)."""
+        return (array.strides[0] if array.ndim > 1 else array.itemsize) * 4 <= len(self._ring)
+
+    def place(self, key: int, offset: int, array: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+        """`array[rows] = values` (one row at least), done by the encoder process; `array` lies at `offset`
+        in region `key` (and its rows are ones the ring `takes`)."""
+        row_bytes = array.strides[0] if array.ndim > 1 else array.itemsize
+        rows = np.asarray(rows, np.int64)
+        values = np.ascontiguousarray(values, array.dtype).reshape(len(rows), -1).view(np.uint8)
+        most = (len(self._ring) // 2 - RING_ALIGN) // (8 + row_bytes)  # a larger batch goes in parts
+        for start in range(0, len(rows), most):
+            self._place(key, offset, row_bytes, rows[start:start + most], values[start:start + most])
+
+    def _place(self, key: int, offset: int, row_bytes: int, rows: np.ndarray, values: np.ndarray) -> None:
+        capacity = len(self._ring)
+        size = -(-len(rows) * (8 + row_bytes) // RING_ALIGN) * RING_ALIGN
+        with self._lock:
+            at = self._head % capacity
+            skipped = capacity - at if at + size > capacity else 0  # the ring's end is too short: start over
+            self._wait(lambda: self._head + skipped + size - self._tail <= capacity)
+            at = 0 if skipped else at
+            self._ring[at:at + rows.nbytes] = rows.view(np.uint8)
+            self._ring[at + rows.nbytes:at + rows.nbytes + values.nbytes] = values.reshape(-1)
+            self._head += skipped + size
+            self._sent += 1
+            self._ends.append((self._sent, self._head))
+            try:
+                os.write(self._doorbell, PLACE_RECORD.pack(self._sent, key, offset, row_bytes, len(rows), at))
+            except OSError as error:
+                raise self._died() from error
+            if self._sent % LANDED_READ_EVERY == 0:
+                self._read_landed(block=False)
+
+    def wait_placed(self) -> None:
+        """Return once every place sent so far has landed."""
+        with self._lock:
+            sent = self._sent
+            self._wait(lambda: self._landed >= sent)
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            self._read_landed(block=True)
+
+    def _read_landed(self, block: bool) -> None:
+        """The numbers told back so far (waiting for one if `block`); the ring's bytes before them freed."""
+        if block:
+            select.select([self._landed_pipe], [], [], 1.0)
+        try:
+            data = self._unread + os.read(self._landed_pipe, 65536)
+        except BlockingIOError:
+            return
+        except OSError as error:
+            raise self._died() from error
+        if len(data) == len(self._unread):  # the other end closed: the process is gone
+            raise self._died()
+        whole = len(data) // LANDED.size * LANDED.size
+        self._unread = data[whole:]
+        if whole:
+            self._landed = LANDED.unpack_from(data, whole - LANDED.size)[0]
+        while self._ends and self._ends[0][0] <= self._landed:
+            self._tail = self._ends.popleft()[1]
+
+    def close(self) -> None:
+        """The placing thread sees the doorbell close and ends; idempotent."""
+        pipes, self._doorbell, self._landed_pipe = (self._doorbell, self._landed_pipe), -1, -1
+        for pipe in pipes:
+            if pipe >= 0:
+                os.close(pipe)
+
+
+def place_rows(doorbell: int, landed: int, ring: mmap.mmap, mapped: dict[int, mmap.mmap]) -> None:
+    """In the encoder process, on a thread of its own: each place rung on `doorbell` copied from `ring`
+    into its region of `mapped`, its number then told back on `landed`, until the doorbell closes. A
+    region already forgotten (its array freed in the run's process) takes nothing. A failure here ends
+    the process (the run's process sees its pipes close and stops with the encoder's error)."""
+    ring_view = np.frombuffer(ring, np.uint8)
+    try:
+        while True:
+            record = _read_exactly(doorbell, PLACE_RECORD.size)
+            if record is None:
+                return
+            number, key, offset, row_bytes, rows, at = PLACE_RECORD.unpack(record)
+            region = mapped.get(key)
+            if region is not None:
+                positions = ring_view[at:at + 8 * rows].view(np.int64)
+                values = ring_view[at + 8 * rows:at + rows * (8 + row_bytes)].reshape(rows, row_bytes)
+                whole_rows = (len(region) - offset) // row_bytes
+                np.frombuffer(region, np.uint8, whole_rows * row_bytes, offset).reshape(whole_rows, row_bytes)[
+                    positions] = values
+            os.write(landed, LANDED.pack(number))
+    except BrokenPipeError:  # the run's process is gone
+        return
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        os._exit(1)
+
+
+def _read_exactly(pipe: int, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        more = os.read(pipe, size - len(data))
+        if not more:
+            return None
+        data += more
+    return data

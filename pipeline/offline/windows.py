@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,6 +134,7 @@ class Window:
         `fold(segment outputs, where each row's segments start, their token counts)`, which
         may add `best_segment` (row, label → the segment that decided it): that becomes `spans`,
         the character span of the text behind each label's output (all the text for a row that fit)."""
+        OUTPUT_ARRAYS.wait_placed()
         self._zero_unstored(start, end)
         outputs = {name: values[start:end] for name, values in self.outputs.items()}
         if self.segment_counts is None or not outputs:
@@ -186,6 +187,8 @@ class Window:
             return 0
         rows = start + np.flatnonzero(self.duplicate_of[start:end] != np.arange(start, end))
         firsts = self.duplicate_of[rows]
+        if len(rows):
+            OUTPUT_ARRAYS.wait_placed()
         for name, values in self.outputs.items():
             values[rows] = values[firsts]
             self.stored[name][rows] = self.stored[name][firsts]
@@ -201,7 +204,7 @@ class Window:
             if name not in self.outputs:
                 self.outputs[name] = OUTPUT_ARRAYS.take((len(self.scored), *values.shape[1:]), values.dtype)
                 self.stored[name] = np.zeros(len(self.scored), dtype=bool)
-            self.outputs[name][rows] = values
+            OUTPUT_ARRAYS.place(self.outputs[name], rows, values)
             self.stored[name][rows] = True
 
     def release_outputs(self) -> None:
@@ -229,34 +232,49 @@ def zeroed_array(shape: tuple, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(memory, dtype).reshape(shape)  # the array keeps the mapping; unmapped with it
 
 
+class ProcessMemory:
+    """Window outputs in this process's own memory (`zeroed_array`), each batch's rows put in their places
+    here. The other window memory is an encoder process's (offline/encoder.py's `OutputEncoder`: `zeros`
+    in memory it shares, `place` by a thread of its, `wait_placed` before reading)."""
+
+    zeros = staticmethod(zeroed_array)
+
+    @staticmethod
+    def place(array: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+        array[rows] = values
+
+    @staticmethod
+    def wait_placed() -> None:
+        pass
+
+
 class OutputArrays:
-    """Arrays for windows' outputs, kept from one window to the next. A window's outputs are ~1.5 KB
-    a row (a 384-float embedding): a new array is faulted in as batches are stored, which cost the
-    device loop ten times the copy itself; `allocate` makes new ones, zeroed (a run with an encoder
-    process sets its `shared_zeros`, faulted in by that process). One taken again holds the last
-    window's values: the window zeroes the rows it did not store when they are read
-    (`Window.row_outputs`), not the whole array (0.1 µs a row of the device loop). At most `keep`
-    arrays of each shape wait, so what is kept stays within the windows in flight; an array made by an
-    earlier allocator is not kept (see `allocate`)."""
+    """Arrays for windows' outputs, kept from one window to the next, in this process's memory or an encoder
+    process's (`memory`). A window's outputs are ~1.5 KB a row (a 384-float embedding): a new array is faulted
+    in as batches are stored, which cost the device loop ten times the copy itself. One taken again holds
+    the last window's values: the window zeroes the rows it did not store when they are read
+    (`Window.row_outputs`), not the whole array (0.1 µs a row of the device loop). At most `keep` arrays of
+    each shape wait, so what is kept stays within the windows in flight; an array of an earlier memory is not
+    kept (see `memory`)."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self._allocate: Callable[[tuple, np.dtype], np.ndarray] = zeroed_array
+        self._memory = ProcessMemory()
         self._free: dict[tuple, list[np.ndarray]] = {}
-        self._made: set[int] = set()  # ids of the arrays the current allocator made that are alive
+        self._made: set[int] = set()  # ids of the arrays the current memory made that are alive
         self._lock = threading.Lock()  # windows are stored by the device loop and released by the writer
 
     @property
-    def allocate(self) -> Callable[[tuple, np.dtype], np.ndarray]:
-        return self._allocate
+    def memory(self):
+        return self._memory
 
-    @allocate.setter
-    def allocate(self, allocate: Callable[[tuple, np.dtype], np.ndarray]) -> None:
-        """A new allocator drops the arrays the old one made: a run with an encoder would otherwise
-        store into a run's before it (kept by `keep_pool` or a Ray actor) that the encoder cannot map; an
-        array of the old one given back later (a shard still being written as the next one starts) is let go."""
+    @memory.setter
+    def memory(self, memory) -> None:
+        """A new memory drops the arrays the old one made: a run with an encoder would otherwise store
+        into a run's before it (kept by `keep_pool` or a Ray actor) that the encoder cannot map; an array of
+        the old one given back later (a shard still being written as the next one starts) is let go."""
         with self._lock:
-            self._allocate = allocate
+            self._memory = memory
             self._free.clear()
             self._made.clear()
 
@@ -266,12 +284,19 @@ class OutputArrays:
             array = free.pop() if free else None
         if array is None:
             with self._lock:
-                allocate = self._allocate
-            array = allocate(shape, dtype)
+                memory = self._memory
+            array = memory.zeros(shape, dtype)
             with self._lock:
-                if allocate is self._allocate:
+                if memory is self._memory:
                     self._made.add(id(array))
         return array
+
+    def place(self, array: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+        """`array[rows] = values`, by the memory's way (visible here after `wait_placed`)."""
+        self._memory.place(array, rows, values)
+
+    def wait_placed(self) -> None:
+        self._memory.wait_placed()
 
     def give_back(self, arrays: Iterable[np.ndarray]) -> None:
         with self._lock:

@@ -18,8 +18,8 @@ import pipeline.offline.sink as sink_module
 from pipeline.core.errors import StorageError, as_storage_error
 from pipeline.core.process_memory import huge_page_switch, numpy_multiarray
 from pipeline.offline.encoder import EncoderDied, OutputEncoder
-from pipeline.offline.window_memory import SharedRegions
-from pipeline.offline.windows import OutputArrays
+from pipeline.offline.window_memory import PlacingRing, SharedRegions
+from pipeline.offline.windows import OutputArrays, ProcessMemory
 from tests.conftest import run_to_table
 
 
@@ -57,6 +57,9 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
         referenced.extend(reference.field.name for reference in references)
         return sent, references
 
+    placed = []  # rows the encoder process put in their places
+    real_place = PlacingRing.place
+    monkeypatch.setattr(PlacingRing, "place", lambda ring, *args: placed.append(len(args[3])) or real_place(ring, *args))
     monkeypatch.setattr(OutputEncoder, "__init__", recording_init)
     monkeypatch.setattr(pq, "ParquetWriter", recording_writer)
     monkeypatch.setattr(SharedRegions, "by_reference", recording_by_reference)
@@ -72,6 +75,7 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
     assert output["id"].to_pylist() == rows_with_bad_ones["id"].to_pylist() and summary["rows"] == 200
     assert summary["error_rows"] == 4
     assert referenced == ["embedding", "embedding"]  # one block a shard, its values never copied to the encoder
+    assert sum(placed) == 196  # every row that ran, put in its place by the encoder process
 
     windows, _ = run_to_table(tmp_path, "windows", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
                               max_length=32, window_rows=48)  # window memory reused, each after the encoder read it
@@ -80,6 +84,7 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
     monkeypatch.setattr(sink_module.ShardSink, "uses_encoder", property(lambda sink: False))
     here, _ = run_to_table(tmp_path, "here", rows_with_bad_ones, [120, 80], model=tiny_encoder_path, max_length=32)
     assert len(encoders) == 2 and len(opened_here) == 2  # one writer a shard, in this process
+    assert sum(placed) == 2 * 196  # the run in windows of 48 too; none since
     assert output.equals(here)
     windows_here, _ = run_to_table(tmp_path, "windows-here", rows_with_bad_ones, [120, 80], model=tiny_encoder_path,
                                    max_length=32, window_rows=48)
@@ -219,19 +224,80 @@ def test_a_window_reads_zeros_where_it_stored_nothing_in_an_array_a_window_befor
     assert outputs["score"].tolist() == [0, 8, 0, 0, 7, 8]
 
 
-def test_output_arrays_kept_from_another_allocator_are_not_handed_out():
+class RecordedMemory(ProcessMemory):
+    def __init__(self):
+        self.made = []
+
+    def zeros(self, shape, dtype):
+        self.made.append(shape)
+        return np.zeros(shape, dtype)
+
+
+def test_output_arrays_kept_from_another_memory_are_not_handed_out():
     """A run with an encoder after one without (one process: `keep_pool`, a Ray actor) stores into
     memory the encoder maps, not into arrays the run before kept."""
-    arrays, made = OutputArrays(keep=2), []
+    arrays, memory = OutputArrays(keep=2), RecordedMemory()
     kept = arrays.take((4, 3), np.float32)
     arrays.give_back([kept])
-    arrays.allocate = lambda shape, dtype: made.append(shape) or np.zeros(shape, dtype)
-    assert arrays.take((4, 3), np.float32) is not kept and made == [(4, 3)]
+    arrays.memory = memory
+    assert arrays.take((4, 3), np.float32) is not kept and memory.made == [(4, 3)]
     # one taken before the change and given back after it (a shard still being written) is let go too
     before = arrays.take((2, 3), np.float32)
-    arrays.allocate = lambda shape, dtype: np.ones(shape, dtype) * 0
+    arrays.memory = RecordedMemory()
     arrays.give_back([before])
     assert arrays.take((2, 3), np.float32) is not before
+
+
+def test_the_encoder_puts_rows_in_their_places_and_the_run_touches_no_page_of_them():
+    """Batches of rows in scattered places, more bytes than the ring holds, one batch larger than half of
+    it, a one-value-a-row array, an empty batch: after `wait_placed` every row holds its values, and the
+    run's process has mapped none of the window's pages (it copied the rows into the ring only)."""
+    encoder = OutputEncoder()
+    try:
+        vectors, scores = encoder.shared_zeros((40_000, 384), np.float32), encoder.shared_zeros((40_000,), np.float32)
+        order = np.random.default_rng(0).permutation(40_000)
+        for start, size in [(0, 0), (0, 531), (531, 30_000), (30_531, 4096), (34_627, 5373)]:
+            rows = order[start:start + size]
+            encoder.place(vectors, rows, np.repeat(rows[:, None], 384, axis=1).astype(np.float32))
+            encoder.place(scores, rows, -rows.astype(np.float32))
+        assert mapped_kib(vectors) == 0  # the run's process never touched them
+        encoder.wait_placed()
+        assert (vectors == np.arange(40_000, dtype=np.float32)[:, None]).all()
+        assert (scores == -np.arange(40_000, dtype=np.float32)).all()
+        own = np.zeros((10, 2), np.float32)  # memory of this process's own: placed here
+        encoder.place(own, np.array([3, 7]), np.ones((2, 2), np.float32))
+        assert own.sum() == 4
+    finally:
+        encoder.close()
+
+
+def mapped_kib(array: np.ndarray) -> int:
+    """Resident kB of the mapping that holds `array` (its pages this process has mapped in)."""
+    address, mapping = array.__array_interface__["data"][0], None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                low, high = (int(part, 16) for part in head.split("-"))
+                mapping = low <= address < high
+            elif mapping and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the array")
+
+
+def test_a_killed_encoder_stops_the_placing_of_rows_with_a_clear_error():
+    encoder = OutputEncoder()
+    try:
+        vectors = encoder.shared_zeros((1000, 384), np.float32)
+        encoder.place(vectors, np.arange(10), np.ones((10, 384), np.float32))
+        encoder.wait_placed()
+        encoder.process.kill()
+        encoder.process.wait()
+        with pytest.raises(EncoderDied, match=r"the output encoder process \(pid \d+\) exited with code -9"):
+            encoder.place(vectors, np.arange(10, 20), np.ones((10, 384), np.float32))
+            encoder.wait_placed()
+    finally:
+        encoder.close()
 
 
 def test_window_output_arrays_come_from_memory_the_encoder_process_faulted_in():
