@@ -3,7 +3,8 @@ bottom to see the whole flow:
 
     shards ─read─▶ row blocks ─window─▶ windows ─tokenize pool─▶ encoded windows
       ─plan (buckets)─▶ batches ─collate, prefetch thread─▶ device forward
-      ─scatter by row position─▶ window outputs ─write, in input order─▶ output shards
+      ─scatter by row position (the encoder process's)─▶ window outputs ─write, in input order─▶
+      output shards
 
 An engine (`pipeline/engines/`) claims the output and loads the model once; a `ShardRunner`
 then turns a list of input shards into committed output shards and a summary. Every engine

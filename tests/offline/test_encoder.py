@@ -59,7 +59,8 @@ def test_a_run_encodes_its_outputs_in_another_process_with_the_same_cells(tmp_pa
 
     placed = []  # rows the encoder process put in their places
     real_place = PlacingRing.place
-    monkeypatch.setattr(PlacingRing, "place", lambda ring, *args: placed.append(len(args[3])) or real_place(ring, *args))
+    monkeypatch.setattr(PlacingRing, "place",
+                        lambda ring, *args: placed.append(len(args[3])) or real_place(ring, *args))
     monkeypatch.setattr(OutputEncoder, "__init__", recording_init)
     monkeypatch.setattr(pq, "ParquetWriter", recording_writer)
     monkeypatch.setattr(SharedRegions, "by_reference", recording_by_reference)
