@@ -157,20 +157,20 @@ class OutputEncoder(HelperProcess):
         if self._ring is None:
             size = ring_bytes(batch_bytes)
             memory = os.memfd_create("lengthwise-placing-ring", os.MFD_CLOEXEC)
-            doorbell_out, doorbell_in = os.pipe()
-            landed_out, landed_in = os.pipe()
+            doorbell_read, doorbell_write = os.pipe()
+            landed_read, landed_write = os.pipe()
             try:
                 os.ftruncate(memory, size)
-                self._hand_over(("ring", size), [memory, doorbell_out, landed_in], "ringed")
+                self._hand_over(("ring", size), [memory, doorbell_read, landed_write], "ringed")
                 mapped = mmap.mmap(memory, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             except BaseException:
-                os.close(doorbell_in)
-                os.close(landed_out)
+                os.close(doorbell_write)
+                os.close(landed_read)
                 raise
             finally:
-                for descriptor in (memory, doorbell_out, landed_in):  # the encoder holds its own now
+                for descriptor in (memory, doorbell_read, landed_write):  # the encoder holds its own now
                     os.close(descriptor)
-            self._ring = PlacingRing(np.frombuffer(mapped, np.uint8), doorbell_in, landed_out, self._died)
+            self._ring = PlacingRing(np.frombuffer(mapped, np.uint8), doorbell_write, landed_read, self._died)
         return self._ring
 
     def close(self) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import mmap
 import os
-import select
 import struct
 import sys
 import threading
@@ -156,7 +155,6 @@ LANDED = struct.Struct("<q")  # a place's number, told back once its rows are in
 RING_BATCHES = 8  # batches the ring holds (of its first batch's bytes), within 4-32 MiB: the placing thread
 RING_BYTES = (4 * 2**20, 32 * 2**20)  # keeps up with the device loop; the run's process maps all of it
 RING_ALIGN = 64
-LANDED_READ_EVERY = 64  # places between two reads of the numbers told back (a pipe holds 8,192 of them)
 
 
 def ring_bytes(batch_bytes: int) -> int:
@@ -168,17 +166,21 @@ class PlacingRing:
     """The run's end of the encoder process's placing thread (`place_rows`). `place` copies a batch's row
     positions and values into the ring (shared memory this process maps whole: it writes there in order,
     every page already mapped) and rings the doorbell (a pipe) with where they go; the thread tells each
-    place's number back on another pipe, and its bytes in the ring are then free. Places land in the order
-    sent. `died()` makes the error that stops the run when a pipe breaks (the process is gone)."""
+    place's number back on another pipe, read here by a thread of its own (where no signal handler runs, so
+    an interrupt never falls between a number read and its count), and its bytes in the ring are then free.
+    Places land in the order sent. `died()` makes the error that stops the run when a pipe breaks (the
+    process is gone)."""
 
     def __init__(self, ring: np.ndarray, doorbell: int, landed: int, died: Callable[[], BaseException]):
-        self._ring, self._doorbell, self._landed_pipe, self._died = ring, doorbell, landed, died
-        os.set_blocking(landed, False)
+        self._ring, self._doorbell, self._died = ring, doorbell, died
         self._head = self._tail = 0  # ring bytes handed out, and freed, since the start
         self._sent = self._landed = 0  # places sent, and landed
         self._ends: collections.deque[tuple[int, int]] = collections.deque()  # (place, its end in ring bytes)
-        self._unread = b""  # a part of a number told back, read before its rest
-        self._lock = threading.Lock()  # the device loop places; the writer waits
+        self._gone = False  # the landed pipe closed: the process is gone
+        self._changed = threading.Condition()  # the device loop places, the writer waits, the reader counts
+        self._reader = threading.Thread(target=self._read_landed, args=(landed,), name="lengthwise-landed",
+                                        daemon=True)
+        self._reader.start()
 
     def takes(self, array: np.ndarray) -> bool:
         """Whether `array`'s rows are small enough for the ring (a few to half of it)."""
@@ -197,58 +199,71 @@ class PlacingRing:
     def _place(self, key: int, offset: int, row_bytes: int, rows: np.ndarray, values: np.ndarray) -> None:
         capacity = len(self._ring)
         size = -(-len(rows) * (8 + row_bytes) // RING_ALIGN) * RING_ALIGN
-        with self._lock:
-            at = self._head % capacity
-            skipped = capacity - at if at + size > capacity else 0  # the ring's end is too short: start over
-            self._wait(lambda: self._head + skipped + size - self._tail <= capacity)
+        with self._changed:
+            while True:
+                at = self._head % capacity
+                skipped = capacity - at if at + size > capacity else 0  # the ring's end is too short: start over
+                if self._head + skipped + size - self._tail <= capacity:
+                    break
+                self._wait_for_more()
             at = 0 if skipped else at
             self._ring[at:at + rows.nbytes] = rows.view(np.uint8)
             self._ring[at + rows.nbytes:at + rows.nbytes + values.nbytes] = values.reshape(-1)
-            self._head += skipped + size
-            self._sent += 1
-            self._ends.append((self._sent, self._head))
+            number = self._sent + 1
             try:
-                os.write(self._doorbell, PLACE_RECORD.pack(self._sent, key, offset, row_bytes, len(rows), at))
+                os.write(self._doorbell, PLACE_RECORD.pack(number, key, offset, row_bytes, len(rows), at))
             except OSError as error:
                 raise self._died() from error
-            if self._sent % LANDED_READ_EVERY == 0:
-                self._read_landed(block=False)
+            # counted once sent: an interrupt before the write leaves nothing to wait for; one just after it,
+            # a place not waited for, of a batch whose window is then never written
+            self._sent, self._head = number, self._head + skipped + size
+            self._ends.append((number, self._head))
 
     def wait_placed(self) -> None:
         """Return once every place sent so far has landed."""
-        with self._lock:
+        with self._changed:
             sent = self._sent
-            self._wait(lambda: self._landed >= sent)
+            while self._landed < sent:
+                self._wait_for_more()
 
-    def _wait(self, ready: Callable[[], bool]) -> None:
-        while not ready():
-            self._read_landed(block=True)
-
-    def _read_landed(self, block: bool) -> None:
-        """The numbers told back so far (waiting for one if `block`); the ring's bytes before them freed."""
-        if block:
-            select.select([self._landed_pipe], [], [], 1.0)
-        try:
-            data = self._unread + os.read(self._landed_pipe, 65536)
-        except BlockingIOError:
-            return
-        except OSError as error:
-            raise self._died() from error
-        if len(data) == len(self._unread):  # the other end closed: the process is gone
+    def _wait_for_more(self) -> None:
+        """Under the condition: wait for a number told back, or raise if the process is gone."""
+        if self._gone:
             raise self._died()
-        whole = len(data) // LANDED.size * LANDED.size
-        self._unread = data[whole:]
-        if whole:
-            self._landed = LANDED.unpack_from(data, whole - LANDED.size)[0]
-        while self._ends and self._ends[0][0] <= self._landed:
-            self._tail = self._ends.popleft()[1]
+        self._changed.wait()
+
+    def _read_landed(self, pipe: int) -> None:
+        """The reader thread: each number told back counted, the ring's bytes before it freed, until the pipe
+        closes (the placing thread ended, or its process is gone)."""
+        unread = b""  # a part of a number, read before its rest
+        try:
+            while True:
+                try:
+                    data = unread + os.read(pipe, 65536)
+                except OSError:
+                    data = unread
+                if len(data) == len(unread):
+                    return
+                whole = len(data) // LANDED.size * LANDED.size
+                unread = data[whole:]
+                if whole:
+                    with self._changed:
+                        self._landed = LANDED.unpack_from(data, whole - LANDED.size)[0]
+                        while self._ends and self._ends[0][0] <= self._landed:
+                            self._tail = self._ends.popleft()[1]
+                        self._changed.notify_all()
+        finally:
+            os.close(pipe)
+            with self._changed:
+                self._gone = True
+                self._changed.notify_all()
 
     def close(self) -> None:
-        """The placing thread sees the doorbell close and ends; idempotent."""
-        pipes, self._doorbell, self._landed_pipe = (self._doorbell, self._landed_pipe), -1, -1
-        for pipe in pipes:
-            if pipe >= 0:
-                os.close(pipe)
+        """The placing thread sees the doorbell close and ends, and so does the reader; idempotent."""
+        doorbell, self._doorbell = self._doorbell, -1
+        if doorbell >= 0:
+            os.close(doorbell)
+            self._reader.join(timeout=5)
 
 
 def place_rows(doorbell: int, landed: int, ring: mmap.mmap, mapped: dict[int, mmap.mmap]) -> None:
@@ -276,6 +291,9 @@ def place_rows(doorbell: int, landed: int, ring: mmap.mmap, mapped: dict[int, mm
     except BaseException:
         traceback.print_exc(file=sys.stderr)
         os._exit(1)
+    finally:
+        os.close(doorbell)
+        os.close(landed)  # the run's reader of the numbers sees the end
 
 
 def _read_exactly(pipe: int, size: int) -> bytes | None:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -284,6 +285,38 @@ def mapped_kib(array: np.ndarray) -> int:
             elif mapping and head == "Rss:":
                 return int(line.split()[1])
     raise AssertionError("no mapping holds the array")
+
+
+def test_a_wait_for_placed_rows_holds_no_place_back_and_the_ring_s_reader_ends_with_the_encoder():
+    """The writer waiting for rows the encoder has not placed yet (here: it is stopped) does not hold the device
+    loop's next place back while the ring has room; once it goes on, both land; closing ends the thread that
+    reads the numbers told back."""
+    encoder = OutputEncoder()
+    try:
+        vectors = encoder.shared_zeros((1000, 384), np.float32)
+        encoder.place(vectors, np.arange(10), np.ones((10, 384), np.float32))
+        encoder.wait_placed()
+        os.kill(encoder.process.pid, signal.SIGSTOP)
+        while psutil.Process(encoder.process.pid).status() != psutil.STATUS_STOPPED:
+            time.sleep(0.01)
+        encoder.place(vectors, np.arange(10, 20), np.full((10, 384), 2, np.float32))
+        waiter = threading.Thread(target=encoder.wait_placed)
+        waiter.start()
+        time.sleep(0.2)
+        assert waiter.is_alive()  # the rows are not placed while the encoder is stopped
+        placed = threading.Thread(target=encoder.place, args=(vectors, np.arange(20, 30),
+                                                              np.full((10, 384), 3, np.float32)))
+        placed.start()
+        placed.join(timeout=5)
+        assert not placed.is_alive()  # the next place went into the ring while the writer waited
+        os.kill(encoder.process.pid, signal.SIGCONT)
+        waiter.join(timeout=10)
+        encoder.wait_placed()
+        assert vectors[:30, 0].tolist() == [1] * 10 + [2] * 10 + [3] * 10 and not vectors[30:].any()
+    finally:
+        os.kill(encoder.process.pid, signal.SIGCONT)
+        encoder.close()
+    assert "lengthwise-landed" not in [thread.name for thread in threading.enumerate()]
 
 
 def test_a_killed_encoder_stops_the_placing_of_rows_with_a_clear_error():
