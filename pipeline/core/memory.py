@@ -355,8 +355,10 @@ def plan_for_budget(plan: MemoryPlan, available_bytes: int) -> MemoryPlan | None
 
     Scaling keeps each bucket's share of the budget after the base: rows that passed the probe
     at budget B with the fitted base b get ⌊rows × (A − b) / (B − b)⌋ at budget A, never more
-    than the formula gives at A. So free memory moving by a GiB reuses the plan instead of
-    probing again."""
+    than the formula gives at A. A bucket whose rows --max-batch-tokens or --max-batch-rows set
+    (memory allowed more, and the probe passed them all) keeps them while the formula at A still
+    allows them: free memory moving by a GiB neither probes again nor changes a batch that memory
+    never bounded (which changed a run's outputs in their last bits from one run to the next)."""
     if plan.available_bytes == available_bytes or (
             SMALLER_PLAN_SERVES * available_bytes <= plan.available_bytes < available_bytes):
         return plan
@@ -364,14 +366,15 @@ def plan_for_budget(plan: MemoryPlan, available_bytes: int) -> MemoryPlan | None
     if plan.available_bytes < available_bytes or available_bytes <= base:
         return None
     share = (available_bytes - base) / (plan.available_bytes - base)
-    buckets = [replace(bucket, probed_rows=min(int(bucket.probed_rows * share),
-                                                           plan.coefficients.rows_within(available_bytes, plan.safety,
-                                                                                         bucket.length)),
-                                   predicted_peak_bytes=plan.coefficients.peak_bytes(
-                                       int(bucket.probed_rows * share), bucket.length),
-                                   measured_peak_bytes=0.0, check=f"scaled from a {format_bytes(plan.available_bytes)} "
-                                                                  "plan")
-               for bucket in plan.buckets]
+
+    def scaled(bucket: BucketPlan) -> BucketPlan:
+        capped = bucket.planned_rows < bucket.formula_rows and bucket.probed_rows == bucket.planned_rows
+        rows = min(bucket.probed_rows if capped else int(bucket.probed_rows * share),
+                   plan.coefficients.rows_within(available_bytes, plan.safety, bucket.length))
+        return replace(bucket, probed_rows=rows, predicted_peak_bytes=plan.coefficients.peak_bytes(rows, bucket.length),
+                       measured_peak_bytes=0.0, check=f"scaled from a {format_bytes(plan.available_bytes)} plan")
+
+    buckets = [scaled(bucket) for bucket in plan.buckets]
     if any(before.probed_rows and not after.probed_rows for before, after in zip(plan.buckets, buckets)):
         return None
     return replace(plan, available_bytes=available_bytes, buckets=buckets,

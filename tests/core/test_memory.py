@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -272,15 +273,18 @@ def test_a_plan_for_a_larger_budget_is_scaled_down_and_one_for_a_little_less_is_
     from pipeline.core.memory import plan_for_budget
 
     model = MemoryModel(base_bytes=1 * GIB, linear_bytes=MIB, quadratic_bytes=0.0)
-    plan = MemoryPlan(9 * GIB, 1.5, model, [BucketPlan(64, 80, 80, 60, 1.0, 2.0), BucketPlan(256, 20, 20, 16, 1, 2)],
-                      source="cache.json")
+    # length 8: --max-batch-tokens capped it at 100 rows (memory allowed 400); 64 and 256: memory set them
+    plan = MemoryPlan(9 * GIB, 1.5, model, [BucketPlan(8, 400, 100, 100, 1.0, 2.0), BucketPlan(64, 80, 80, 60, 1.0, 2.0),
+                                            BucketPlan(256, 20, 20, 16, 1, 2)], source="cache.json")
     assert plan_for_budget(plan, 9 * GIB) is plan
     assert plan_for_budget(plan, 10 * GIB) is plan  # a GiB more free: the smaller plan still fits
     assert plan_for_budget(plan, 13 * GIB) is None  # much more: probe for it
     half = plan_for_budget(plan, 5 * GIB)  # (5 - 1) / (9 - 1) of the rows above the base
-    assert [b.probed_rows for b in half.buckets] == [30, 8] and half.available_bytes == 5 * GIB
+    assert [b.probed_rows for b in half.buckets] == [100, 30, 8] and half.available_bytes == 5 * GIB
     assert half.source == "cache.json, made for 9.00 GiB, scaled to 5.00 GiB"
-    assert plan.buckets[0].probed_rows == 60  # the cached plan is left as it was
+    assert plan.buckets[1].probed_rows == 60  # the cached plan is left as it was
+    # the capped bucket keeps its rows only while the formula allows them: (2 - 1) GiB / (8 MiB × 1.5) = 85
+    assert [b.probed_rows for b in plan_for_budget(plan, 2 * GIB).buckets] == [85, 7, 2]
     assert plan_for_budget(plan, GIB) is None  # the base alone fills it
 
 
@@ -308,6 +312,28 @@ def test_free_memory_moving_by_a_gib_reuses_the_cached_plan(tmp_path, tiny_encod
     assert less.source.startswith("from cache") and "made for 64 MiB, scaled to 48 MiB" in less.source
     assert all(b.probed_rows <= a.probed_rows for a, b in zip(first.buckets, less.buckets))
     assert len(list(tmp_path.glob("*.json"))) == 1  # one plan cached, not one per budget
+
+
+@pytest.mark.slow
+def test_free_memory_falling_by_a_gib_between_two_runs_leaves_their_outputs_identical(tmp_path, sample_table,
+                                                                                      tiny_encoder_path):
+    """A plan scaled down from a larger budget keeps the rows --max-batch-tokens set where memory allowed more:
+    the second run packs the same batches and writes the same bits (it lowered them to 58 of 64 rows, and two
+    identical runs of the feeder's test differed in their last bits when the suite's load took a GiB)."""
+    from tests.conftest import run_to_table
+
+    texts = sample_table["text"].to_pylist()[:300]
+    texts[40] = " ".join(texts[41:60])  # longer than max_length: its segments run too
+    table = sample_table.slice(0, 300).set_column(1, "text", pa.array(texts, pa.string()))
+    settings = dict(model=tiny_encoder_path, max_length=32, window_rows=64, long_text="split",
+                    plan_cache=str(tmp_path / "plans"))
+    first, first_summary = run_to_table(tmp_path, "first", table, [100, 130, 70], memory_budget=11 * GIB, **settings)
+    second, second_summary = run_to_table(tmp_path, "second", table, [100, 130, 70], memory_budget=10 * GIB,
+                                          **settings)
+    assert "made for 11.00 GiB, scaled to 10.00 GiB" in second_summary["batch_plan"]
+    assert second_summary["batch_plan"].split("; ")[1:] == first_summary["batch_plan"].split("; ")[1:]  # rows
+    assert second_summary["batches"] == first_summary["batches"]
+    assert second.equals(first)
 
 
 # ── large CPU checks through the first blocks ─────────────────────────────────────────
