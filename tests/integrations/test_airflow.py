@@ -136,6 +136,7 @@ def docs_dags() -> list[str]:
     return [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "with DAG(" in block]
 
 
+@pytest.mark.slow  # it starts Airflow twice (its database, then the parse): 8 s of the quick loop
 def test_the_docs_dags_parse_on_airflow_3_with_no_import_error_and_no_warning(tmp_path, migrated_database):
     blocks = docs_dags()
     assert len(blocks) == 2
