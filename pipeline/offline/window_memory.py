@@ -184,12 +184,12 @@ class PlacingRing:
 
     def takes(self, array: np.ndarray) -> bool:
         """Whether `array`'s rows are small enough for the ring (a few to half of it)."""
-        return (array.strides[0] if array.ndim > 1 else array.itemsize) * 4 <= len(self._ring)
+        return array.strides[0] * 4 <= len(self._ring)  # a row's bytes: window arrays are C-contiguous
 
     def place(self, key: int, offset: int, array: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
         """`array[rows] = values` (one row at least), done by the encoder process; `array` lies at `offset`
         in region `key` (and its rows are ones the ring `takes`)."""
-        row_bytes = array.strides[0] if array.ndim > 1 else array.itemsize
+        row_bytes = array.strides[0]
         rows = np.asarray(rows, np.int64)
         values = np.ascontiguousarray(values, array.dtype).reshape(len(rows), -1).view(np.uint8)
         most = (len(self._ring) // 2 - RING_ALIGN) // (8 + row_bytes)  # a larger batch goes in parts
